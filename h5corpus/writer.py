@@ -1,0 +1,304 @@
+"""Write one shard: documents in, a complete, hashed, renamed-into-place HDF5 file out.
+
+Lifecycle (Megatron's builder verbs)::
+
+    with ShardWriter(path, split="train", tokenizer=ident) as w:
+        w.add_document(ids_with_eos, doc_id)
+        ...
+    info = w.info          # set only when the body finished without an exception
+
+While writing, the file lives at ``<path>.partial`` in SWMR mode; a concurrent reader opened with
+``swmr=True`` on that path sees a growing prefix of complete documents (tokens are flushed before the
+offsets that point at them). ``close()`` writes the final partial chunk, publishes the rest of the
+index, fsyncs, and only then renames the file to ``path``. A writer that dies leaves only a
+``.partial`` file, which nothing treats as a shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from . import format as fmt
+from .format import TokenizerIdentity
+
+PARTIAL_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    """What the manifest records about one finished shard."""
+
+    path: Path
+    """Absolute path of the finished shard file."""
+    split: str
+    tokens: int
+    """Token count, EOS ids included."""
+    documents: int
+    sha256: str
+    """Hex sha256 of the little-endian bytes of ``tokens[0:tokens]``."""
+    index_sha256: str
+    """Hex sha256 of doc_offsets ++ doc_ids ++ doc_flags (:func:`h5corpus.format.index_sha256`)."""
+    bytes: int
+    """File size on disk, in bytes."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Append documents to one shard of one split.
+
+    Invariants kept at every flush: ``doc_offsets[-1] <= len(tokens)``; every published document
+    ends with ``eos_id`` unless flagged truncated; no ``eos_id`` inside a document.
+
+    Args:
+        path: final shard path (``.h5``); the file is written at ``path + ".partial"``.
+        split: ``"train"`` or ``"validation"``.
+        tokenizer: identity recorded in the root attributes.
+        chunk_tokens: tokens per HDF5 chunk and per write (the write buffer holds exactly one chunk).
+        compression: optional h5py filter for ``/tokens`` (``"gzip"``, ``"lzf"``, or an hdf5plugin
+            filter id); readers decompress transparently but lose the zero-copy read path.
+        compression_opts: options for ``compression``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        split: str,
+        tokenizer: TokenizerIdentity,
+        chunk_tokens: int = fmt.DEFAULT_CHUNK_TOKENS,
+        compression: Any = None,
+        compression_opts: Any = None,
+    ) -> None:
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.final_path = Path(path).absolute()
+        self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
+        self.split = split
+        self.tokenizer = tokenizer
+        self.chunk_tokens = int(chunk_tokens)
+        self.dtype = fmt.token_dtype(tokenizer.vocab_size)
+        self.eos_id = int(tokenizer.eos_id)
+        self.info: ShardInfo | None = None
+
+        attrs = fmt.shard_attrs(split=split, dtype=self.dtype, chunk_tokens=chunk_tokens, tokenizer=tokenizer)
+        self.final_path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = h5py.File(self.path, "w", libver="latest")
+        f = self._f
+        filt: dict[str, Any] = {}
+        if compression is not None:
+            filt = dict(compression=compression, compression_opts=compression_opts)
+        self._tokens = f.create_dataset(
+            fmt.TOKENS, shape=(0,), maxshape=(None,), dtype=self.dtype,
+            chunks=(self.chunk_tokens,), track_times=False, **filt,
+        )
+        self._offsets = f.create_dataset(
+            fmt.DOC_OFFSETS, data=np.zeros(1, dtype="<i8"), maxshape=(None,),
+            chunks=(fmt.INDEX_CHUNK_DOCS,), track_times=False,
+        )
+        self._ids = f.create_dataset(
+            fmt.DOC_IDS, shape=(0, fmt.DOC_ID_BYTES), maxshape=(None, fmt.DOC_ID_BYTES), dtype=np.uint8,
+            chunks=(fmt.INDEX_CHUNK_DOCS, fmt.DOC_ID_BYTES), track_times=False,
+        )
+        self._flags = f.create_dataset(
+            fmt.DOC_FLAGS, shape=(0,), maxshape=(None,), dtype=np.uint8,
+            chunks=(fmt.INDEX_CHUNK_DOCS,), track_times=False,
+        )
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        f.swmr_mode = True  # every object exists; from here on only datasets grow
+
+        self._buf = np.empty(self.chunk_tokens, dtype=self.dtype)
+        self._fill = 0  # tokens in _buf
+        self._written = 0  # tokens on disk
+        self._hash = hashlib.sha256()
+        # Index kept in memory (40 bytes per document) for the index hash; published lazily.
+        self._ends: list[np.ndarray] = []
+        self._id_blocks: list[np.ndarray] = []
+        self._flag_blocks: list[np.ndarray] = []
+        self._n_docs = 0
+        self._n_tokens = 0
+        self._published = 0  # documents visible to readers
+        self._closed = False
+
+    # -- context manager: publish only on success ---------------------------------------------
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __getstate__(self) -> None:
+        raise TypeError("ShardWriter holds an open HDF5 file and cannot be pickled; pass the path instead")
+
+    @property
+    def documents(self) -> int:
+        """Documents added so far."""
+        return self._n_docs
+
+    @property
+    def tokens(self) -> int:
+        """Tokens added so far (buffered ones included)."""
+        return self._n_tokens
+
+    # -- appending ------------------------------------------------------------------------------
+    def add_document(self, tokens: np.ndarray | list[int], doc_id: bytes, *, truncated: bool = False) -> None:
+        """Append one document. ``tokens`` must end with ``eos_id`` (unless ``truncated``) and hold
+        no other ``eos_id``; ``doc_id`` is the 32-byte sha256 of the document's UTF-8 text."""
+        a = np.asarray(tokens)
+        self.add_documents(
+            a, np.array([a.size], dtype=np.int64),
+            np.frombuffer(doc_id, dtype=np.uint8).reshape(1, fmt.DOC_ID_BYTES),
+            np.array([fmt.FLAG_TRUNCATED if truncated else 0], dtype=np.uint8),
+        )
+
+    def add_documents(self, flat: np.ndarray, lengths: np.ndarray, doc_ids: np.ndarray, flags: np.ndarray | None = None) -> None:
+        """Append a batch of documents given as one flat id array and per-document ``lengths`` (tokens).
+
+        ``doc_ids`` is uint8 (n, 32); ``flags`` uint8 (n,) of ``FLAG_*`` bits (default 0). The batch is
+        checked as a whole (ids in range, EOS exactly at each untruncated end) before anything is
+        buffered, so a bad document leaves the shard as it was.
+        """
+        if self._closed:
+            raise RuntimeError(f"{self.final_path}: writer is closed")
+        lengths = np.asarray(lengths, dtype=np.int64)
+        n = lengths.size
+        doc_ids = np.asarray(doc_ids, dtype=np.uint8).reshape(n, fmt.DOC_ID_BYTES)
+        flags = np.zeros(n, dtype=np.uint8) if flags is None else np.asarray(flags, dtype=np.uint8)
+        flat = np.asarray(flat)
+        if n == 0:
+            return
+        if flat.ndim != 1 or flat.size != int(lengths.sum()):
+            raise ValueError(f"{self.final_path}: flat tokens ({flat.size}) != sum of lengths ({int(lengths.sum())})")
+        if (lengths <= 0).any():
+            raise ValueError(f"{self.final_path}: empty document at batch index {int(np.argmax(lengths <= 0))}")
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.tokenizer.vocab_size):
+            raise ValueError(
+                f"{self.final_path}: token id out of range [0, {self.tokenizer.vocab_size}) "
+                f"(min {int(flat.min())}, max {int(flat.max())})"
+            )
+        ends = np.cumsum(lengths)
+        is_eos = flat == self.eos_id
+        trunc = (flags & fmt.FLAG_TRUNCATED) != 0
+        last_is_eos = is_eos[ends - 1]
+        bad_end = np.flatnonzero(~trunc & ~last_is_eos)
+        if bad_end.size:
+            i = int(bad_end[0])
+            raise ValueError(f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} does not end with EOS {self.eos_id}")
+        eos_count = int(is_eos.sum())
+        if eos_count != int(last_is_eos.sum()):
+            inner = np.zeros(flat.size, dtype=bool)
+            inner[:] = is_eos
+            inner[ends - 1] = False
+            pos = int(np.argmax(inner))
+            i = int(np.searchsorted(ends, pos, side="right"))
+            raise ValueError(f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it")
+
+        self._ends.append(self._n_tokens + ends)
+        self._id_blocks.append(doc_ids.copy())
+        self._flag_blocks.append(flags.copy())
+        self._n_docs += n
+        self._n_tokens += int(ends[-1])
+        self._append_tokens(flat.astype(self.dtype, copy=False))
+
+    def _append_tokens(self, a: np.ndarray) -> None:
+        i = 0
+        while i < a.size:
+            take = min(self.chunk_tokens - self._fill, a.size - i)
+            self._buf[self._fill : self._fill + take] = a[i : i + take]
+            self._fill += take
+            i += take
+            if self._fill == self.chunk_tokens:
+                self._flush_buffer()
+
+    def _flush_buffer(self) -> None:
+        """Write the buffered tokens (one chunk, or the final partial one), then publish the
+        documents they complete: tokens first, ids and flags next, offsets last."""
+        if self._fill:
+            start = self._written
+            self._tokens.resize((start + self._fill,))
+            self._tokens[start : start + self._fill] = self._buf[: self._fill]
+            fmt.tokens_sha256_update(self._hash, self._buf[: self._fill])
+            self._written += self._fill
+            self._fill = 0
+            self._tokens.flush()
+        self._publish()
+
+    def _all_ends(self) -> np.ndarray:
+        if len(self._ends) > 1:
+            self._ends = [np.concatenate(self._ends)]
+            self._id_blocks = [np.concatenate(self._id_blocks)]
+            self._flag_blocks = [np.concatenate(self._flag_blocks)]
+        return self._ends[0] if self._ends else np.zeros(0, dtype=np.int64)
+
+    def _publish(self) -> None:
+        ends = self._all_ends()
+        upto = int(np.searchsorted(ends, self._written, side="right"))
+        if upto <= self._published:
+            return
+        lo = self._published
+        self._ids.resize((upto, fmt.DOC_ID_BYTES))
+        self._ids[lo:upto] = self._id_blocks[0][lo:upto]
+        self._flags.resize((upto,))
+        self._flags[lo:upto] = self._flag_blocks[0][lo:upto]
+        self._ids.flush()
+        self._flags.flush()
+        self._offsets.resize((upto + 1,))
+        self._offsets[lo + 1 : upto + 1] = ends[lo:upto]
+        self._offsets.flush()
+        self._published = upto
+
+    # -- finishing ------------------------------------------------------------------------------
+    def close(self) -> ShardInfo:
+        """Write the final partial chunk and the rest of the index, fsync, rename into place."""
+        if self._closed:
+            assert self.info is not None
+            return self.info
+        self._flush_buffer()
+        ends = self._all_ends()
+        offsets = np.concatenate([np.zeros(1, dtype=np.int64), ends])
+        ids = self._id_blocks[0] if self._id_blocks else np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        flags = self._flag_blocks[0] if self._flag_blocks else np.zeros(0, np.uint8)
+        self._f.close()
+        self._closed = True
+        with open(self.path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        nbytes = self.path.stat().st_size
+        os.replace(self.path, self.final_path)
+        fsync_dir(self.final_path.parent)
+        self.info = ShardInfo(
+            path=self.final_path,
+            split=self.split,
+            tokens=self._written,
+            documents=self._n_docs,
+            sha256=self._hash.hexdigest(),
+            index_sha256=fmt.index_sha256(offsets, ids, flags),
+            bytes=nbytes,
+        )
+        return self.info
+
+    def abort(self) -> None:
+        """Close and delete the partial file; nothing is published."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._f.close()
+            finally:
+                self.path.unlink(missing_ok=True)
