@@ -1,15 +1,39 @@
 """Read one split of a built corpus as one global token stream and a list of documents.
 
-``open_corpus`` reads the manifest and every shard's small index once (offsets, ids, flags);
-token reads open shard files lazily, per process, in SWMR mode. A :class:`Corpus` pickles as its
-manifest path, split and index arrays, so DataLoader workers (fork or spawn) reopen files themselves.
+``open_corpus`` reads the manifest and every shard's small index once (document offsets); token
+reads open shard files lazily, per process. A :class:`Corpus` pickles as its manifest, split and
+offsets, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
+
+Read path (measured in ``bench/bench_reader.py``, numbers in docs/READING.md). Token windows are
+small (a few KiB) and land at random places, which is the worst case for HDF5's chunked reads:
+``ds[a:b]`` with a chunk cache reads and caches the whole chunk for every window, and with the cache
+off every read still pays HDF5's selection and dataspace machinery. So:
+
+* **Finished, unfiltered shards** (the default: ``/tokens`` is stored raw) are read through a
+  read-only memory map of the file at the byte offset of each chunk, as HDF5 itself reports it
+  (``H5Dchunk_iter`` / ``H5Dget_chunk_info``). A window inside one chunk is then one ``memcpy`` from
+  the page cache, no HDF5 call at all. The chunk map is checked before use (every chunk present,
+  unfiltered, full size, inside the file); a shard failing a check uses the next path.
+* **Compressed shards** (gzip, lzf, hdf5plugin filters) and **shards still being written**
+  (``.partial`` files followed under SWMR) are read through HDF5 with one low-level ``H5Dread`` per
+  range: the chunk cache is off for raw data (a cache only adds a chunk-sized copy per window) and
+  holds :data:`FILTERED_CACHE_CHUNKS` chunks for compressed data (so neighbouring windows decompress a
+  chunk once).
+
+Live reading: :func:`open_live` follows one shard while a :class:`~h5corpus.writer.ShardWriter`
+writes it; :meth:`Corpus.refresh` exposes the documents published since the last call. The writer
+flushes tokens before the offsets that point at them, and the reader reads offsets before tokens, so a
+reader only ever sees complete documents. :meth:`Corpus.refresh` on a manifest corpus picks up shards
+appended to the manifest.
 """
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import h5py
 import numpy as np
@@ -17,50 +41,241 @@ import numpy as np
 from . import format as fmt
 from .format import FormatError, TokenizerIdentity
 from .manifest import Manifest, read_manifest
+from .writer import PARTIAL_SUFFIX
+
+ReadPath = Literal["auto", "mmap", "h5py"]
+READ_PATHS = ("auto", "mmap", "h5py")
+
+#: Chunks the HDF5 chunk cache holds per compressed ``/tokens`` dataset (per process).
+FILTERED_CACHE_CHUNKS = 8
+
+
+# -- per-process read paths for one shard's /tokens ----------------------------------------------
+
+class _MmapTokens:
+    """Raw chunks of a finished, unfiltered shard read through a read-only memory map."""
+
+    kind = "mmap"
+
+    def __init__(self, path: str, chunk_tokens: int, byte_offsets: np.ndarray, dtype: np.dtype, n_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.n_tokens = n_tokens
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        #: one zero-copy ndarray view per chunk, in chunk order
+        self.chunks = [np.frombuffer(self._mm, dtype=dtype, count=chunk_tokens, offset=int(o)) for o in byte_offsets]
+
+    def read(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """``out[:] = tokens[lo:hi]`` (shard-local positions; ``out`` may be any integer dtype)."""
+        C = self.chunk_tokens
+        k, off = divmod(lo, C)
+        if off + (hi - lo) <= C:  # the common case: one chunk, one copy
+            out[:] = self.chunks[k][off : off + hi - lo]
+            return
+        pos = lo
+        while pos < hi:
+            k, off = divmod(pos, C)
+            n = min(C - off, hi - pos)
+            out[pos - lo : pos - lo + n] = self.chunks[k][off : off + n]
+            pos += n
+
+    def refresh(self) -> None:  # finished shards never change
+        pass
+
+    def close(self) -> None:
+        self.chunks = []
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a view; the map closes when it is collected
+                pass
+            self._mm = None
+
+
+class _H5Tokens:
+    """``/tokens`` through HDF5: one low-level H5Dread per range (SWMR, so ``.partial`` works)."""
+
+    kind = "h5py"
+
+    def __init__(self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.file = h5py.File(path, "r", libver="latest", swmr=True)
+        dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+        if filtered:
+            nbytes = FILTERED_CACHE_CHUNKS * chunk_tokens * dtype.itemsize
+            dapl.set_chunk_cache(10007, nbytes, 0.75)
+        else:
+            dapl.set_chunk_cache(0, 0, 1.0)  # raw chunks: read straight into the caller's buffer
+        self.dsid = h5py.h5d.open(self.file.id, fmt.TOKENS.encode(), dapl=dapl)
+
+    def read(self, lo: int, hi: int, out: np.ndarray) -> None:
+        n = hi - lo
+        if n == 0:
+            return
+        direct = out.dtype == self.dtype and out.flags.c_contiguous and out.flags.writeable
+        dst = out if direct else np.empty(n, dtype=self.dtype)
+        fspace = self.dsid.get_space()
+        fspace.select_hyperslab((lo,), (n,))
+        self.dsid.read(h5py.h5s.create_simple((n,)), fspace, dst)
+        if not direct:
+            out[:] = dst
+
+    def refresh(self) -> None:
+        self.dsid.refresh()
+
+    def close(self) -> None:
+        try:
+            self.dsid.close()
+        except Exception:
+            pass
+        try:
+            self.file.close()
+        except Exception:
+            pass
+
+
+def _chunk_map(ds: h5py.Dataset, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
+    """Byte offset of every chunk of an unfiltered 1-D ``/tokens`` dataset, or (None, why not)."""
+    if ds.chunks is None or len(ds.chunks) != 1:
+        return None, "tokens are not chunked in 1-D"
+    if ds.id.get_create_plist().get_nfilters() != 0:
+        return None, "tokens are compressed/filtered"
+    C = ds.chunks[0]
+    n_chunks = -(-n_tokens // C)
+    offsets = np.full(n_chunks, -1, dtype=np.int64)
+    chunk_bytes = C * ds.dtype.itemsize
+    bad: list[str] = []
+
+    def visit(info: Any) -> None:
+        k = info.chunk_offset[0] // C
+        if k >= n_chunks:
+            return
+        if info.filter_mask != 0 or info.size != chunk_bytes or info.byte_offset + info.size > file_size:
+            bad.append(f"chunk {k} (offset {info.byte_offset}, {info.size} bytes, mask {info.filter_mask})")
+        offsets[k] = info.byte_offset
+
+    if hasattr(ds.id, "chunk_iter"):
+        ds.id.chunk_iter(visit)
+    else:  # pragma: no cover - HDF5 < 1.13
+        for i in range(ds.id.get_num_chunks()):
+            visit(ds.id.get_chunk_info(i))
+    if bad:
+        return None, "unexpected chunk layout: " + bad[0]
+    if n_chunks and offsets.min() < 0:
+        return None, f"chunk {int(np.argmin(offsets))} is not allocated"
+    return offsets, ""
 
 
 class Corpus:
     """One split of a corpus: global token positions ``[0, num_tokens)`` across its shards in
     manifest order, and documents ``[0, num_documents)``.
 
-    All ranges are half-open and 0-based, in tokens.
+    All ranges are half-open and 0-based, in tokens. Documents never cross shards; document ``i``
+    is ``tokens(doc_offsets[i], doc_offsets[i + 1])``.
+
+    Build it with :func:`open_corpus` (a manifest) or :func:`open_live` (one shard, possibly still
+    being written).
     """
 
-    def __init__(self, manifest: Manifest, split: str, *, tokenizer: TokenizerIdentity | None = None) -> None:
+    # -- construction ----------------------------------------------------------------------------
+    def __init__(self, manifest: Manifest, split: str, *, tokenizer: TokenizerIdentity | None = None,
+                 read_path: ReadPath = "auto") -> None:
         if split not in fmt.SPLITS:
             raise ValueError(f"split must be one of {fmt.SPLITS}, got {split!r}")
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")
         if tokenizer is not None and not tokenizer.same_ids(manifest.tokenizer):
             raise FormatError(
                 f"{manifest.path}: corpus was built with tokenizer {manifest.tokenizer.name!r} "
                 f"(sha256 {manifest.tokenizer.sha256[:12]}), not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})"
             )
-        self.manifest = manifest
+        self.manifest: Manifest | None = manifest
         self.split = split
-        self.entries = manifest.shards_of(split)
-        self.paths = [str(manifest.shard_path(e)) for e in self.entries]
+        self.read_path = read_path
+        self.tokenizer = manifest.tokenizer
         self.dtype = np.dtype(manifest.dtype)
         self.eos_id = manifest.tokenizer.eos_id
         self.chunk_tokens = manifest.chunk_tokens
-        #: (shards + 1,) global token offset where each shard starts.
-        self.shard_token_starts = np.zeros(len(self.entries) + 1, dtype=np.int64)
-        #: (shards + 1,) global document index where each shard starts.
-        self.shard_doc_starts = np.zeros(len(self.entries) + 1, dtype=np.int64)
-        offs, ids, flags = [np.zeros(1, np.int64)], [], []
-        for i, path in enumerate(self.paths):
-            o, d, fl = self._read_index(path, self.entries[i].tokens, self.entries[i].documents)
-            offs.append(o[1:] + self.shard_token_starts[i])
-            ids.append(d)
-            flags.append(fl)
-            self.shard_token_starts[i + 1] = self.shard_token_starts[i] + self.entries[i].tokens
-            self.shard_doc_starts[i + 1] = self.shard_doc_starts[i] + self.entries[i].documents
-        #: (documents + 1,) global token offset of each document; last = num_tokens.
-        self.doc_offsets = np.concatenate(offs)
-        #: (documents, 32) uint8 sha256 of each document's source text.
-        self.doc_ids = np.concatenate(ids) if ids else np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
-        #: (documents,) uint8 FLAG_* bits.
-        self.doc_flags = np.concatenate(flags) if flags else np.zeros(0, np.uint8)
-        self._files: dict[int, h5py.File] = {}
+        self.entries = []
+        #: absolute shard paths, in global order
+        self.paths: list[str] = []
+        #: per shard: False while it may still grow (a live ``.partial`` file)
+        self._complete: list[bool] = []
+        #: (shards + 1,) global token offset where each shard starts; last = num_tokens.
+        self.shard_token_starts = np.zeros(1, dtype=np.int64)
+        #: (shards + 1,) global document index where each shard starts; last = num_documents.
+        self.shard_doc_starts = np.zeros(1, dtype=np.int64)
+        #: (documents + 1,) int64 global token offset of each document; last = num_tokens.
+        self.doc_offsets = np.zeros(1, dtype=np.int64)
+        self._doc_ids: np.ndarray | None = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        self._doc_flags: np.ndarray | None = np.zeros(0, np.uint8)
+        self._readers: dict[int, _MmapTokens | _H5Tokens] = {}
+        self._live: h5py.File | None = None
         self._pid = os.getpid()
+        self._append_entries(manifest.shards_of(split))
+
+    @classmethod
+    def _live_corpus(cls, path: Path, tokenizer: TokenizerIdentity | None, read_path: ReadPath) -> "Corpus":
+        self = cls.__new__(cls)
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")
+        final = path.with_name(path.name[: -len(PARTIAL_SUFFIX)]) if path.name.endswith(PARTIAL_SUFFIX) else path
+        where = str(final)
+        f = _open_live_file(final)
+        a = fmt.check_attrs(f.attrs, where)
+        ident = TokenizerIdentity(name=a["tokenizer_name"], revision=a["tokenizer_revision"], sha256=a["tokenizer_sha256"],
+                                  vocab_size=int(a["vocab_size"]), eos_id=int(a["eos_id"]))
+        if tokenizer is not None and not tokenizer.same_ids(ident):
+            f.close()
+            raise FormatError(f"{where}: shard was written with tokenizer {ident.name!r} (sha256 {ident.sha256[:12]}), "
+                              f"not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})")
+        self.manifest = None
+        self.split = a["split"]
+        self.read_path = read_path
+        self.tokenizer = ident
+        self.dtype = np.dtype(a["dtype"])
+        self.eos_id = int(a["eos_id"])
+        self.chunk_tokens = int(a["chunk_tokens"])
+        self.entries = []
+        self.paths = [str(final)]
+        self._complete = [False]
+        self.shard_token_starts = np.zeros(2, dtype=np.int64)
+        self.shard_doc_starts = np.zeros(2, dtype=np.int64)
+        self.doc_offsets = np.zeros(1, dtype=np.int64)
+        self._doc_ids = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        self._doc_flags = np.zeros(0, np.uint8)
+        self._readers = {}
+        self._live = f
+        self._pid = os.getpid()
+        self.refresh()
+        return self
+
+    def _append_entries(self, entries: list) -> None:
+        """Read and check the index of manifest shards appended after the current ones."""
+        assert self.manifest is not None
+        offs, ids, flags = [self.doc_offsets], [], []
+        starts, dstarts = [self.shard_token_starts], [self.shard_doc_starts]
+        t0, d0 = int(self.shard_token_starts[-1]), int(self.shard_doc_starts[-1])
+        for e in entries:
+            path = str(self.manifest.shard_path(e))
+            o, i, fl = self._read_index(path, e.tokens, e.documents)
+            offs.append(o[1:] + t0)
+            ids.append(i)
+            flags.append(fl)
+            t0 += e.tokens
+            d0 += e.documents
+            starts.append(np.array([t0], np.int64))
+            dstarts.append(np.array([d0], np.int64))
+            self.entries.append(e)
+            self.paths.append(path)
+            self._complete.append(True)
+        self.doc_offsets = np.concatenate(offs)
+        self.shard_token_starts = np.concatenate(starts)
+        self.shard_doc_starts = np.concatenate(dstarts)
+        if self._doc_ids is not None and ids:
+            self._doc_ids = np.concatenate([self._doc_ids] + ids)
+            self._doc_flags = np.concatenate([self._doc_flags] + flags)
 
     def _read_index(self, path: str, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
@@ -69,18 +284,22 @@ class Corpus:
             raise FormatError(f"{path}: cannot open shard ({e}); run h5corpus validate") from None
         with f:
             a = fmt.check_attrs(f.attrs, path)
+            assert self.manifest is not None
             if a["split"] != self.split or a["dtype"] != self.manifest.dtype:
                 raise FormatError(f"{path}: shard is {a['split']}/{a['dtype']}, manifest says {self.split}/{self.manifest.dtype}")
+            if a["tokenizer_sha256"] != self.tokenizer.sha256 or int(a["eos_id"]) != self.eos_id:
+                raise FormatError(f"{path}: shard was written with another tokenizer than the manifest lists")
             o = f[fmt.DOC_OFFSETS][:]
-            if o.size != n_docs + 1 or o[-1] != n_tokens:
-                raise FormatError(f"{path}: index lists {o.size - 1} documents / {int(o[-1])} tokens, manifest "
-                                  f"says {n_docs} / {n_tokens}; run h5corpus validate")
-            return o, f[fmt.DOC_IDS][:], f[fmt.DOC_FLAGS][:]
+            if o.size != n_docs + 1 or o[-1] != n_tokens or f[fmt.TOKENS].shape[0] != n_tokens:
+                raise FormatError(f"{path}: shard holds {o.size - 1} documents / {int(o[-1])} tokens "
+                                  f"(dataset {f[fmt.TOKENS].shape[0]}), manifest says {n_docs} / {n_tokens}; "
+                                  "run h5corpus validate")
+            return o, f[fmt.DOC_IDS][:n_docs], f[fmt.DOC_FLAGS][:n_docs]
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        """Tokens in the split, EOS ids included."""
+        """Tokens in the split, EOS ids included (for a live shard: of its complete documents)."""
         return int(self.doc_offsets[-1])
 
     @property
@@ -88,59 +307,252 @@ class Corpus:
         return int(self.doc_offsets.size - 1)
 
     @property
+    def num_shards(self) -> int:
+        return len(self.paths)
+
+    @property
     def doc_lengths(self) -> np.ndarray:
         """(documents,) int64 tokens per document, EOS included."""
         return np.diff(self.doc_offsets)
+
+    @property
+    def doc_ids(self) -> np.ndarray:
+        """(documents, 32) uint8 sha256 of each document's source text (read on first use)."""
+        if self._doc_ids is None:
+            self._load_doc_meta()
+        assert self._doc_ids is not None
+        return self._doc_ids
+
+    @property
+    def doc_flags(self) -> np.ndarray:
+        """(documents,) uint8 ``FLAG_*`` bits (read on first use)."""
+        if self._doc_flags is None:
+            self._load_doc_meta()
+        assert self._doc_flags is not None
+        return self._doc_flags
+
+    def _load_doc_meta(self) -> None:
+        ids, flags = [np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)], [np.zeros(0, np.uint8)]
+        for s in range(self.num_shards):
+            n = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
+            with h5py.File(self._open_path(s), "r", libver="latest", swmr=True) as f:
+                ids.append(f[fmt.DOC_IDS][:n])
+                flags.append(f[fmt.DOC_FLAGS][:n])
+        self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hex sha256 naming this token stream: split + every shard's manifest sha256 (for a live
+        shard: its path and current token count). Loader checkpoints store it."""
+        h = hashlib.sha256(self.split.encode())
+        if self.manifest is not None:
+            for e in self.entries:
+                h.update(e.sha256.encode())
+        else:
+            h.update(f"{self.paths[0]}:{self.num_tokens}".encode())
+        return h.hexdigest()
+
+    @property
+    def complete(self) -> bool:
+        """False while a live shard may still grow."""
+        return all(self._complete)
 
     def __len__(self) -> int:
         return self.num_documents
 
     # -- handles (lazy, per process, never pickled) ----------------------------------------------
-    def _file(self, shard: int) -> h5py.File:
-        if self._pid != os.getpid():  # forked: never reuse the parent's handles
-            self._files = {}
+    def _open_path(self, shard: int) -> str:
+        p = self.paths[shard]
+        if not self._complete[shard] and os.path.exists(p + PARTIAL_SUFFIX):
+            return p + PARTIAL_SUFFIX
+        return p
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked: never touch the parent's handles
+            self._readers = {}
+            self._live = None
             self._pid = os.getpid()
-        f = self._files.get(shard)
-        if f is None:
-            f = h5py.File(self.paths[shard], "r", libver="latest", swmr=True)
-            self._files[shard] = f
-        return f
+
+    def _reader(self, shard: int) -> _MmapTokens | _H5Tokens:
+        """This process's read path for ``shard`` (callers run :meth:`_check_pid` first)."""
+        r = self._readers.get(shard)
+        if r is None:
+            r = self._open_reader(shard)
+            self._readers[shard] = r
+        return r
+
+    def _open_reader(self, shard: int) -> _MmapTokens | _H5Tokens:
+        path = self._open_path(shard)
+        live = not self._complete[shard]
+        n = int(self.shard_token_starts[shard + 1] - self.shard_token_starts[shard])
+        try:
+            with h5py.File(path, "r", libver="latest", swmr=True) as f:
+                ds = f[fmt.TOKENS]
+                chunk_tokens = ds.chunks[0] if ds.chunks else 0
+                filtered = ds.id.get_create_plist().get_nfilters() != 0
+                offsets, why = None, "shard is still being written"
+                if self.read_path != "h5py" and not live:
+                    offsets, why = _chunk_map(ds, n, os.path.getsize(path))
+        except OSError as e:
+            raise FormatError(f"{path}: cannot open shard ({e})") from None
+        if offsets is not None:
+            return _MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
+        if self.read_path == "mmap":
+            raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
+        return _H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
+
+    def read_paths(self) -> list[str]:
+        """Read path (``"mmap"`` or ``"h5py"``) of every shard in this process (opens them)."""
+        self._check_pid()
+        return [self._reader(s).kind for s in range(self.num_shards)]
 
     def close(self) -> None:
-        """Close every open shard handle in this process."""
-        for f in self._files.values():
+        """Close every open shard handle and memory map in this process."""
+        for r in self._readers.values():
+            r.close()
+        self._readers = {}
+        if self._live is not None and self._pid == os.getpid():
             try:
-                f.close()
+                self._live.close()
             except Exception:
                 pass
-        self._files = {}
+        self._live = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
-        d["_files"] = {}
+        d["_readers"] = {}
+        d["_live"] = None
+        if self.manifest is not None:  # re-readable from the immutable shards
+            d["_doc_ids"] = None
+            d["_doc_flags"] = None
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._pid = os.getpid()
 
+    def __del__(self) -> None:
+        try:
+            if self._pid == os.getpid():
+                self.close()
+        except Exception:
+            pass
+
+    # -- live reading -----------------------------------------------------------------------------
+    def refresh(self) -> int:
+        """Pick up what was published since the last call; return the number of new documents.
+
+        For :func:`open_live`: re-reads the shard's index under SWMR and exposes every document
+        the writer has published (offsets are read before anything they point at, and the writer
+        flushes tokens before offsets, so no torn document is ever exposed). Once the writer has
+        renamed the file into place, :attr:`complete` turns True.
+        For :func:`open_corpus`: re-reads the manifest and appends shards added to this split
+        (the shards already open must still be listed first, unchanged).
+        """
+        self._check_pid()
+        if self.manifest is None:
+            return self._refresh_live()
+        assert self.manifest.path is not None
+        m = read_manifest(self.manifest.path)
+        entries = m.shards_of(self.split)
+        old = [(e.path, e.sha256) for e in self.entries]
+        if [(e.path, e.sha256) for e in entries[: len(old)]] != old:
+            raise FormatError(f"{self.manifest.path}: shards of split {self.split!r} changed under an open corpus "
+                              "(only appending shards can be followed); reopen it")
+        before = self.num_documents
+        self.manifest = m
+        self._append_entries(entries[len(old):])
+        return self.num_documents - before
+
+    def _refresh_live(self) -> int:
+        final = self.paths[0]
+        f = self._live
+        if f is None:
+            f = self._live = _open_live_file(Path(final))
+        offs_ds, ids_ds, flags_ds, toks_ds = (f[k] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS, fmt.TOKENS))
+        offs_ds.refresh()  # offsets first: everything they point at was flushed before them
+        n_docs = offs_ds.shape[0] - 1
+        ids_ds.refresh()
+        flags_ds.refresh()
+        toks_ds.refresh()
+        n_docs = min(n_docs, ids_ds.shape[0], flags_ds.shape[0])
+        known = self.num_documents
+        done = not os.path.exists(final + PARTIAL_SUFFIX) and os.path.exists(final)
+        if n_docs > known:
+            new = offs_ds[known + 1 : n_docs + 1]
+            keep = int(np.searchsorted(new, toks_ds.shape[0], side="right"))  # defensive: never past tokens
+            if keep:
+                if (np.diff(new[:keep]) < 0).any() or new[0] < self.doc_offsets[-1]:
+                    raise FormatError(f"{final}: document offsets decrease; not an h5corpus shard being written")
+                n_docs = known + keep
+                self.doc_offsets = np.concatenate([self.doc_offsets, new[:keep]])
+                assert self._doc_ids is not None and self._doc_flags is not None
+                self._doc_ids = np.concatenate([self._doc_ids, ids_ds[known:n_docs]])
+                self._doc_flags = np.concatenate([self._doc_flags, flags_ds[known:n_docs]])
+                self.shard_token_starts = np.array([0, self.doc_offsets[-1]], np.int64)
+                self.shard_doc_starts = np.array([0, n_docs], np.int64)
+        r = self._readers.get(0)
+        if r is not None:
+            r.refresh()
+        if done and not self._complete[0] and self.num_documents == n_docs:
+            # The writer closed and renamed the file: everything is published. Confirm against the
+            # finished file, then let later reads use the fast path.
+            with h5py.File(final, "r") as g:
+                if g[fmt.DOC_OFFSETS].shape[0] - 1 == self.num_documents:
+                    self._complete[0] = True
+                    if r is not None:
+                        r.close()
+                        self._readers.pop(0, None)
+        return self.num_documents - known
+
     # -- reads ------------------------------------------------------------------------------------
     def tokens(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the split's global stream, crossing shard boundaries."""
+        """Tokens ``[start, stop)`` of the split's global stream, crossing shard boundaries.
+
+        ``out`` (1-D, ``stop - start`` long, any integer dtype) receives them when given."""
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start:,}, {stop:,}) outside [0, {self.num_tokens:,})")
         if out is None:
             out = np.empty(stop - start, dtype=self.dtype)
-        s = int(np.searchsorted(self.shard_token_starts, start, side="right")) - 1
+        elif out.shape != (stop - start,):
+            raise ValueError(f"out has shape {out.shape}, expected ({stop - start},)")
+        self._check_pid()
+        starts = self.shard_token_starts
+        s = int(np.searchsorted(starts, start, side="right")) - 1
         pos = start
         while pos < stop:
-            base = int(self.shard_token_starts[s])
-            end = min(stop, int(self.shard_token_starts[s + 1]))
+            base = int(starts[s])
+            end = min(stop, int(starts[s + 1]))
             if end > pos:
-                ds = self._file(s)[fmt.TOKENS]
-                ds.read_direct(out, source_sel=np.s_[pos - base : end - base], dest_sel=np.s_[pos - start : end - start])
+                self._reader(s).read(pos - base, end - base, out[pos - start : end - start])
             pos = end
             s += 1
+        return out
+
+    def gather(self, starts: np.ndarray, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``out[j] = tokens(starts[j], starts[j] + length)`` for every j: many equal-length windows
+        in one call (the sliding-window loader's hot path). ``out`` is (n, length), any integer dtype."""
+        starts = np.asarray(starts, dtype=np.int64)
+        n = starts.size
+        if out is None:
+            out = np.empty((n, length), dtype=self.dtype)
+        if n == 0:
+            return out
+        if int(starts.min()) < 0 or int(starts.max()) + length > self.num_tokens:
+            raise IndexError(f"windows of {length:,} tokens starting in [{int(starts.min()):,}, {int(starts.max()):,}] "
+                             f"leave [0, {self.num_tokens:,})")
+        self._check_pid()
+        sts = self.shard_token_starts
+        shard = np.searchsorted(sts, starts, side="right") - 1
+        local = starts - sts[shard]
+        inside = (local + length <= sts[shard + 1] - sts[shard]).tolist()
+        for j, (s, lo) in enumerate(zip(shard.tolist(), local.tolist())):
+            if inside[j]:
+                r = self._readers.get(s) or self._reader(s)
+                r.read(lo, lo + length, out[j])
+            else:  # crosses into the next shard
+                a = int(starts[j])
+                self.tokens(a, a + length, out[j])
         return out
 
     def document(self, i: int) -> np.ndarray:
@@ -154,16 +566,41 @@ class Corpus:
         return self.doc_ids[i].tobytes().hex()
 
     def __repr__(self) -> str:
-        return (f"Corpus(split={self.split!r}, shards={len(self.paths)}, documents={self.num_documents:,}, "
-                f"tokens={self.num_tokens:,})")
+        live = "" if self.complete else ", live"
+        return (f"Corpus(split={self.split!r}, shards={self.num_shards}, documents={self.num_documents:,}, "
+                f"tokens={self.num_tokens:,}{live})")
+
+
+def _open_live_file(final: Path) -> h5py.File:
+    """Open a shard being written (``<final>.partial``) or, once renamed, the finished file (SWMR)."""
+    for p in (final.with_name(final.name + PARTIAL_SUFFIX), final):
+        try:
+            return h5py.File(p, "r", libver="latest", swmr=True)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            if p.exists():
+                raise FormatError(f"{p}: cannot open shard under SWMR ({e})") from None
+    raise FileNotFoundError(f"{final}: neither the shard nor its {PARTIAL_SUFFIX} file exists")
 
 
 def open_corpus(manifest: str | os.PathLike[str] | Manifest, split: str = "train", *,
-                tokenizer: TokenizerIdentity | None = None) -> Corpus:
+                tokenizer: TokenizerIdentity | None = None, read_path: ReadPath = "auto") -> Corpus:
     """Open ``split`` of the corpus described by ``manifest`` (a path or a parsed Manifest).
 
-    Checks format and version of the manifest and every shard, and, if ``tokenizer`` is given,
-    that the corpus was built with the same ids.
+    Checks format and version of the manifest and every shard, that each shard's index matches the
+    manifest, and, if ``tokenizer`` is given, that the corpus was built with the same ids.
+    ``read_path``: ``"auto"`` (memory map for raw shards, HDF5 otherwise), or force ``"mmap"`` (raises
+    for shards that cannot use it) or ``"h5py"``.
     """
     m = manifest if isinstance(manifest, Manifest) else read_manifest(Path(manifest))
-    return Corpus(m, split, tokenizer=tokenizer)
+    return Corpus(m, split, tokenizer=tokenizer, read_path=read_path)
+
+
+def open_live(shard: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | None = None,
+              read_path: ReadPath = "auto") -> Corpus:
+    """Follow one shard while a ShardWriter writes it (give the final ``.h5`` path or the
+    ``.partial`` one). The corpus holds the documents published so far; call
+    :meth:`Corpus.refresh` to expose newer ones, and read :attr:`Corpus.complete` to learn when the
+    writer has finished. Works on a finished shard too."""
+    return Corpus._live_corpus(Path(shard).absolute(), tokenizer, read_path)

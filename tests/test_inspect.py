@@ -1,0 +1,186 @@
+"""`h5corpus inspect`: figures agree with independent computations; every seed check can fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
+from h5corpus import packing
+from h5corpus.inspect import format_report, inspect_corpus, plot_report
+from h5corpus.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.writer import ShardWriter
+
+
+def naive_best_fit(lengths: list[int], capacity: int, buffer: int) -> list[int]:
+    """The seed's algorithm written plainly: top the buffer up, take the longest chunk that fits
+    (oldest first among equals), repeat until none fits. Returns each pack's load."""
+    stream, buf, loads = list(lengths), [], []
+    pos = 0
+    while pos < len(stream) or buf:
+        room, load = capacity, 0
+        while True:
+            while len(buf) < buffer and pos < len(stream):
+                buf.append(stream[pos])
+                pos += 1
+            fits = [(n, -k) for k, n in enumerate(buf) if n <= room]
+            if not fits:
+                break
+            n, negk = max(fits)
+            buf.pop(-negk)
+            room -= n
+            load += n
+        if load == 0:
+            break
+        loads.append(load)
+    return loads
+
+
+def independent_chunks(n_tokens: int, seq_len: int) -> list[int]:
+    pairs = n_tokens - 1
+    return [seq_len] * (pairs // seq_len) + ([pairs % seq_len] if pairs % seq_len else [])
+
+
+def test_figures_agree_with_independent_computation_on_dev_corpus(dev_manifest):
+    """Counts, pairs, chunk lengths and best-fit fill equal a from-scratch computation."""
+    rep = inspect_corpus(dev_manifest, seq_len=4096, batch_size=35, packing_buffer=64)
+    m = read_manifest(dev_manifest)
+    for split in ("train", "validation"):
+        lengths = []
+        for s in m.shards_of(split):
+            with h5py.File(m.shard_path(s), "r") as f:
+                lengths.append(np.diff(f["doc_offsets"][:]))
+        L = np.concatenate(lengths)
+        got = rep.splits[split]
+        assert got["documents"] == L.size
+        assert got["raw_tokens"] == int(L.sum())
+        assert got["prediction_pairs"] == int(L.sum()) - L.size
+        assert got["length_tokens"]["max"] == int(L.max()) and got["length_tokens"]["min"] == int(L.min())
+        assert got["documents_longer_than_seq_len"] == int(np.count_nonzero(L - 1 > 4096))
+        for ex in got["long_document_examples"]:
+            assert ex["chunk_lengths"] == independent_chunks(ex["tokens"], 4096)
+        assert got["chunks"] == sum(len(independent_chunks(int(n), 4096)) for n in L)
+        # fill: the same document order, chunked and packed by the naive algorithm
+        order = packing.epoch_order(L.size, 0, 0, True)
+        stream = [c for n in L[order] for c in independent_chunks(int(n), 4096)]
+        loads = naive_best_fit(stream, 4096, 64)
+        assert got["packing"]["packs"] == len(loads)
+        assert got["packing"]["real_tokens"] == sum(loads) == got["prediction_pairs"]
+        assert got["packing"]["fill"] == pytest.approx(sum(loads) / (len(loads) * 4096), abs=1e-6)
+        assert got["packing"]["microbatches"] == -(-len(loads) // 35)
+    assert rep.ok, format_report(rep)
+    assert rep.splits["train"]["packing"]["fill"] > 0.99
+
+
+def test_seed_examples_chunk_lengths():
+    """8,991 tokens with EOS -> 4096, 4096, 798 (seed 002); 9,000 text tokens + EOS -> 4096, 4096, 808."""
+    _, _, l1 = packing.chunk_layout(np.array([8991]), 4096)
+    _, _, l2 = packing.chunk_layout(np.array([9001]), 4096)
+    assert l1.tolist() == [4096, 4096, 798] and l2.tolist() == [4096, 4096, 808]
+
+
+# -- each check can be made to fail -----------------------------------------------------------------
+
+@pytest.fixture
+def small_manifest(tmp_path) -> Path:
+    return write_corpus(tmp_path, stdlib_texts(80), byte_encode, BYTE_IDENTITY, chunk_tokens=4096,
+                        shard_tokens=300_000, validation_every=8)
+
+
+def _failed(rep) -> set[str]:
+    return {c.name.split("] ")[-1] for c in rep.checks if not c.passed}
+
+
+def test_intact_small_corpus_passes_every_check(small_manifest):
+    rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
+    assert rep.ok and len(rep.checks) == 9, format_report(rep)
+
+
+def test_document_in_both_splits_fails_the_leakage_check(tmp_path):
+    texts = stdlib_texts(12)
+    m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096)
+    for split, part in (("train", texts[:8]), ("validation", texts[7:])):  # texts[7] in both
+        with ShardWriter(tmp_path / "shards" / f"{split}.h5", split=split, tokenizer=BYTE_IDENTITY, chunk_tokens=4096) as w:
+            for t, ids in zip(part, byte_encode(part)):
+                w.add_document(np.append(ids, 256), doc_id(t))
+        m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))
+    write_manifest(tmp_path / "manifests" / "shards.json", m)
+    rep = inspect_corpus(tmp_path / "manifests" / "shards.json", seq_len=512, batch_size=2)
+    assert _failed(rep) == {"no source document id in both splits"}
+    assert "1 ids shared" in str(rep.checks[0])
+
+
+def test_chunking_that_drops_a_pair_fails(small_manifest, monkeypatch):
+    real = packing.chunk_layout
+
+    def lossy(lengths, max_seq_len):
+        doc, start, length = real(lengths, max_seq_len)
+        last = np.r_[doc[1:] != doc[:-1], True]
+        length = length.copy()
+        length[last & (length > 1)] -= 1  # forget each document's final pair (the one predicting EOS)
+        return doc, start, length
+
+    monkeypatch.setattr(packing, "chunk_layout", lossy)
+    rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
+    assert "chunking neither drops nor duplicates a pair and keeps the real EOS" in _failed(rep)
+
+
+def test_padded_batches_fail_the_input_length_check(small_manifest, monkeypatch):
+    real = packing.BestFitDataset._read
+
+    def padded(self, plan, mb):
+        b = real(self, plan, mb)
+        import torch
+
+        pad = self.batch_size * self.max_seq_len - b.num_tokens  # a padding loader materializes capacity
+        b.input_ids = torch.cat([b.input_ids, torch.zeros(pad, dtype=torch.int64)])
+        return b
+
+    monkeypatch.setattr(packing.BestFitDataset, "_read", padded)
+    rep = inspect_corpus(small_manifest, seq_len=100_000, batch_size=2)  # whole documents leave room in packs
+    assert "model input length = real input count; positions restart per segment" in _failed(rep)
+
+
+def test_sampler_that_forgets_its_state_fails_the_restore_check(small_manifest, monkeypatch):
+    monkeypatch.setattr(packing.BestFitDataset, "load_state_dict", lambda self, state: None)
+    rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
+    assert _failed(rep) == {"restoring the sampler state continues with the same next batch"}
+
+
+def test_misplaced_eos_fails_the_eos_check(small_manifest):
+    m = read_manifest(small_manifest)
+    s = m.shards_of("train")[0]
+    with h5py.File(m.shard_path(s), "r+") as f:
+        offs = f["doc_offsets"][:]
+        f["tokens"][offs[1] - 1] = ord("x")  # document 0 loses its EOS
+        f["tokens"][offs[2] + 5] = 256  # document 2 gains one inside
+    rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
+    failed = [c for c in rep.checks if not c.passed]
+    assert "every document ends with EOS and no EOS elsewhere" in _failed(rep)
+    eos = next(c for c in failed if "EOS elsewhere" in c.name)
+    assert "1 of" in eos.figure and "1 EOS inside" in eos.figure
+
+
+def test_cli_table_json_plot_and_exit_codes(small_manifest, tmp_path, monkeypatch):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "h5corpus", "inspect", *a], capture_output=True, text=True)
+    png, out = tmp_path / "stats.png", tmp_path / "stats.json"
+    r = run(str(small_manifest), "--seq-len", "1024", "--batch-size", "4", "--plot", str(png), "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "prediction pairs" in r.stdout and "ALL CHECKS PASSED" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and set(data["splits"]) == {"train", "validation"}
+    j = run(str(small_manifest), "--json", "--split", "validation")
+    assert json.loads(j.stdout)["splits"].keys() == {"validation"}
+    assert run(str(tmp_path / "missing.json")).returncode == 2
+    m = read_manifest(small_manifest)
+    with h5py.File(m.shard_path(m.shards_of("train")[0]), "r+") as f:
+        f["tokens"][int(f["doc_offsets"][1]) - 1] = ord("x")
+    bad = run(str(small_manifest))
+    assert bad.returncode == 1 and "CHECK(S) FAILED" in bad.stdout
