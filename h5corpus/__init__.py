@@ -27,8 +27,11 @@ _EXPORTS = {
     # reading and batches
     "open_corpus": "reader",
     "Corpus": "reader",
+    "open_live": "reader",
     "VarlenBatch": "batch",
     "IGNORE_INDEX": "batch",
+    "collate_varlen": "batch",
+    "concat_batches": "batch",
     "SlidingWindowDataset": "window",
     "BestFitDataset": "packing",
     "split_tokens": "packing",

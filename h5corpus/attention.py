@@ -134,12 +134,14 @@ def packed_loss(logits: torch.Tensor, targets: torch.Tensor, num_targets: int | 
     ``logits``: (T, V) (any leading shape flattened), ``targets``: (T,) with
     :data:`~h5corpus.batch.IGNORE_INDEX` where no target counts. ``num_targets`` overrides the
     denominator, e.g. the whole optimizer step's target count under gradient accumulation, so that
-    every token weighs the same however the step is split. Computed in fp32. Every document weighs
+    every token weighs the same however the step is split. Computed in at least fp32. Every document weighs
     by its number of targets (not one document = one vote).
     """
     logits = logits.reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
-    total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_targets is None:
         num_targets = (targets != IGNORE_INDEX).sum()
     if isinstance(num_targets, torch.Tensor):

@@ -161,3 +161,35 @@ def from_flat(flat_inputs: np.ndarray, flat_targets: np.ndarray, seg_lens: np.nd
         max_seqlen=int(seg_lens.max()) if seg_lens.size else 0,
         pack_lengths=torch.from_numpy(np.asarray(pack_lengths, dtype=np.int32)),
     )
+
+
+def concat_batches(batches: Sequence[VarlenBatch]) -> VarlenBatch:
+    """One :class:`VarlenBatch` holding ``batches`` end to end (segments, packs and every
+    invariant preserved; ``cu_seqlens`` offset by the tokens before each part)."""
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    if len(batches) == 1:
+        return batches[0]
+    cu = [batches[0].cu_seqlens]
+    total = batches[0].num_tokens
+    for b in batches[1:]:
+        cu.append(b.cu_seqlens[1:] + total)
+        total += b.num_tokens
+    return VarlenBatch(
+        input_ids=torch.cat([b.input_ids for b in batches]),
+        targets=torch.cat([b.targets for b in batches]),
+        position_ids=torch.cat([b.position_ids for b in batches]),
+        cu_seqlens=torch.cat(cu).to(torch.int32),
+        max_seqlen=max(b.max_seqlen for b in batches),
+        pack_lengths=torch.cat([b.pack_lengths for b in batches]),
+    )
+
+
+def collate_varlen(items: VarlenBatch | Sequence[VarlenBatch]) -> VarlenBatch:
+    """``collate_fn`` for a DataLoader over h5corpus datasets: passes a :class:`VarlenBatch`
+    through (``batch_size=None``, the usual way) and concatenates a list of them
+    (``batch_size=k``: k dataset items become one batch). Pinning (``pin_memory=True``) goes through
+    :meth:`VarlenBatch.pin_memory`; move to the GPU with ``batch.to(device, non_blocking=True)``."""
+    if isinstance(items, VarlenBatch):
+        return items
+    return concat_batches(list(items))

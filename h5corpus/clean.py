@@ -108,8 +108,9 @@ _ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")
 # ---------------------------------------------------------------------------------------------
 # Whitespace
 
-_HSPACE = re.compile(r"[^\S\n]+")  # any whitespace but LF (after CRs are gone)
-_EDGE_SPACE = re.compile(r" ?\n ?")
+# Only runs that change: 2+ horizontal whitespace, or one that is not a plain space (tab, NBSP, ...).
+_HSPACE = re.compile(r"[^\S\n]{2,}|[^\S \n]")
+_EDGE_SPACE = re.compile(r" \n ?|\n ")
 _BLANK_LINES = re.compile(r"\n{3,}")
 
 

@@ -109,6 +109,78 @@ def inspect_cli(
     raise typer.Exit(EXIT_OK if rep.ok else EXIT_BAD_DATA)
 
 
+@app.command("build")
+def build_cli(
+    sources: Optional[list[str]] = typer.Argument(
+        None, help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
+        "or 'stdlib' (the default: the Python standard library's sources, offline)."),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", "-t", help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
+        "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-w", help="Worker processes (default: all cores); never changes the output."),
+    shards_dir: Path = typer.Option(Path("shards"), "--shards-dir", help="Where shards go (shards/<split>/...)."),
+    manifest: Path = typer.Option(DEFAULT_MANIFEST, "--manifest", help="Manifest to write."),
+    split_seed: int = typer.Option(20261003, "--split-seed", help="Seed of the hash split."),
+    validation_fraction: float = typer.Option(0.05, "--validation-fraction", help="Probability a document goes to validation."),
+    max_tokens: Optional[str] = typer.Option(None, "--max-tokens", help="Token budgets, e.g. train=8M,validation=100k (whole documents in input order; the last one kept whole)."),
+    max_document_tokens: Optional[int] = typer.Option(None, "--max-document-tokens", help="Cut longer documents to N tokens at write time (flagged, no EOS)."),
+    on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."),
+    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    shard_tokens: Optional[int] = typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
+    validate: bool = typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete the manifest, shards and interrupted state first."),
+) -> None:
+    """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
+    (re-run the same command after a crash). Exit 1 on bad input, 2 on usage errors.
+
+    CREATES: the shard files, the manifest, and (while running) shards/.build/ and shards/.build.lock.
+    """
+    from .build import BuildConfig, BuildConflict, BuildError, build, format_report, parse_max_tokens
+    from .format import FormatError
+    from .sources import SourceError
+    from .tokenize import TokenizerError
+
+    srcs = list(sources or ["stdlib"])
+    if tokenizer is None:
+        tokenizer = "bytes" if all(s == "stdlib" for s in srcs) else "gpt2"
+    try:
+        cfg = BuildConfig(
+            sources=srcs, tokenizer=tokenizer, shards_dir=shards_dir, manifest=manifest, workers=workers,
+            text_field=text_field, split_seed=split_seed, validation_fraction=validation_fraction,
+            max_tokens=parse_max_tokens(max_tokens) if max_tokens else None,
+            max_document_tokens=max_document_tokens, on_error=on_error, overwrite=overwrite,
+            progress=sys.stderr.isatty() and not as_json,
+        )
+        if shard_tokens is not None:
+            cfg.shard_tokens = shard_tokens
+        report = build(cfg)
+    except BuildError as e:
+        raise fail(f"{e}\n(completed work is kept: fix the input and re-run the same command to resume)", EXIT_BAD_DATA)
+    except FormatError as e:
+        raise fail(str(e), EXIT_BAD_DATA)
+    except (BuildConflict, TokenizerError, SourceError, ValueError) as e:
+        raise fail(str(e), EXIT_USAGE)
+    except KeyboardInterrupt:
+        raise fail("interrupted; re-run the same command to resume", 130)
+    code = EXIT_OK
+    out = report.to_json()
+    if not as_json:
+        typer.echo(format_report(report))
+    if validate:
+        from .validate import validate_corpus
+
+        vr = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json)
+        if as_json:
+            out["validation"] = vr.to_json()
+            code = EXIT_OK if vr.ok else EXIT_BAD_DATA
+        else:
+            code = print_validation(vr, False)
+    if as_json:
+        typer.echo(json.dumps(out, indent=2, sort_keys=True))
+    raise typer.Exit(code)
+
+
 def main() -> None:
     app()
 

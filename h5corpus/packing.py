@@ -22,8 +22,8 @@ The data flow, one stage per block below:
      smallest remaining space that still fits it, else into a new pack. The bin choice is
      O(log L) in the capacity ``L`` (a 64-ary occupancy tree over remaining capacities), so
      blocks of 10^4-10^5 chunks stay fast. Each block's packs are shuffled with the seeded RNG.
-3. **Batches** (:class:`BestFitDataset`). Reads the tokens of each microbatch's chunks (overlapping
-   and adjacent ranges merged into one :meth:`Corpus.tokens` call) and yields a
+3. **Batches** (:class:`BestFitDataset`). Reads the tokens of each microbatch's chunks (about a
+   dozen :meth:`Corpus.gather` calls per microbatch, one per power-of-two length class) and yields a
    :class:`~h5corpus.batch.VarlenBatch` of real tokens only: ``cu_seqlens`` over every segment,
    positions restarting per segment, ``pack_lengths`` per pack. Unused capacity is never
    materialized.
@@ -35,13 +35,16 @@ number of next-token pairs).
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+import torch
+from torch.utils.data import IterableDataset
 
-from .batch import VarlenBatch, from_flat
+from .batch import VarlenBatch
 from .partition import Consumer, current_consumer
 
 MODES = ("buffer", "bfd")
@@ -51,6 +54,9 @@ MODES = ("buffer", "bfd")
 PLAN_VERSION = 1
 
 DEFAULT_BFD_BUFFER = 16384
+
+#: Narrowest window the loader reads per segment, in tokens (see ``BestFitDataset._read``).
+READ_MIN_WIDTH = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,8 +136,8 @@ def _low_bit(m: int) -> int:
 
 
 class _OccupancyTree:
-    """Set of integers in ``[0, size)`` with O(log_64 size) insert, delete, successor and
-    predecessor: a segment tree of fan-out 64 whose nodes are 64-bit occupancy masks (a leaf bit
+    """Set of integers in ``[0, size)`` with O(log_64 size) insert, delete and successor
+    (smallest member >= x): a segment tree of fan-out 64 whose nodes are 64-bit occupancy masks (a leaf bit
     says "some bin/chunk has this value", an inner bit says "this child is non-empty")."""
 
     __slots__ = ("levels",)
@@ -185,28 +191,6 @@ class _OccupancyTree:
             x = (x << 6) + _low_bit(levels[lvl][x])
         return x
 
-    def prev_le(self, x: int) -> int:
-        """Largest member ``<= x``, or -1."""
-        levels = self.levels
-        lvl = 0
-        while True:
-            if x < 0 or lvl == len(levels):
-                return -1
-            words = levels[lvl]
-            w = x >> 6
-            if w >= len(words):
-                w, x = len(words) - 1, (len(words) << 6) - 1
-            m = words[w] & ((2 << (x & 63)) - 1)
-            if m:
-                x = (w << 6) + m.bit_length() - 1
-                break
-            x = w - 1
-            lvl += 1
-        while lvl:
-            lvl -= 1
-            x = (x << 6) + levels[lvl][x].bit_length() - 1
-        return x
-
 
 def _check_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
     a = np.asarray(lengths, dtype=np.int64)
@@ -230,68 +214,61 @@ class BufferPacker:
     lengths) until none fits. Pure: no I/O, deterministic. Its whole state is ``cursor`` (next
     stream chunk) and ``buffer`` (stream indices of waiting chunks), which the constructor accepts
     to resume.
+
+    The buffer is a sorted list of integer keys ``length << 32 | (2**32 - 1 - index)``: a pick is
+    one C-level bisection, an insert/remove one C memmove of at most ``buffer_size`` pointers (fast
+    up to ~10^4 candidates; for larger pools use best-fit-decreasing, :func:`bfd_packs`).
     """
+
+    _SHIFT = 32
+    _LOW = (1 << 32) - 1
 
     def __init__(self, lengths: np.ndarray, capacity: int, buffer_size: int, *, cursor: int = 0,
                  buffer: Sequence[int] = ()) -> None:
         if buffer_size < 1:
             raise ValueError(f"packing_buffer must be >= 1 chunk, got {buffer_size}")
         self.lengths = _check_lengths(lengths, capacity)
+        if self.lengths.size > self._LOW:
+            raise ValueError(f"at most {self._LOW:,} chunks per stream, got {self.lengths.size:,}")
         self._len = self.lengths.tolist()
         self.capacity = int(capacity)
         self.buffer_size = int(buffer_size)
         if not 0 <= cursor <= self.lengths.size:
             raise ValueError(f"cursor {cursor} outside [0, {self.lengths.size}]")
         self.cursor = int(cursor)
-        self._tree = _OccupancyTree(self.capacity + 1)
-        self._by_len: dict[int, deque[int]] = {}
-        self._count = 0
-        for i in sorted(int(j) for j in buffer):  # arrival order = stream order
-            if not 0 <= i < cursor:
-                raise ValueError(f"buffered chunk {i} was never admitted (cursor {cursor})")
-            self._push(i)
-
-    def _push(self, i: int) -> None:
-        n = self._len[i]
-        q = self._by_len.get(n)
-        if q is None:
-            q = self._by_len[n] = deque()
-        if not q:
-            self._tree.add(n)
-        q.append(i)
-        self._count += 1
-
-    def _refill(self) -> None:
-        while self._count < self.buffer_size and self.cursor < len(self._len):
-            self._push(self.cursor)
-            self.cursor += 1
+        for i in buffer:
+            if not 0 <= int(i) < cursor:
+                raise ValueError(f"buffered chunk {int(i)} was never admitted (cursor {cursor})")
+        self._keys = sorted((self._len[int(i)] << self._SHIFT) | (self._LOW - int(i)) for i in buffer)
 
     @property
     def buffer(self) -> list[int]:
         """Stream indices of the waiting chunks, in arrival order."""
-        return sorted(i for q in self._by_len.values() for i in q)
+        return sorted(self._LOW - (k & self._LOW) for k in self._keys)
 
     @property
     def exhausted(self) -> bool:
-        return self._count == 0 and self.cursor >= len(self._len)
+        return not self._keys and self.cursor >= len(self._len)
 
     def next_pack(self) -> list[int]:
         """Stream indices of the next pack's chunks in pick order (longest first); ``[]`` when
         the stream and the buffer are both empty."""
+        keys, lens, n, B = self._keys, self._len, len(self._len), self.buffer_size
+        SH, LOW = self._SHIFT, self._LOW
+        pos = self.cursor
         pack: list[int] = []
         room = self.capacity
-        tree, by_len = self._tree, self._by_len
         while room:
-            self._refill()
-            n = tree.prev_le(room)
-            if n <= 0:
+            while len(keys) < B and pos < n:  # top up before every pick
+                insort(keys, (lens[pos] << SH) | (LOW - pos))
+                pos += 1
+            i = bisect_right(keys, (room << SH) | LOW) - 1  # the longest that fits, oldest among equals
+            if i < 0:
                 break
-            q = by_len[n]
-            pack.append(q.popleft())
-            if not q:
-                tree.discard(n)
-            self._count -= 1
-            room -= n
+            k = keys.pop(i)
+            pack.append(LOW - (k & LOW))
+            room -= k >> SH
+        self.cursor = pos
         return pack
 
 
@@ -389,15 +366,13 @@ class _Plan:
         self.max_seq_len, self.batch_size, self.mode = int(max_seq_len), int(batch_size), mode
         self.packing_buffer = int(packing_buffer)
         self.rng = np.random.default_rng(list(rng_seed))
+        if self.packing_buffer < 1:
+            raise ValueError(f"packing_buffer must be >= 1 chunk, got {packing_buffer}")
+        #: BFD: packs made but not yet yielded (chunk indices), in yield order
         self.pending: deque[list[int]] = deque()
-        if mode == "buffer":
-            self.packer: BufferPacker | None = BufferPacker(self.chunk_len, max_seq_len, packing_buffer)
-            self.cursor = 0
-        else:
-            if packing_buffer < 1:
-                raise ValueError(f"packing_buffer must be >= 1 chunk, got {packing_buffer}")
-            self.packer = None
-            self.cursor = 0
+        #: BFD: next chunk not yet packed (buffer mode keeps its cursor in the packer)
+        self.cursor = 0
+        self.packer = BufferPacker(self.chunk_len, max_seq_len, packing_buffer) if mode == "buffer" else None
 
     @property
     def num_chunks(self) -> int:
@@ -462,7 +437,8 @@ class _Plan:
 @dataclass
 class PackFill:
     """Packing statistics of one simulated epoch (no tokens read). Fill = real input tokens /
-    capacity; see :func:`pack_fill` for the three ways of counting capacity."""
+    capacity, counted three ways that differ only in the epoch's final, partial microbatch
+    (``fill``, ``fill_full_microbatches``, ``fill_padded_last``)."""
 
     packs: int
     microbatches: int
@@ -533,13 +509,7 @@ def _rng_seed(seed: int, epoch: int, consumer: Consumer) -> list[int]:
 # --------------------------------------------------------------------------------------------
 # 3. The dataset: plan + token reads -> VarlenBatch
 # --------------------------------------------------------------------------------------------
-try:  # torch is a hard dependency of the loaders, imported here so that the packers stay pure
-    from torch.utils.data import IterableDataset as _IterableDataset
-except ImportError:  # pragma: no cover
-    _IterableDataset = object  # type: ignore[assignment,misc]
-
-
-class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
+class BestFitDataset(IterableDataset):
     """Padding-free microbatches of whole documents (or chunks of long ones), best-fit packed.
 
     What to iterate:
@@ -561,8 +531,6 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
             can differ by one or more, so stop a DDP epoch at the shortest rank.
         with_segments: also yield an (S, 3) int64 tensor of ``(document index, start, length)``
             per segment (start = offset of its first input in the document, in tokens).
-        merge_gap: token ranges whose gap is at most this many tokens are read with one
-            :meth:`Corpus.tokens` call (default 0: overlapping/adjacent ranges only).
 
     Use with ``torch.utils.data.DataLoader`` or torchdata's ``StatefulDataLoader`` with
     ``batch_size=None``. ``state_dict()`` / ``load_state_dict()`` (torchdata's Stateful protocol)
@@ -574,7 +542,8 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
     def __init__(self, corpus: Any, max_seq_len: int = 4096, batch_size: int = 35, packing_buffer: int | None = None,
                  seed: int = 0, mode: str = "buffer", *, split: str = "train", shuffle: bool = True,
                  rank: int | None = None, world_size: int | None = None, epoch: int = 0,
-                 with_segments: bool = False, merge_gap: int = 0) -> None:
+                 with_segments: bool = False) -> None:
+        super().__init__()
         if not hasattr(corpus, "doc_offsets"):
             from .reader import open_corpus
 
@@ -595,7 +564,6 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
         self.rank, self.world_size = rank, world_size
         self.epoch = int(epoch)
         self.with_segments = bool(with_segments)
-        self.merge_gap = int(merge_gap)
         self._fingerprint: str | None = None
         self._live: dict[str, Any] | None = None  # the iteration in progress (plan, counters)
         self._resume: dict[str, Any] | None = None  # a loaded state the next __iter__ continues
@@ -609,10 +577,13 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
         return {"max_seq_len": self.max_seq_len, "batch_size": self.batch_size, "packing_buffer": self.packing_buffer,
                 "seed": self.seed, "mode": self.mode, "shuffle": self.shuffle}
 
+    @property
     def fingerprint(self) -> str:
-        """Hex sha256 of the split's document boundaries (what the plan depends on)."""
+        """Hex sha256 of the corpus's own fingerprint (split + shard hashes) and the split's
+        document boundaries (what the plan depends on); checkpoints from another corpus are refused."""
         if self._fingerprint is None:
-            h = hashlib.sha256(np.ascontiguousarray(self.corpus.doc_offsets, dtype="<i8").tobytes())
+            h = hashlib.sha256(str(getattr(self.corpus, "fingerprint", "")).encode())
+            h.update(np.ascontiguousarray(self.corpus.doc_offsets, dtype="<i8").tobytes())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -652,33 +623,56 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
             yield out
 
     def _read(self, plan: _Plan, mb: list[list[int]]) -> Any:
-        """Tokens of one microbatch's segments -> VarlenBatch (one read per merged token range)."""
+        """Tokens of one microbatch's segments -> VarlenBatch.
+
+        Each segment needs ``n + 1`` tokens (inputs plus the one-token lookahead). Segments are
+        grouped by that need rounded up to a power of two (at least :data:`READ_MIN_WIDTH`) and
+        every group is read with one :meth:`Corpus.gather` call of equal-width windows, so a
+        microbatch costs about a dozen reader calls whatever its number of documents; the
+        over-read (< 2x, tokens after a segment's end) is never used. Inputs and targets are then
+        two vectorized gathers out of the staging buffer.
+        """
+        corpus = self.corpus
         seg = np.fromiter((i for p in mb for i in p), dtype=np.int64)
+        per_pack = np.fromiter((len(p) for p in mb), dtype=np.int64, count=len(mb))
         doc, start, n = plan.chunk_doc[seg], plan.chunk_start[seg], plan.chunk_len[seg]
-        g0 = self.corpus.doc_offsets[doc] + start  # global position of each segment's first input
-        g1 = g0 + n + 1  # exclusive end, the last target included
-        o = np.argsort(g0, kind="stable")
-        s0, s1 = g0[o], g1[o]
-        new = np.ones(s0.size, dtype=bool)
-        new[1:] = s0[1:] > np.maximum.accumulate(s1)[:-1] + self.merge_gap
-        first = np.flatnonzero(new)
-        r0, r1 = s0[first], np.maximum.reduceat(s1, first)
-        r_off = np.zeros(first.size + 1, dtype=np.int64)
-        np.cumsum(r1 - r0, out=r_off[1:])
-        buf = np.empty(int(r_off[-1]), dtype=self.corpus.dtype)
-        for a, b, off in zip(r0.tolist(), r1.tolist(), r_off[:-1].tolist()):
-            self.corpus.tokens(a, b, out=buf[off : off + (b - a)])
-        rid = np.cumsum(new) - 1
-        seg_at = np.empty(seg.size, dtype=np.int64)  # where each segment's first input sits in buf
-        seg_at[o] = r_off[rid] + (s0 - r0[rid])
+        g0 = corpus.doc_offsets[doc] + start  # global position of each segment's first input
+        total = corpus.num_tokens
+        width = np.left_shift(1, np.ceil(np.log2(n + 1)).astype(np.int64))
+        width = np.minimum(np.maximum(width, READ_MIN_WIDTH), total)
+        first = np.minimum(g0, total - width)  # a window never runs past the split's last token
+        at = np.empty(seg.size, dtype=np.int64)  # where each segment's first input sits in `stage`
+        parts, base = [], 0
+        for w in np.unique(width).tolist():
+            sel = np.flatnonzero(width == w)
+            block = corpus.gather(first[sel], w)
+            at[sel] = base + np.arange(sel.size, dtype=np.int64) * w + (g0[sel] - first[sel])
+            parts.append(block.reshape(-1))
+            base += block.size
+        stage = parts[0] if len(parts) == 1 else np.concatenate(parts)
         cu = np.zeros(seg.size + 1, dtype=np.int64)
         np.cumsum(n, out=cu[1:])
-        idx = np.repeat(seg_at - cu[:-1], n) + np.arange(int(cu[-1]), dtype=np.int64)
-        packs = np.fromiter((int(plan.chunk_len[p].sum()) for p in mb), dtype=np.int64, count=len(mb))
-        batch = from_flat(buf[idx].astype(np.int64), buf[idx + 1].astype(np.int64), n, packs)
+        T = int(cu[-1])
+        if T >= 2**31:
+            raise ValueError(f"microbatch of {T:,} tokens is too large for int32 cu_seqlens")
+        flat = np.empty(3 * T, dtype=np.int64)  # inputs | targets | positions: one storage to share
+        inputs, targets, pos = flat[:T], flat[T : 2 * T], flat[2 * T :]
+        pos[:] = np.arange(T, dtype=np.int64)
+        pos -= np.repeat(cu[:-1], n)  # position ids: 0 .. n-1 per segment
+        idx = np.repeat(at, n)
+        idx += pos
+        inputs[:] = stage[idx]
+        targets[:-1] = inputs[1:]  # inside a segment the target is the next input ...
+        targets[cu[1:] - 1] = stage[at + n]  # ... and at its end the one-token lookahead
+        batch = VarlenBatch(
+            input_ids=torch.from_numpy(inputs),
+            targets=torch.from_numpy(targets),
+            position_ids=torch.from_numpy(pos),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+            max_seqlen=int(n.max()),
+            pack_lengths=torch.from_numpy(np.add.reduceat(n, np.cumsum(per_pack) - per_pack).astype(np.int32)),
+        )
         if self.with_segments:
-            import torch
-
             return batch, torch.from_numpy(np.stack([doc, start, n], axis=1))
         return batch
 
@@ -688,7 +682,7 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
         fingerprint, config, epoch, consumer, this consumer's document order, the plan's cursor,
         candidate buffer, pending packs and RNG state, and counters. Plain Python, numpy arrays and
         the numpy bit generator's state dict (picklable; ``torch.save`` with ``weights_only=False``)."""
-        base = {"plan_version": PLAN_VERSION, "fingerprint": self.fingerprint(), "config": self._config()}
+        base = {"plan_version": PLAN_VERSION, "fingerprint": self.fingerprint, "config": self._config()}
         live = self._live
         if live is None:
             if self._resume is not None:
@@ -704,9 +698,9 @@ class BestFitDataset(_IterableDataset):  # type: ignore[misc,valid-type]
         Raises ValueError if the corpus, the config or the plan version differ."""
         if int(state.get("plan_version", -1)) != PLAN_VERSION:
             raise ValueError(f"state has plan_version {state.get('plan_version')!r}, this h5corpus plans version {PLAN_VERSION}")
-        if state.get("fingerprint") != self.fingerprint():
-            raise ValueError("state was taken on a different corpus split (document boundaries differ: fingerprint "
-                             f"{str(state.get('fingerprint'))[:12]} != {self.fingerprint()[:12]})")
+        if state.get("fingerprint") != self.fingerprint:
+            raise ValueError("state was taken on a different corpus split (fingerprint "
+                             f"{str(state.get('fingerprint'))[:12]} != {self.fingerprint[:12]})")
         if state.get("config") != self._config():
             raise ValueError(f"state was taken with config {state.get('config')}, this dataset has {self._config()}")
         self._resume = dict(state)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +49,18 @@ READ_PATHS = ("auto", "mmap", "h5py")
 
 #: Chunks the HDF5 chunk cache holds per compressed ``/tokens`` dataset (per process).
 FILTERED_CACHE_CHUNKS = 8
+
+
+def _h5open(path: str | os.PathLike[str]) -> h5py.File:
+    """Open a shard read-only in SWMR mode (needed for files still being written). HDF5 refuses a
+    second open with other SWMR flags in one process; a finished shard that the caller already
+    holds open without SWMR is then opened the same way (SWMR adds nothing for a finished file)."""
+    try:
+        return h5py.File(path, "r", libver="latest", swmr=True)
+    except OSError as e:
+        if "SWMR read access flag not the same" not in str(e) or str(path).endswith(PARTIAL_SUFFIX):
+            raise
+        return h5py.File(path, "r")
 
 
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
@@ -94,20 +107,31 @@ class _MmapTokens:
 
 
 class _H5Tokens:
-    """``/tokens`` through HDF5: one low-level H5Dread per range (SWMR, so ``.partial`` works)."""
+    """``/tokens`` through HDF5: one low-level H5Dread per range (SWMR, so ``.partial`` works).
+
+    BEWARE: HDF5 (2.0) returns other chunks' bytes after ``H5Drefresh`` when the same dataset is
+    open twice in one process, so a live shard's ``/tokens`` is opened once per process
+    (:func:`_live_tokens` shares it between corpora) and the live index is read through
+    :attr:`file` (see ``Corpus._refresh_live``)."""
+
+    shared = False  # True for live readers shared between corpora: closed when the last user drops it
 
     kind = "h5py"
 
     def __init__(self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> None:
         self.dtype = dtype
-        self.file = h5py.File(path, "r", libver="latest", swmr=True)
+        self.file = _h5open(path)
+        self.path = path
         dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
         if filtered:
             nbytes = FILTERED_CACHE_CHUNKS * chunk_tokens * dtype.itemsize
             dapl.set_chunk_cache(10007, nbytes, 0.75)
         else:
-            dapl.set_chunk_cache(0, 0, 1.0)  # raw chunks: read straight into the caller's buffer
+            dapl.set_chunk_cache(521, 0, 1.0)  # raw chunks: read straight into the caller's buffer
         self.dsid = h5py.h5d.open(self.file.id, fmt.TOKENS.encode(), dapl=dapl)
+        self._mtype = h5py.h5t.py_create(dtype)
+        self._fspace = self.dsid.get_space()  # re-selected per read; renewed by refresh()
+        self._mspace: dict[int, Any] = {}
 
     def read(self, lo: int, hi: int, out: np.ndarray) -> None:
         n = hi - lo
@@ -115,16 +139,23 @@ class _H5Tokens:
             return
         direct = out.dtype == self.dtype and out.flags.c_contiguous and out.flags.writeable
         dst = out if direct else np.empty(n, dtype=self.dtype)
-        fspace = self.dsid.get_space()
-        fspace.select_hyperslab((lo,), (n,))
-        self.dsid.read(h5py.h5s.create_simple((n,)), fspace, dst)
+        mspace = self._mspace.get(n)
+        if mspace is None:
+            if len(self._mspace) > 64:
+                self._mspace.clear()
+            mspace = self._mspace[n] = h5py.h5s.create_simple((n,))
+        self._fspace.select_hyperslab((lo,), (n,))
+        self.dsid.read(mspace, self._fspace, dst, self._mtype)
         if not direct:
             out[:] = dst
 
     def refresh(self) -> None:
         self.dsid.refresh()
+        self._fspace = self.dsid.get_space()
 
     def close(self) -> None:
+        if self.shared:
+            return
         try:
             self.dsid.close()
         except Exception:
@@ -133,6 +164,20 @@ class _H5Tokens:
             self.file.close()
         except Exception:
             pass
+
+
+_LIVE_TOKENS: "weakref.WeakValueDictionary[tuple[int, str], _H5Tokens]" = weakref.WeakValueDictionary()
+
+
+def _live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> _H5Tokens:
+    """This process's one HDF5 reader of a shard being written (see the BEWARE in _H5Tokens)."""
+    key = (os.getpid(), os.path.realpath(path))
+    r = _LIVE_TOKENS.get(key)
+    if r is None:
+        r = _H5Tokens(path, filtered, chunk_tokens, dtype)
+        r.shared = True
+        _LIVE_TOKENS[key] = r
+    return r
 
 
 def _chunk_map(ds: h5py.Dataset, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
@@ -211,7 +256,6 @@ class Corpus:
         self._doc_ids: np.ndarray | None = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
         self._doc_flags: np.ndarray | None = np.zeros(0, np.uint8)
         self._readers: dict[int, _MmapTokens | _H5Tokens] = {}
-        self._live: h5py.File | None = None
         self._pid = os.getpid()
         self._append_entries(manifest.shards_of(split))
 
@@ -222,12 +266,13 @@ class Corpus:
             raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")
         final = path.with_name(path.name[: -len(PARTIAL_SUFFIX)]) if path.name.endswith(PARTIAL_SUFFIX) else path
         where = str(final)
-        f = _open_live_file(final)
-        a = fmt.check_attrs(f.attrs, where)
+        with _open_live_file(final) as f:
+            a = fmt.check_attrs(f.attrs, where)
+            ds = f[fmt.TOKENS]
+            chunk_tokens = ds.chunks[0] if ds.chunks else int(a["chunk_tokens"])
         ident = TokenizerIdentity(name=a["tokenizer_name"], revision=a["tokenizer_revision"], sha256=a["tokenizer_sha256"],
                                   vocab_size=int(a["vocab_size"]), eos_id=int(a["eos_id"]))
         if tokenizer is not None and not tokenizer.same_ids(ident):
-            f.close()
             raise FormatError(f"{where}: shard was written with tokenizer {ident.name!r} (sha256 {ident.sha256[:12]}), "
                               f"not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})")
         self.manifest = None
@@ -236,7 +281,7 @@ class Corpus:
         self.tokenizer = ident
         self.dtype = np.dtype(a["dtype"])
         self.eos_id = int(a["eos_id"])
-        self.chunk_tokens = int(a["chunk_tokens"])
+        self.chunk_tokens = int(chunk_tokens)
         self.entries = []
         self.paths = [str(final)]
         self._complete = [False]
@@ -246,7 +291,6 @@ class Corpus:
         self._doc_ids = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
-        self._live = f
         self._pid = os.getpid()
         self.refresh()
         return self
@@ -279,7 +323,7 @@ class Corpus:
 
     def _read_index(self, path: str, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
-            f = h5py.File(path, "r", libver="latest", swmr=True)
+            f = _h5open(path)
         except (OSError, FileNotFoundError) as e:
             raise FormatError(f"{path}: cannot open shard ({e}); run h5corpus validate") from None
         with f:
@@ -335,7 +379,7 @@ class Corpus:
         ids, flags = [np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)], [np.zeros(0, np.uint8)]
         for s in range(self.num_shards):
             n = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
-            with h5py.File(self._open_path(s), "r", libver="latest", swmr=True) as f:
+            with _h5open(self._open_path(s)) as f:
                 ids.append(f[fmt.DOC_IDS][:n])
                 flags.append(f[fmt.DOC_FLAGS][:n])
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
@@ -370,7 +414,6 @@ class Corpus:
     def _check_pid(self) -> None:
         if self._pid != os.getpid():  # forked: never touch the parent's handles
             self._readers = {}
-            self._live = None
             self._pid = os.getpid()
 
     def _reader(self, shard: int) -> _MmapTokens | _H5Tokens:
@@ -386,7 +429,7 @@ class Corpus:
         live = not self._complete[shard]
         n = int(self.shard_token_starts[shard + 1] - self.shard_token_starts[shard])
         try:
-            with h5py.File(path, "r", libver="latest", swmr=True) as f:
+            with _h5open(path) as f:
                 ds = f[fmt.TOKENS]
                 chunk_tokens = ds.chunks[0] if ds.chunks else 0
                 filtered = ds.id.get_create_plist().get_nfilters() != 0
@@ -397,8 +440,10 @@ class Corpus:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
             return _MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
-        if self.read_path == "mmap":
+        if self.read_path == "mmap" and not live:
             raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
+        if live:
+            return _live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
         return _H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
 
     def read_paths(self) -> list[str]:
@@ -411,17 +456,11 @@ class Corpus:
         for r in self._readers.values():
             r.close()
         self._readers = {}
-        if self._live is not None and self._pid == os.getpid():
-            try:
-                self._live.close()
-            except Exception:
-                pass
-        self._live = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_readers"] = {}
-        d["_live"] = None
+        d.pop("_sts_list", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -465,22 +504,26 @@ class Corpus:
         return self.num_documents - before
 
     def _refresh_live(self) -> int:
+        if self._complete[0]:
+            return 0
         final = self.paths[0]
-        f = self._live
-        if f is None:
-            f = self._live = _open_live_file(Path(final))
-        offs_ds, ids_ds, flags_ds, toks_ds = (f[k] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS, fmt.TOKENS))
+        r = self._readers.get(0)
+        if not isinstance(r, _H5Tokens):
+            r = self._readers[0] = self._open_reader(0)
+        assert isinstance(r, _H5Tokens)
+        f = r.file
+        offs_ds, ids_ds, flags_ds = (f[k] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
         offs_ds.refresh()  # offsets first: everything they point at was flushed before them
         n_docs = offs_ds.shape[0] - 1
         ids_ds.refresh()
         flags_ds.refresh()
-        toks_ds.refresh()
+        r.refresh()
+        n_tok = r.dsid.shape[0]
         n_docs = min(n_docs, ids_ds.shape[0], flags_ds.shape[0])
         known = self.num_documents
-        done = not os.path.exists(final + PARTIAL_SUFFIX) and os.path.exists(final)
         if n_docs > known:
             new = offs_ds[known + 1 : n_docs + 1]
-            keep = int(np.searchsorted(new, toks_ds.shape[0], side="right"))  # defensive: never past tokens
+            keep = int(np.searchsorted(new, n_tok, side="right"))  # defensive: never past the tokens
             if keep:
                 if (np.diff(new[:keep]) < 0).any() or new[0] < self.doc_offsets[-1]:
                     raise FormatError(f"{final}: document offsets decrease; not an h5corpus shard being written")
@@ -491,18 +534,17 @@ class Corpus:
                 self._doc_flags = np.concatenate([self._doc_flags, flags_ds[known:n_docs]])
                 self.shard_token_starts = np.array([0, self.doc_offsets[-1]], np.int64)
                 self.shard_doc_starts = np.array([0, n_docs], np.int64)
-        r = self._readers.get(0)
-        if r is not None:
-            r.refresh()
-        if done and not self._complete[0] and self.num_documents == n_docs:
-            # The writer closed and renamed the file: everything is published. Confirm against the
-            # finished file, then let later reads use the fast path.
-            with h5py.File(final, "r") as g:
-                if g[fmt.DOC_OFFSETS].shape[0] - 1 == self.num_documents:
-                    self._complete[0] = True
-                    if r is not None:
-                        r.close()
-                        self._readers.pop(0, None)
+        del offs_ds, ids_ds, flags_ds
+        if not os.path.exists(final + PARTIAL_SUFFIX) and os.path.exists(final):
+            # The writer closed and renamed the file. It publishes everything before the rename, so
+            # once our index matches the finished file's, nothing more can come: let later reads
+            # use the memory-map path.
+            with _h5open(final) as g:
+                finished = g[fmt.DOC_OFFSETS].shape[0] - 1 == self.num_documents
+            if finished:
+                self._complete[0] = True
+                r.close()
+                self._readers.pop(0, None)
         return self.num_documents - known
 
     # -- reads ------------------------------------------------------------------------------------
@@ -533,26 +575,30 @@ class Corpus:
         """``out[j] = tokens(starts[j], starts[j] + length)`` for every j: many equal-length windows
         in one call (the sliding-window loader's hot path). ``out`` is (n, length), any integer dtype."""
         starts = np.asarray(starts, dtype=np.int64)
-        n = starts.size
         if out is None:
-            out = np.empty((n, length), dtype=self.dtype)
-        if n == 0:
+            out = np.empty((starts.size, length), dtype=self.dtype)
+        if starts.size == 0:
             return out
-        if int(starts.min()) < 0 or int(starts.max()) + length > self.num_tokens:
-            raise IndexError(f"windows of {length:,} tokens starting in [{int(starts.min()):,}, {int(starts.max()):,}] "
-                             f"leave [0, {self.num_tokens:,})")
         self._check_pid()
         sts = self.shard_token_starts
-        shard = np.searchsorted(sts, starts, side="right") - 1
-        local = starts - sts[shard]
-        inside = (local + length <= sts[shard + 1] - sts[shard]).tolist()
-        for j, (s, lo) in enumerate(zip(shard.tolist(), local.tolist())):
-            if inside[j]:
-                r = self._readers.get(s) or self._reader(s)
-                r.read(lo, lo + length, out[j])
-            else:  # crosses into the next shard
-                a = int(starts[j])
-                self.tokens(a, a + length, out[j])
+        cached = self.__dict__.get("_sts_list")
+        if cached is None or cached[0] is not sts:
+            cached = self.__dict__["_sts_list"] = (sts, sts.tolist())
+        bounds = cached[1]
+        shard = (sts.searchsorted(starts, side="right") - 1).tolist()
+        readers = self._readers
+        for row, s, g in zip(out, shard, starts.tolist()):
+            a = g - bounds[s]
+            if g < 0 or a + length > bounds[s + 1] - bounds[s]:  # crosses into the next shard (or out of range)
+                self.tokens(g, g + length, row)
+                continue
+            r = readers.get(s) or self._reader(s)
+            if r.kind == "mmap":  # inline the one-chunk case: one copy, no call
+                k, o = divmod(a, r.chunk_tokens)  # type: ignore[union-attr]
+                if o + length <= r.chunk_tokens:  # type: ignore[union-attr]
+                    row[:] = r.chunks[k][o : o + length]  # type: ignore[union-attr]
+                    continue
+            r.read(a, a + length, row)
         return out
 
     def document(self, i: int) -> np.ndarray:

@@ -93,6 +93,17 @@ def dev_manifest(tmp_path_factory, dev_texts, gpt2_encode, gpt2_identity) -> Pat
 
 
 @pytest.fixture(scope="session")
+def dev_gpt2_ids(gpt2_json: Path, dev_texts) -> list[np.ndarray]:
+    """Reference GPT-2 ids (HF ``tokenizers``; special-token text encoded as text, no EOS) of every
+    dev document, in ``dev_texts`` order. The oracle for the build and the tiktoken fast path."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(gpt2_json))
+    tok.encode_special_tokens = True
+    return [np.asarray(e.ids, dtype=np.uint32) for e in tok.encode_batch_fast(list(dev_texts), add_special_tokens=False)]
+
+
+@pytest.fixture(scope="session")
 def stdlib_corpus_texts() -> list[str]:
     return stdlib_texts()
 

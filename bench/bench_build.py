@@ -1,0 +1,139 @@
+"""Build throughput vs the raw tokenizers, on the same documents and cores, in one run.
+
+    python bench/bench_build.py [--corpus ../shared/corpora/dev] [--tokenizer ../shared/tokenizers/gpt2/tokenizer.json]
+                                [--rounds 3] [--out bench/results/build.json]
+
+Measures, best of ``--rounds`` interleaved rounds (the machine may be shared; best-of filters noise):
+
+* raw tiktoken (the fast path's encoding, built from the same tokenizer.json): 1 thread, and
+  ``encode_ordinary_batch`` on 2 threads -- texts already in memory, no I/O, no EOS, no hashing;
+* raw Hugging Face ``tokenizers`` ``encode_batch_fast`` with ``RAYON_NUM_THREADS`` = 1 and 2 (each in
+  a fresh subprocess, since Rayon's pool size is fixed at first use);
+* ``h5corpus.build`` end to end (tokenizer load, planning, fast-path proof, reading JSONL, sha256
+  ids, dedup, tokenizing, spills, HDF5 shards, manifest) with 1 and 2 workers, on the fast path and
+  forced onto ``tokenizers`` (what HF-bound peers do).
+
+Prints JSON: tokens, seconds and tokens/s per measurement, and the ratios the issue targets:
+build(2) / raw tiktoken(2 threads) >= 0.85, build(2) / 0.85 M tokens/s >= 3, build(2) / build(1) >= 1.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PEERS_TOKENS_PER_S = 0.85e6
+
+_HF_SCRIPT = r"""
+import json, sys, time
+from tokenizers import Tokenizer
+texts = [json.loads(l)["text"] for p in sys.argv[2:] for l in open(p, encoding="utf-8")]
+tok = Tokenizer.from_file(sys.argv[1]); tok.encode_special_tokens = True
+t0 = time.perf_counter()
+n = sum(len(e.ids) for e in tok.encode_batch_fast(texts, add_special_tokens=False))
+print(json.dumps({"tokens": n, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def load_texts(files: list[Path]) -> list[str]:
+    return [json.loads(line)["text"] for p in files for line in open(p, encoding="utf-8")]
+
+
+def raw_tiktoken(enc, texts: list[str], threads: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    if threads == 1:
+        n = sum(enc.encode_to_numpy(t, disallowed_special=()).size for t in texts)
+    else:
+        n = sum(len(x) for x in enc.encode_ordinary_batch(texts, num_threads=threads))
+    return n, time.perf_counter() - t0
+
+
+def raw_hf(tokenizer_json: Path, files: list[Path], threads: int) -> tuple[int, float]:
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
+    p = subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(tokenizer_json), *map(str, files)],
+                       env=env, capture_output=True, text=True, check=True)
+    d = json.loads(p.stdout)
+    return d["tokens"], d["seconds"]
+
+
+def run_build(corpus: Path, tokenizer_json: Path, workers: int, fast: bool, tmp: Path) -> tuple[int, float, str]:
+    from h5corpus.build import BuildConfig, build
+
+    rep = build(BuildConfig(sources=[str(corpus)], tokenizer=str(tokenizer_json), workers=workers, fast_path=fast,
+                            shards_dir=tmp / "shards", manifest=tmp / "manifests" / "shards.json", overwrite=True))
+    return rep.tokens - rep.documents, rep.elapsed_s, rep.encoder  # text tokens (EOS excluded), like the raw runs
+
+
+def main() -> None:
+    shared = Path(os.environ.get("H5CORPUS_SHARED", REPO.parent / "shared"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", type=Path, default=shared / "corpora" / "dev")
+    ap.add_argument("--tokenizer", type=Path, default=shared / "tokenizers" / "gpt2" / "tokenizer.json")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    from h5corpus.tokenize import TiktokenEncoder, fast_encoder, load_tokenizer
+
+    files = sorted(args.corpus.glob("*.jsonl"))
+    texts = load_texts(files)
+    tok = load_tokenizer(str(args.tokenizer))
+    enc = fast_encoder(tok)[0]
+    assert isinstance(enc, TiktokenEncoder), "the fast path does not apply to this tokenizer"
+    enc = enc.encoding
+    best: dict[str, tuple[int, float]] = {}
+    encoders: dict[str, str] = {}
+
+    def keep(name: str, n: int, s: float) -> None:
+        if name not in best or s < best[name][1]:
+            best[name] = (n, s)
+
+    with tempfile.TemporaryDirectory(prefix="bench-build-") as td:
+        tmp = Path(td)
+        for _ in range(args.rounds):
+            for threads in (1, 2):
+                keep(f"raw_tiktoken_{threads}", *raw_tiktoken(enc, texts, threads))
+                keep(f"raw_tokenizers_{threads}", *raw_hf(args.tokenizer, files, threads))
+            for workers in (1, 2):
+                for fast in (True, False):
+                    name = f"build_{'fast' if fast else 'tokenizers'}_{workers}"
+                    n, s, e = run_build(args.corpus, args.tokenizer, workers, fast, tmp)
+                    keep(name, n, s)
+                    encoders[name] = e
+    rate = {k: n / s for k, (n, s) in best.items()}
+    out = {
+        "corpus": str(args.corpus),
+        "documents": len(texts),
+        "cpu_count": os.cpu_count(),
+        "rounds": args.rounds,
+        "measurements": {k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s)} for k, (n, s) in best.items()},
+        "encoders": encoders,
+        "ratios": {
+            "build_fast_1_vs_raw_tiktoken_1": round(rate["build_fast_1"] / rate["raw_tiktoken_1"], 3),
+            "build_fast_2_vs_raw_tiktoken_2": round(rate["build_fast_2"] / rate["raw_tiktoken_2"], 3),
+            "build_fast_2_vs_build_fast_1": round(rate["build_fast_2"] / rate["build_fast_1"], 3),
+            "build_fast_2_vs_peers_0.85M": round(rate["build_fast_2"] / PEERS_TOKENS_PER_S, 3),
+            "build_tokenizers_2_vs_raw_tokenizers_2": round(rate["build_tokenizers_2"] / rate["raw_tokenizers_2"], 3),
+            "build_tokenizers_2_vs_build_tokenizers_1": round(rate["build_tokenizers_2"] / rate["build_tokenizers_1"], 3),
+            "build_fast_2_vs_build_tokenizers_2": round(rate["build_fast_2"] / rate["build_tokenizers_2"], 3),
+        },
+        "targets": {"build_fast_2_vs_raw_tiktoken_2": 0.85, "build_fast_2_vs_peers_0.85M": 3.0, "build_fast_2_vs_build_fast_1": 1.8},
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1228 @@
+"""``h5corpus build``: raw text -> tokenized shards + manifest, in parallel, deterministically,
+resumably. See ``docs/BUILD.md``.
+
+The build runs in three phases over *tasks* (``sources.plan_tasks``: a byte range of a ``.jsonl``,
+row groups of a parquet file, a compressed file, a run of ``.txt`` files), numbered in input order:
+
+1. **read** (parallel, one job per task): stream records, apply the optional filters, hash each
+   document's UTF-8 text (document id = sha256), drop duplicates inside the task, tokenize, and
+   spill ``tokens`` (EOS appended) and a per-document table (id, tokens, characters, split) to the
+   state folder. A completion record (JSON, written atomically, last) carries the spill files'
+   sha256.
+2. **decide** (main process, sequential in input order, cheap): global exact dedup across tasks
+   (first occurrence wins), near-duplicate index (filters' signatures), ``--max-tokens`` budgets
+   (whole documents in input order until a budget is filled; the last one is kept whole). Reading
+   stops at the task where every budget is filled.
+3. **write** (parallel, one job per task): the kept documents of each task into that task's own
+   shards ``shards/<split>/<split>-<task:05d>-<n:03d>.h5`` (``ShardWriter``; at most
+   ``shard_tokens`` tokens each, documents never cut), truncating at ``max_document_tokens``.
+
+The manifest is written last, atomically. Every output byte is a function of the inputs and the
+settings, never of the worker count or timing, so any worker count gives identical files, and a
+build killed at any moment (``kill -9``) finishes on re-run with the same bytes: completed tasks
+are reused after their hashes are checked, everything else is redone. A lock file
+(``fcntl.flock``) makes a second concurrent build into the same shards folder fail clearly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import pickle
+import queue
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from . import __version__
+from . import format as fmt
+from .format import TokenizerIdentity
+from .manifest import DEFAULT_MANIFEST, DEFAULT_SHARDS_DIR, Manifest, ShardEntry, read_manifest, write_json_atomic, write_manifest
+from .sources import BadRecord, Input, Task, TaskReader, plan_tasks, resolve_sources
+from .tokenize import Encoder, HFEncoder, Tokenizer, fast_encoder, load_tokenizer, prove_same_ids
+from .writer import PARTIAL_SUFFIX, ShardWriter
+
+DEFAULT_SPLIT_SEED = 20261003
+DEFAULT_VALIDATION_FRACTION = 0.05
+#: Input bytes per task: small enough to balance 2+ workers and bound the reading past a filled
+#: budget, large enough that each task's shards are not tiny.
+DEFAULT_TASK_BYTES = 16 << 20
+#: Most tokens one shard holds (a single longer document gets a shard of its own).
+DEFAULT_SHARD_TOKENS = 1 << 27
+#: Skipped records listed per task and in the manifest (all are counted).
+MAX_LISTED = 100
+#: Text the build samples from its own input (the first documents of each task, in input order)
+#: to prove a fast encoder equal to ``tokenizers``: at most this many characters in all ...
+PROOF_SAMPLE_CHARS = 128 << 10
+#: ... and at most this many from one task, so the sample spans the inputs.
+PROOF_SAMPLE_TASK_CHARS = 16 << 10
+STATE_DIR = ".build"
+LOCK_FILE = ".build.lock"
+SHARD_NAME = re.compile(r"^(train|validation)-(\d{5})-(\d{3})\.h5$")
+#: Per-document table of a read task's spill.
+DOC_DTYPE = np.dtype([("id", "V32"), ("tokens", "<i8"), ("chars", "<i8"), ("split", "u1")])
+_ENCODE_BATCH_DOCS = 256
+_ENCODE_BATCH_CHARS = 1 << 20
+
+
+class BuildError(Exception):
+    """The input is bad (a record that cannot be read under ``on_error="fail"``): names file and line."""
+
+
+class BuildConflict(Exception):
+    """The output is in use or holds something else: another build holds the lock, the manifest was
+    built with another tokenizer or other settings, or an interrupted build used other settings."""
+
+
+# -- the filter seam (issue 7 plugs in here) ----------------------------------------------------
+@runtime_checkable
+class DocumentFilters(Protocol):
+    """What the build needs from cleaning / quality / language / PII / near-dedup stages.
+
+    Required:
+
+    * ``process(text) -> (text_or_None, drop_reason_or_None)``: return the (possibly cleaned) text
+      to keep it, or ``(None, reason)`` to drop it; called once per document in phase 1, in input
+      order within a task, in a worker process (the object is inherited by fork or pickled).
+    * ``counters() -> Mapping[str, int]``: monotonically growing per-rule counters of this process's
+      copy. The build takes the difference across each task and sums tasks in input order, so they
+      merge deterministically across workers.
+
+    Optional:
+
+    * ``signature(text) -> object``: a picklable near-duplicate signature (e.g. a MinHash) of a kept
+      text, computed in phase 1.
+    * ``near_duplicate_index() -> index`` where ``index.add(signature) -> bool`` (True = a near
+      duplicate of something added before): phase 2 creates one index per build and feeds it the
+      signatures of exact-dedup survivors, in global input order.
+    * ``describe() -> Mapping``: JSON-able settings, recorded in the manifest and part of the
+      build fingerprint (changing them invalidates an interrupted build).
+    """
+
+    def process(self, text: str) -> tuple[str | None, str | None]: ...
+
+    def counters(self) -> Mapping[str, int]: ...
+
+
+# -- configuration ------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class BuildConfig:
+    """Everything a build depends on. Paths are relative to the current directory."""
+
+    sources: Sequence[str] = ("stdlib",)
+    """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``), in input order."""
+    tokenizer: str = "gpt2"
+    """Tokenizer spec: ``gpt2``, ``bytes``, or a path to ``tokenizer.json`` / its folder."""
+    shards_dir: str | os.PathLike[str] = DEFAULT_SHARDS_DIR
+    manifest: str | os.PathLike[str] = DEFAULT_MANIFEST
+    workers: int | None = None
+    """Worker processes (default: all cores). Never changes the output."""
+    text_field: str = "text"
+    """JSON field / parquet column holding the text."""
+    split_seed: int = DEFAULT_SPLIT_SEED
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION
+    """Probability that a document goes to validation (by hash of id and seed), in [0, 1]."""
+    max_tokens: Mapping[str, int] | None = None
+    """Per-split token budgets (EOS included): whole documents in input order until filled, the
+    last one kept whole. A split without a budget keeps all its documents."""
+    max_document_tokens: int | None = None
+    """Cut longer documents to this many tokens when writing (no EOS after a cut; flagged)."""
+    on_error: str = "fail"
+    """``fail``: a bad record stops the build, naming file and line. ``skip``: count and list it."""
+    overwrite: bool = False
+    """Delete the manifest, this build's shards and any interrupted state first."""
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    """Most tokens per shard file (a longer single document gets its own shard)."""
+    chunk_tokens: int = fmt.DEFAULT_CHUNK_TOKENS
+    """HDF5 chunk size of ``/tokens``, in tokens."""
+    task_bytes: int = DEFAULT_TASK_BYTES
+    """Input bytes per task (the unit of parallel work, resume and shard naming)."""
+    filters: DocumentFilters | None = None
+    """Optional :class:`DocumentFilters` (cleaning, quality, language, PII, near-dedup)."""
+    fast_path: bool = True
+    """Use a proven-equal fast encoder (tiktoken / raw bytes) when the tokenizer allows one."""
+    progress: bool = False
+    """Show a tqdm bar (documents, tokens, tokens/s) on stderr."""
+    hf_cache_dir: str | os.PathLike[str] | None = None
+    """Hugging Face hub cache (default: ``$HF_HUB_CACHE`` or ``~/.cache/huggingface/hub``)."""
+    eos_token: str | None = None
+    """End-of-document token text (default: the first of ``<|endoftext|>``, ``</s>``, ... present)."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not self.sources:
+            raise ValueError("sources: give at least one SOURCE")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not 0.0 <= float(self.validation_fraction) <= 1.0:
+            raise ValueError(f"validation_fraction must be in [0, 1], got {self.validation_fraction}")
+        if int(self.split_seed) < 0:
+            raise ValueError(f"split_seed must be >= 0, got {self.split_seed}")
+        for k, v in (self.max_tokens or {}).items():
+            if k not in fmt.SPLITS:
+                raise ValueError(f"max_tokens: unknown split {k!r} (splits: {', '.join(fmt.SPLITS)})")
+            if int(v) <= 0:
+                raise ValueError(f"max_tokens: budget for {k} must be positive, got {v}")
+        if self.max_document_tokens is not None and int(self.max_document_tokens) < 1:
+            raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens}")
+        if self.on_error not in ("fail", "skip"):
+            raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
+        for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.filters is not None and not callable(getattr(self.filters, "process", None)):
+            raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that determine the output bytes (recorded in the manifest)."""
+        f = self.filters
+        fdesc: Any = None
+        if f is not None:
+            fdesc = dict(f.describe()) if callable(getattr(f, "describe", None)) else {"class": type(f).__qualname__}
+        return {
+            "text_field": self.text_field,
+            "split_seed": int(self.split_seed),
+            "validation_fraction": float(self.validation_fraction),
+            "max_tokens": {k: int(v) for k, v in sorted((self.max_tokens or {}).items())} or None,
+            "max_document_tokens": None if self.max_document_tokens is None else int(self.max_document_tokens),
+            "shard_tokens": int(self.shard_tokens),
+            "chunk_tokens": int(self.chunk_tokens),
+            "task_bytes": int(self.task_bytes),
+            "filters": fdesc,
+            "format_version": fmt.FORMAT_VERSION,
+        }
+
+
+def parse_max_tokens(spec: str) -> dict[str, int]:
+    """``"train=8M,validation=100k"`` -> ``{"train": 8_000_000, "validation": 100_000}``.
+    Suffixes k/M/B (powers of 1000) and ``_`` separators are accepted."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "=" not in part:
+            raise ValueError(f"--max-tokens: {part!r} is not SPLIT=N (e.g. train=8M,validation=100k)")
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k not in fmt.SPLITS:
+            raise ValueError(f"--max-tokens: unknown split {k!r} (splits: {', '.join(fmt.SPLITS)})")
+        m = re.fullmatch(r"(\d[\d_]*(?:\.\d+)?)\s*([kKmMbBgG]?)", v)
+        if not m:
+            raise ValueError(f"--max-tokens: {v!r} is not a token count (e.g. 8000000, 8M, 100k)")
+        mult = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}[m.group(2).lower()]
+        n = int(float(m.group(1).replace("_", "")) * mult)
+        if n <= 0:
+            raise ValueError(f"--max-tokens: budget for {k} must be positive")
+        out[k] = n
+    if not out:
+        raise ValueError("--max-tokens: give SPLIT=N pairs, e.g. train=8M,validation=100k")
+    return out
+
+
+# -- splitting ----------------------------------------------------------------------------------
+def _split_prefix(seed: int) -> bytes:
+    return b"h5corpus-split:%d:" % int(seed)
+
+
+def _split_threshold(validation_fraction: float) -> int:
+    return min(int(float(validation_fraction) * (1 << 64)), 1 << 64)
+
+
+def document_split(doc_id: bytes, *, seed: int = DEFAULT_SPLIT_SEED, validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> str:
+    """The split of a document: ``validation`` when the first 8 bytes (big-endian) of
+    ``sha256(b"h5corpus-split:<seed>:" + doc_id)``, read as a fraction of 2**64, fall below
+    ``validation_fraction``; else ``train``. ``doc_id`` is the 32-byte sha256 of the UTF-8 text."""
+    u = int.from_bytes(hashlib.sha256(_split_prefix(seed) + doc_id).digest()[:8], "big")
+    return fmt.SPLITS[1] if u < _split_threshold(validation_fraction) else fmt.SPLITS[0]
+
+
+# -- report -------------------------------------------------------------------------------------
+_SPLIT_KEYS = ("documents", "tokens", "pairs", "characters", "duplicates", "near_duplicates", "dropped",
+               "over_budget", "truncated", "skipped", "shards")
+
+
+def _empty_split() -> dict[str, Any]:
+    d: dict[str, Any] = {k: 0 for k in _SPLIT_KEYS}
+    d["dropped_reasons"] = {}
+    return d
+
+
+@dataclass
+class BuildReport:
+    """What a build did. ``splits`` holds the manifest's per-split figures."""
+
+    manifest: str
+    shards_dir: str
+    tokenizer: dict[str, Any]
+    splits: dict[str, dict[str, Any]]
+    tasks: int = 0
+    tasks_read: int = 0
+    """Tasks that are part of the corpus (all, unless budgets stopped reading early)."""
+    tasks_reused: int = 0
+    """Tasks whose completed work from an interrupted run was checked and reused."""
+    shards_written: int = 0
+    shards_reused: int = 0
+    encoder: str = ""
+    """Encoder that tokenized this run: tiktoken, bytes or tokenizers."""
+    encoder_note: str = ""
+    """Why the fast path was not used, when it was not."""
+    skipped_total: int = 0
+    skipped_records: list[str] = field(default_factory=list)
+    """``file:line: reason`` of skipped records (the first :data:`MAX_LISTED`)."""
+    filter_counters: dict[str, int] = field(default_factory=dict)
+    tokens_encoded: int = 0
+    """Tokens this run tokenized (EOS included; duplicates within a task are not tokenized)."""
+    elapsed_s: float = 0.0
+    up_to_date: bool = False
+    """The manifest already described this exact build; nothing was done."""
+    resumed: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(s["tokens"]) for s in self.splits.values())
+
+    @property
+    def documents(self) -> int:
+        return sum(int(s["documents"]) for s in self.splits.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Corpus tokens per second of this run's wall time."""
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_s"] = round(self.tokens_per_s, 1)
+        d["elapsed_s"] = round(self.elapsed_s, 3)
+        d["tokens"] = self.tokens
+        d["documents"] = self.documents
+        return d
+
+
+# -- small helpers ------------------------------------------------------------------------------
+def _sha256_file(path: Path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while b := fh.read(block):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+class _Lock:
+    """Exclusive ``flock`` on ``<shards_dir>/.build.lock`` for the life of a build."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def __enter__(self) -> "_Lock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise BuildConflict(
+                f"another h5corpus build is writing into {self.path.parent} (lock {self.path} held by pid {holder}); "
+                "wait for it to finish, or stop it first"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+class _SeenIds:
+    """Set of 32-byte document ids as sorted numpy runs (32 bytes per id; merged like an LSM tree)."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        hit = np.zeros(keys.size, dtype=bool)
+        for run in self.runs:
+            i = np.searchsorted(run, keys)
+            i[i == run.size] = 0
+            hit |= run[i] == keys
+        return hit
+
+    def add(self, keys: np.ndarray) -> None:
+        """Add ``keys`` (distinct, none already present)."""
+        if keys.size == 0:
+            return
+        self.runs.append(np.sort(keys))
+        while len(self.runs) > 1 and self.runs[-2].size <= 2 * self.runs[-1].size:
+            b = self.runs.pop()
+            a = self.runs.pop()
+            self.runs.append(np.sort(np.concatenate([a, b])))
+
+
+# -- worker side --------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    """What every worker needs; inherited at fork (or pickled for spawn)."""
+
+    encoder: Any
+    identity: TokenizerIdentity
+    state: str
+    shards_dir: str
+    text_field: str
+    seed: int
+    fraction: float
+    on_error: str
+    filters: Any
+    chunk_tokens: int
+    shard_tokens: int
+    max_document_tokens: int | None
+    progress: Any = None
+    lock_fd: int | None = None
+    parent_pid: int = 0
+
+
+_W: _Job | None = None
+
+
+def _init_worker(job: _Job) -> None:
+    global _W
+    _W = job
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    if job.lock_fd is not None:
+        try:
+            os.close(job.lock_fd)  # the lock belongs to the main process alone
+        except OSError:
+            pass
+    if sys.platform.startswith("linux"):
+        try:  # die with the main process (kill -9 of the build leaves no orphan writers)
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+        if job.parent_pid and os.getppid() != job.parent_pid:
+            os._exit(1)
+
+
+class _Progress:
+    """Counters shared with workers: documents, tokens (an ``mp.Array('q', 2)``)."""
+
+    def __init__(self, arr: Any) -> None:
+        self.arr = arr
+
+    def add(self, docs: int, tokens: int) -> None:
+        if self.arr is not None:
+            with self.arr.get_lock():
+                self.arr[0] += docs
+                self.arr[1] += tokens
+
+
+def _p1_paths(state: Path, index: int) -> dict[str, Path]:
+    stem = state / "p1" / f"{index:05d}"
+    return {"record": stem.with_suffix(".json"), "tokens": stem.with_suffix(".tokens"),
+            "docs": stem.with_suffix(".docs"), "sig": stem.with_suffix(".sig")}
+
+
+def _p3_record_path(state: Path, index: int) -> Path:
+    return state / "p3" / f"{index:05d}.json"
+
+
+def _read_job(task: Task) -> dict[str, Any]:
+    """Phase 1 for one task; returns its completion record (also written to the state folder)."""
+    J = _W
+    assert J is not None
+    t0 = time.perf_counter()
+    state = Path(J.state)
+    paths = _p1_paths(state, task.index)
+    tmp = f".tmp{os.getpid()}"
+    dtype = fmt.token_dtype(J.identity.vocab_size)
+    eos = J.identity.eos_id
+    prefix = _split_prefix(J.seed)
+    threshold = _split_threshold(J.fraction)
+    filters = J.filters
+    sig_fn = getattr(filters, "signature", None) if filters is not None else None
+    has_counters = filters is not None and callable(getattr(filters, "counters", None))
+    counters0 = dict(filters.counters()) if has_counters else {}
+    progress = _Progress(J.progress)
+    sha256 = hashlib.sha256
+
+    def split_of(doc_id: bytes) -> int:
+        return 1 if int.from_bytes(sha256(prefix + doc_id).digest()[:8], "big") < threshold else 0
+
+    counts = [{"duplicates": 0, "skipped": 0, "dropped": 0, "dropped_reasons": {}} for _ in fmt.SPLITS]
+    skip_codes: dict[str, int] = {}
+    listed: list[str] = []
+    skipped_total = 0
+    seen: set[bytes] = set()
+    sigs: list[Any] = []
+    n_docs = 0
+    n_tokens = 0
+    tok_hash = sha256()
+    doc_hash = sha256()
+    b_texts: list[str] = []
+    b_ids: list[bytes] = []
+    b_chars: list[int] = []
+    b_split: list[int] = []
+    b_size = 0
+
+    tok_tmp = paths["tokens"].with_name(paths["tokens"].name + tmp)
+    docs_tmp = paths["docs"].with_name(paths["docs"].name + tmp)
+    tok_fh = open(tok_tmp, "wb")
+    docs_fh = open(docs_tmp, "wb")
+
+    def flush() -> None:
+        nonlocal n_docs, n_tokens, b_size
+        if not b_texts:
+            return
+        arrs = J.encoder.encode_batch(b_texts)
+        lengths = np.fromiter((a.size + 1 for a in arrs), dtype=np.int64, count=len(arrs))
+        flat = np.empty(int(lengths.sum()), dtype=dtype)
+        pos = 0
+        for a in arrs:
+            n = a.size
+            flat[pos : pos + n] = a
+            flat[pos + n] = eos
+            pos += n + 1
+        mv = memoryview(flat).cast("B")
+        tok_fh.write(mv)
+        tok_hash.update(mv)
+        rows = np.empty(len(arrs), dtype=DOC_DTYPE)
+        rows["id"] = np.frombuffer(b"".join(b_ids), dtype="V32")
+        rows["tokens"] = lengths
+        rows["chars"] = b_chars
+        rows["split"] = b_split
+        rb = rows.tobytes()
+        docs_fh.write(rb)
+        doc_hash.update(rb)
+        n_docs += len(arrs)
+        n_tokens += flat.size
+        progress.add(len(arrs), flat.size)
+        b_texts.clear(), b_ids.clear(), b_chars.clear(), b_split.clear()
+        b_size = 0
+
+    try:
+        for rec in TaskReader(task, J.text_field):
+            if isinstance(rec, BadRecord):
+                if J.on_error == "fail":
+                    raise BuildError(f"{rec} (pass --on-error skip to skip and count bad records)")
+                s = split_of(sha256(rec.where.encode()).digest())
+                counts[s]["skipped"] += 1
+                skip_codes[rec.code] = skip_codes.get(rec.code, 0) + 1
+                skipped_total += 1
+                if len(listed) < MAX_LISTED:
+                    listed.append(str(rec))
+                continue
+            text, data = rec
+            if filters is not None:
+                new, reason = filters.process(text)
+                if new is None:
+                    s = split_of(sha256(data).digest())
+                    c = counts[s]
+                    c["dropped"] += 1
+                    r = str(reason or "filtered")
+                    c["dropped_reasons"][r] = c["dropped_reasons"].get(r, 0) + 1
+                    continue
+                if new is not text:
+                    text = new
+                    data = text.encode("utf-8")
+            doc_id = sha256(data).digest()
+            s = split_of(doc_id)
+            if not text:
+                counts[s]["skipped"] += 1
+                skip_codes["empty"] = skip_codes.get("empty", 0) + 1
+                continue
+            if doc_id in seen:
+                counts[s]["duplicates"] += 1
+                continue
+            seen.add(doc_id)
+            if sig_fn is not None:
+                sigs.append(sig_fn(text))
+            b_texts.append(text)
+            b_ids.append(doc_id)
+            b_chars.append(len(text))
+            b_split.append(s)
+            b_size += len(text)
+            if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
+                flush()
+        flush()
+        tok_fh.close()
+        docs_fh.close()
+        os.replace(tok_tmp, paths["tokens"])
+        os.replace(docs_tmp, paths["docs"])
+        sig_sha = None
+        if sig_fn is not None:
+            blob = pickle.dumps(sigs, protocol=4)
+            sig_tmp = paths["sig"].with_name(paths["sig"].name + tmp)
+            sig_tmp.write_bytes(blob)
+            os.replace(sig_tmp, paths["sig"])
+            sig_sha = hashlib.sha256(blob).hexdigest()
+    except BaseException:
+        tok_fh.close()
+        docs_fh.close()
+        tok_tmp.unlink(missing_ok=True)
+        docs_tmp.unlink(missing_ok=True)
+        raise
+    fc: dict[str, int] = {}
+    if has_counters:
+        after = dict(filters.counters())
+        fc = {k: int(v) - int(counters0.get(k, 0)) for k, v in after.items()}
+    record = {
+        "task": task.key,
+        "index": task.index,
+        "encoder": J.encoder.name,
+        "documents": n_docs,
+        "tokens": n_tokens,
+        "files": {"tokens": tok_hash.hexdigest(), "docs": doc_hash.hexdigest(), "sig": sig_sha},
+        "counts": {split: counts[i] for i, split in enumerate(fmt.SPLITS)},
+        "skipped_total": skipped_total,
+        "skip_codes": skip_codes,
+        "skipped_records": listed,
+        "filter_counters": fc,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    write_json_atomic(paths["record"], record)
+    return record
+
+
+def _task_shard_files(shards_dir: Path, index: int) -> list[Path]:
+    out = []
+    for split in fmt.SPLITS:
+        d = shards_dir / split
+        if d.is_dir():
+            out.extend(sorted(d.glob(f"{split}-{index:05d}-*.h5*")))
+    return out
+
+
+def _check_reusable_shards(shards_dir: Path, rec: Mapping[str, Any], identity: TokenizerIdentity, chunk_tokens: int) -> bool:
+    """True when every shard a write record lists is on disk and matches its hashes."""
+    from .validate import _Expect, check_shard
+
+    expect = _Expect(dtype=fmt.dtype_name(fmt.token_dtype(identity.vocab_size)), chunk_tokens=chunk_tokens,
+                     eos_id=identity.eos_id, vocab_size=identity.vocab_size, tokenizer_sha256=identity.sha256)
+    for s in rec.get("shards", []):
+        entry = ShardEntry.from_json(s, "write record")
+        findings, _ = check_shard(str(shards_dir / s["path"]), entry, expect)
+        if findings:
+            return False
+    return True
+
+
+def _write_job(index: int, key: str, decision: np.ndarray, p1_tokens_sha: str, reuse: dict[str, Any] | None) -> dict[str, Any]:
+    """Phase 3 for one task: write its kept documents into its shards; returns the write record,
+    or ``{"spill_missing": True}`` when the task's token spill is gone or damaged (re-read it)."""
+    J = _W
+    assert J is not None
+    state = Path(J.state)
+    shards_dir = Path(J.shards_dir)
+    dec_sha = hashlib.sha256(decision.tobytes()).hexdigest()
+    if reuse is not None and reuse.get("task") == key and reuse.get("decision_sha256") == dec_sha:
+        if _check_reusable_shards(shards_dir, reuse, J.identity, J.chunk_tokens):
+            return dict(reuse, reused=True)
+    for p in _task_shard_files(shards_dir, index):
+        p.unlink(missing_ok=True)
+    paths = _p1_paths(state, index)
+    kept = np.flatnonzero(decision != 0)
+    shards: list[dict[str, Any]] = []
+    if kept.size:
+        if not paths["tokens"].exists() or _sha256_file(paths["tokens"]) != p1_tokens_sha:
+            return {"spill_missing": True}
+        dtype = fmt.token_dtype(J.identity.vocab_size)
+        docs = np.fromfile(paths["docs"], dtype=DOC_DTYPE)
+        tokens = np.memmap(paths["tokens"], dtype=dtype, mode="r") if paths["tokens"].stat().st_size else np.zeros(0, dtype)
+        starts = np.concatenate([[0], np.cumsum(docs["tokens"])[:-1]]).astype(np.int64)
+        mdt = J.max_document_tokens
+        for code, split in enumerate(fmt.SPLITS, start=1):
+            sel = np.flatnonzero(decision == code)
+            if not sel.size:
+                continue
+            full = docs["tokens"][sel]
+            stored = np.minimum(full, mdt) if mdt else full.copy()
+            flags = np.where(stored < full, fmt.FLAG_TRUNCATED, 0).astype(np.uint8)
+            ids = np.frombuffer(docs["id"][sel].tobytes(), dtype=np.uint8).reshape(-1, fmt.DOC_ID_BYTES)
+            # Shard boundaries: greedy, documents whole, at most shard_tokens unless one document is longer.
+            bounds = [0]
+            acc = 0
+            for i, n in enumerate(stored.tolist()):
+                if acc and acc + n > J.shard_tokens:
+                    bounds.append(i)
+                    acc = 0
+                acc += n
+            bounds.append(sel.size)
+            for n_shard, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                path = shards_dir / split / f"{split}-{index:05d}-{n_shard:03d}.h5"
+                with ShardWriter(path, split=split, tokenizer=J.identity, chunk_tokens=J.chunk_tokens) as w:
+                    i = a
+                    while i < b:  # gather in blocks of ~8M tokens
+                        cs = np.cumsum(stored[i:b])
+                        j = i + max(1, int(np.searchsorted(cs, 8 << 20, side="right")))
+                        lens = stored[i:j]
+                        rel = np.repeat(starts[sel[i:j]] - (np.cumsum(lens) - lens), lens)
+                        flat = tokens[rel + np.arange(int(lens.sum()), dtype=np.int64)]
+                        w.add_documents(flat, lens, ids[i:j], flags[i:j])
+                        i = j
+                info = w.info
+                assert info is not None
+                shards.append({
+                    "path": Path(os.path.relpath(info.path, shards_dir)).as_posix(), "split": split,
+                    "tokens": info.tokens, "documents": info.documents, "sha256": info.sha256,
+                    "index_sha256": info.index_sha256, "bytes": info.bytes,
+                })
+        del tokens
+    record = {"task": key, "index": index, "decision_sha256": dec_sha, "shards": shards}
+    write_json_atomic(_p3_record_path(state, index), record)
+    paths["tokens"].unlink(missing_ok=True)  # the shards hold them now
+    return dict(record, reused=False)
+
+
+# -- phase 2 ------------------------------------------------------------------------------------
+class _Decider:
+    """Global decisions in input order: exact dedup, near-dedup, budgets. Deterministic."""
+
+    def __init__(self, cfg: BuildConfig) -> None:
+        self.seen = _SeenIds()
+        f = cfg.filters
+        self.index = f.near_duplicate_index() if f is not None and callable(getattr(f, "near_duplicate_index", None)) else None
+        self.mdt = cfg.max_document_tokens
+        b = cfg.max_tokens or {}
+        self.budget = [b.get(s) for s in fmt.SPLITS]
+        self.used = [0, 0]
+        frac = float(cfg.validation_fraction)
+        # A split that can receive no document needs nothing; reading stops only when every
+        # split that can receive documents has a budget and it is filled.
+        self.needs = [frac < 1.0, frac > 0.0]
+        self.splits = {s: _empty_split() for s in fmt.SPLITS}
+
+    @property
+    def can_stop_early(self) -> bool:
+        """Every split that can receive documents has a budget (so reading may stop before the end)."""
+        return all((not need) or b is not None for b, need in zip(self.budget, self.needs))
+
+    @property
+    def filled(self) -> bool:
+        return all((not need) or (b is not None and u >= b) for b, u, need in zip(self.budget, self.used, self.needs))
+
+    def feed(self, docs: np.ndarray, sigs: list[Any] | None, rec: Mapping[str, Any]) -> np.ndarray:
+        """Decide one task's documents: 0 = not stored, 1 = train, 2 = validation."""
+        for split in fmt.SPLITS:
+            c = rec["counts"][split]
+            st = self.splits[split]
+            for k in ("duplicates", "skipped", "dropped"):
+                st[k] += int(c[k])
+            for r, n in c["dropped_reasons"].items():
+                st["dropped_reasons"][r] = st["dropped_reasons"].get(r, 0) + int(n)
+        ids = docs["id"]
+        dup = self.seen.contains(ids) if ids.size else np.zeros(0, bool)
+        self.seen.add(ids[~dup])
+        near = np.zeros(ids.size, dtype=bool)
+        if self.index is not None and sigs is not None:
+            for i in np.flatnonzero(~dup).tolist():
+                if self.index.add(sigs[i]):
+                    near[i] = True
+        full = docs["tokens"]
+        stored = np.minimum(full, self.mdt) if self.mdt else full
+        split = docs["split"]
+        keep = ~dup & ~near
+        over = np.zeros(ids.size, dtype=bool)
+        for s in (0, 1):
+            b = self.budget[s]
+            idx = np.flatnonzero(keep & (split == s))
+            if b is None or not idx.size:
+                continue
+            lens = stored[idx]
+            before = np.cumsum(lens) - lens
+            ok = self.used[s] + before < b
+            over[idx[~ok]] = True
+            keep[idx[~ok]] = False
+            self.used[s] += int(lens[ok].sum())
+        decision = np.where(keep, split.astype(np.uint8) + 1, 0).astype(np.uint8)
+        for s, name in enumerate(fmt.SPLITS):
+            st = self.splits[name]
+            m = split == s
+            k = keep & m
+            st["duplicates"] += int((dup & m).sum())
+            st["near_duplicates"] += int((near & m).sum())
+            st["over_budget"] += int((over & m).sum())
+            st["documents"] += int(k.sum())
+            st["tokens"] += int(stored[k].sum())
+            st["characters"] += int(docs["chars"][k].sum())
+            st["truncated"] += int((stored[k] < full[k]).sum())
+        return decision
+
+
+# -- the build ----------------------------------------------------------------------------------
+def _mp_context():
+    import multiprocessing as mp
+
+    # fork: workers inherit the loaded encoder and filters (no re-import, no pickling). Safe here:
+    # the main process holds no open HDF5 file and has started no thread pool when it forks.
+    return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+class _Pool:
+    """A process pool whose results arrive on a queue as (kind, task index, result | exception)."""
+
+    def __init__(self, n: int, job: _Job) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.pool = _mp_context().Pool(n, initializer=_init_worker, initargs=(job,))
+        self.outstanding = 0
+
+    def submit(self, kind: str, index: int, fn: Any, *args: Any) -> None:
+        self.outstanding += 1
+        self.pool.apply_async(
+            fn, args,
+            callback=lambda r: self.q.put((kind, index, r)),
+            error_callback=lambda e: self.q.put((kind, index, e)),
+        )
+
+    def get(self, timeout: float) -> tuple[str, int, Any] | None:
+        try:
+            item = self.q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.outstanding -= 1
+        return item
+
+    def close(self, wait: bool) -> None:
+        if wait:
+            self.pool.close()
+        else:
+            self.pool.terminate()
+        self.pool.join()
+
+
+def _read_p1(state: Path, task: Task) -> dict[str, Any] | None:
+    """A task's read record, if present, for this task's input, with its table intact."""
+    p = _p1_paths(state, task.index)
+    try:
+        rec = json.loads(p["record"].read_text())
+    except (OSError, ValueError):
+        return None
+    if rec.get("task") != task.key or not p["docs"].exists():
+        return None
+    if _sha256_file(p["docs"]) != rec["files"]["docs"]:
+        return None
+    if rec["files"].get("sig") and (not p["sig"].exists() or _sha256_file(p["sig"]) != rec["files"]["sig"]):
+        return None
+    return rec
+
+
+def _load_docs(state: Path, task: Task, rec: Mapping[str, Any]) -> tuple[np.ndarray, list[Any] | None]:
+    p = _p1_paths(state, task.index)
+    raw = p["docs"].read_bytes()
+    if hashlib.sha256(raw).hexdigest() != rec["files"]["docs"]:
+        raise BuildError(f"{p['docs']}: spill table changed during the build")
+    docs = np.frombuffer(raw, dtype=DOC_DTYPE)
+    sigs = pickle.loads(p["sig"].read_bytes()) if rec["files"].get("sig") else None
+    return docs, sigs
+
+
+def _sample_texts(tasks: Sequence[Task], text_field: str, limit_chars: int, per_task: int) -> list[str]:
+    """The first documents of each task in input order (whole documents, the last one of a task
+    cut at a line break), up to ``per_task`` characters per task and ``limit_chars`` in all."""
+    out: list[str] = []
+    total = 0
+    for t in tasks:
+        here = 0
+        for rec in TaskReader(t, text_field):
+            if isinstance(rec, BadRecord) or not rec[0]:
+                continue
+            text = rec[0]
+            room = min(per_task - here, limit_chars - total)
+            if len(text) > room:
+                cut = text.rfind("\n", 0, room)
+                text = text[: cut if cut > 0 else room]
+            out.append(text)
+            here += len(text)
+            total += len(text)
+            if here >= per_task or total >= limit_chars or len(text) < len(rec[0]):
+                break
+        if total >= limit_chars:
+            break
+    return out
+
+
+def _ours(p: Path) -> bool:
+    return bool(SHARD_NAME.match(p.name)) and p.parent.name == p.name.split("-", 1)[0]
+
+
+def _our_shard_files(shards_dir: Path) -> list[Path]:
+    out: list[Path] = []
+    for split in fmt.SPLITS:
+        d = shards_dir / split
+        if d.is_dir():
+            out.extend(p for p in sorted(d.iterdir()) if _ours(p) or p.name.endswith(".h5" + PARTIAL_SUFFIX))
+    return out
+
+
+def _tokenizer_conflict(path: Path, have: TokenizerIdentity, want: TokenizerIdentity) -> BuildConflict:
+    return BuildConflict(
+        f"{path} was built with tokenizer {have.name!r} (revision {have.revision}, sha256 {have.sha256[:12]}, "
+        f"vocab {have.vocab_size:,}, eos {have.eos_id}); this build uses {want.name!r} (revision {want.revision}, "
+        f"sha256 {want.sha256[:12]}, vocab {want.vocab_size:,}, eos {want.eos_id}). Token ids would not be "
+        "comparable: choose another --manifest/--shards-dir, or pass --overwrite to replace it"
+    )
+
+
+def _diff_keys(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6]) or "inputs"
+
+
+def build(config: BuildConfig) -> BuildReport:
+    """Build (or resume, or confirm up to date) the corpus ``config`` describes.
+
+    Raises ValueError (bad settings), :class:`~h5corpus.tokenize.TokenizerError` /
+    :class:`~h5corpus.sources.SourceError` (spec cannot be resolved), :class:`BuildConflict`
+    (lock held, output built otherwise) and :class:`BuildError` (bad input under
+    ``on_error="fail"``; completed work is kept, so fixing the input and re-running resumes).
+    """
+    t_start = time.perf_counter()
+    cfg = config
+    cfg.check()
+    tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, cache_dir=cfg.hf_cache_dir)
+    ident = tok.identity
+    inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir)
+    shards_dir = Path(cfg.shards_dir).absolute()
+    manifest_path = Path(cfg.manifest).absolute()
+    state = shards_dir / STATE_DIR
+    workers = max(1, int(cfg.workers or os.cpu_count() or 1))
+    settings = cfg.settings()
+    sources_desc = {"inputs": [i.describe() for i in inputs]}
+    run_id = {"settings": settings, "tokenizer": ident.to_json(), "sources": list(cfg.sources)}
+    fingerprint = hashlib.sha256(_canonical({"run": run_id, "sources": sources_desc})).hexdigest()
+
+    with _Lock(shards_dir / LOCK_FILE) as lock:
+        if cfg.overwrite:
+            manifest_path.unlink(missing_ok=True)
+            shutil.rmtree(state, ignore_errors=True)
+            for p in _our_shard_files(shards_dir):
+                p.unlink(missing_ok=True)
+        resumed = state.is_dir() and (state / "plan.json").exists()
+        if resumed:
+            try:
+                plan = json.loads((state / "plan.json").read_text())
+            except ValueError:
+                plan = {}
+            if plan.get("run") != run_id:
+                old = plan.get("run") or {}
+                if old.get("tokenizer") and not TokenizerIdentity.from_json(old["tokenizer"]).same_ids(ident):
+                    raise _tokenizer_conflict(state, TokenizerIdentity.from_json(old["tokenizer"]), ident)
+                raise BuildConflict(
+                    f"{state} holds an interrupted build with other settings ({_diff_keys(old.get('settings') or {}, settings)}"
+                    f"{'; sources ' + repr(old.get('sources')) if old.get('sources') != list(cfg.sources) else ''}); "
+                    "re-run that build to finish it, or pass --overwrite to start over"
+                )
+        else:
+            if manifest_path.exists():
+                m = read_manifest(manifest_path)
+                if not m.tokenizer.same_ids(ident):
+                    raise _tokenizer_conflict(manifest_path, m.tokenizer, ident)
+                b = m.extra.get("build") or {}
+                if b.get("fingerprint") == fingerprint:
+                    return _report_from_manifest(m, shards_dir, time.perf_counter() - t_start)
+                raise BuildConflict(
+                    f"{manifest_path} exists and was built from other inputs or settings "
+                    f"({_diff_keys(b.get('settings') or {}, settings)}); pass --overwrite to replace it, "
+                    "or choose another --manifest/--shards-dir"
+                )
+            stray = [p for p in _our_shard_files(shards_dir) if not p.name.endswith(PARTIAL_SUFFIX)]
+            if stray:
+                raise BuildConflict(
+                    f"{shards_dir} already holds {len(stray)} shard files ({stray[0].name}, ...) that no manifest or "
+                    "interrupted build here accounts for; pass --overwrite to delete them, or choose another --shards-dir"
+                )
+            for sub in ("p1", "p3"):
+                (state / sub).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(state / "plan.json", {"run": run_id})
+        for sub in ("p1", "p3"):
+            (state / sub).mkdir(parents=True, exist_ok=True)
+        for p in list((state / "p1").glob("*.tmp*")):
+            p.unlink(missing_ok=True)
+        for p in _our_shard_files(shards_dir):
+            if p.name.endswith(PARTIAL_SUFFIX):
+                p.unlink(missing_ok=True)
+
+        tasks = plan_tasks(inputs, task_bytes=int(cfg.task_bytes))
+        return _run(cfg, tok, inputs, tasks, shards_dir, manifest_path, state, workers, settings, sources_desc,
+                    fingerprint, resumed, lock, t_start)
+
+
+def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task], shards_dir: Path, manifest_path: Path,
+         state: Path, workers: int, settings: dict[str, Any], sources_desc: dict[str, Any], fingerprint: str,
+         resumed: bool, lock: _Lock, t_start: float) -> BuildReport:
+    ident = tok.identity
+    T = len(tasks)
+    # Encoder: a fast one if the tokenizer allows it; proven on a sample below before any of its
+    # output is used. Records made by another encoder than the final one are redone.
+    encoder: Encoder = HFEncoder(tok)
+    note = ""
+    fast: Encoder | None = None
+    if cfg.fast_path:
+        fast, why = fast_encoder(tok)
+        if fast is None:
+            note = f"fast path not applicable: {why}"
+        else:
+            encoder = fast
+    p1: dict[int, dict[str, Any]] = {}
+    for t in tasks:
+        rec = _read_p1(state, t)
+        if rec is not None:
+            p1[t.index] = rec
+    p3_old: dict[int, dict[str, Any]] = {}
+    for t in tasks:
+        try:
+            r = json.loads(_p3_record_path(state, t.index).read_text())
+            if r.get("task") == t.key:
+                p3_old[t.index] = r
+        except (OSError, ValueError):
+            pass
+
+    progress_arr = _mp_context().Array("q", 2) if cfg.progress else None
+    decider = _Decider(cfg)
+    in_order = decider.can_stop_early
+    report = BuildReport(manifest=str(manifest_path), shards_dir=str(shards_dir), tokenizer=ident.to_json(),
+                         splits={}, tasks=T, resumed=resumed)
+
+    def make_job(enc: Encoder) -> _Job:
+        return _Job(encoder=enc, identity=ident, state=str(state), shards_dir=str(shards_dir), text_field=cfg.text_field,
+                    seed=int(cfg.split_seed), fraction=float(cfg.validation_fraction), on_error=cfg.on_error,
+                    filters=cfg.filters, chunk_tokens=int(cfg.chunk_tokens), shard_tokens=int(cfg.shard_tokens),
+                    max_document_tokens=cfg.max_document_tokens, progress=progress_arr, lock_fd=lock.fd,
+                    parent_pid=os.getpid())
+
+    def usable(rec: Mapping[str, Any]) -> bool:
+        return rec["encoder"] in ("tokenizers", encoder.name)
+
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", file=sys.stderr, dynamic_ncols=True,
+                   mininterval=0.25)
+    pool = _Pool(workers, make_job(encoder))
+    proof_done = fast is None or encoder is not fast
+    try:
+        # Work lists. A read record made by an encoder not (yet) proven waits for the proof.
+        order = [t.index for t in tasks]
+        if not in_order:
+            order.sort(key=lambda i: (-tasks[i].nbytes, i))  # longest first balances the workers
+        to_read = [i for i in order if i not in p1]
+        read_pending: set[int] = set()
+        window = workers + 1 if in_order else T
+
+        def submit_reads() -> None:
+            while to_read and len(read_pending) < window and cut is None:
+                i = to_read.pop(0)
+                read_pending.add(i)
+                pool.submit("read", i, _read_job, tasks[i])
+
+        cut: int | None = None
+        submit_reads()
+        if not proof_done:
+            assert fast is not None
+            sample = _sample_texts(tasks, cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
+            diff = prove_same_ids(HFEncoder(tok), fast, sample)
+            proof_done = True
+            if diff is not None:
+                # Not equal: drop everything the fast encoder made, restart on tokenizers.
+                note = f"fast path ({fast.name}) disabled: {diff}"
+                pool.close(wait=False)
+                encoder = HFEncoder(tok)
+                for i in [i for i, r in p1.items() if not usable(r)]:
+                    del p1[i]
+                for p in list((state / "p1").glob("*.tmp*")):
+                    p.unlink(missing_ok=True)
+                to_read = [i for i in order if i not in p1]
+                read_pending.clear()
+                pool = _Pool(workers, make_job(encoder))
+                submit_reads()
+        for i in [i for i, r in p1.items() if not usable(r)]:
+            del p1[i]
+            if i not in read_pending and i not in to_read:
+                to_read.append(i)
+        submit_reads()
+        report.encoder = encoder.name
+        report.encoder_note = note
+        report.tasks_reused = sum(1 for i in p1)
+
+        decisions: dict[int, np.ndarray] = {}
+        p3: dict[int, dict[str, Any]] = {}
+        write_pending: set[int] = set()
+        reread_then_write: set[int] = set()
+        next_decide = 0
+        last_docs = last_tok = 0
+        while True:
+            # Phase 2 in input order, as far as read records allow.
+            while cut is None and next_decide < T and next_decide in p1:
+                i = next_decide
+                rec = p1[i]
+                if cfg.on_error == "fail" and rec["skipped_total"]:
+                    raise BuildError(f"{rec['skipped_records'][0]} (recorded by an earlier run with --on-error skip; "
+                                     "pass --on-error skip, or fix the input)")
+                docs, sigs = _load_docs(state, tasks[i], rec)
+                decisions[i] = decider.feed(docs, sigs, rec)
+                write_pending.add(i)
+                pool.submit("write", i, _write_job, i, tasks[i].key, decisions[i], rec["files"]["tokens"], p3_old.get(i))
+                next_decide += 1
+                if decider.can_stop_early and decider.filled:
+                    cut = i
+            if cut is None and next_decide == T:
+                cut = T - 1
+            if cut is not None and not write_pending and not reread_then_write:
+                break
+            submit_reads()
+            item = pool.get(timeout=0.1)
+            if bar is not None and progress_arr is not None:
+                d, k = progress_arr[0], progress_arr[1]
+                bar.update(k - last_tok)
+                last_docs, last_tok = d, k
+                bar.set_postfix_str(f"docs={d:,} tasks={len(p3)}/{T if cut is None else cut + 1}", refresh=False)
+            if item is None:
+                continue
+            kind, i, res = item
+            if isinstance(res, BaseException):
+                raise res
+            if kind == "read":
+                read_pending.discard(i)
+                report.tokens_encoded += int(res["tokens"])
+                if cut is not None and i > cut:
+                    continue  # read past the budgets: not part of the corpus
+                p1[i] = res
+                if i in reread_then_write:
+                    reread_then_write.discard(i)
+                    write_pending.add(i)
+                    pool.submit("write", i, _write_job, i, tasks[i].key, decisions[i], res["files"]["tokens"], None)
+            else:
+                write_pending.discard(i)
+                if res.get("spill_missing"):
+                    reread_then_write.add(i)
+                    pool.submit("read", i, _read_job, tasks[i])
+                    continue
+                p3[i] = res
+                if res.get("reused"):
+                    report.shards_reused += len(res["shards"])
+                else:
+                    report.shards_written += len(res["shards"])
+        pool.close(wait=bool(not read_pending))
+    except BaseException:
+        pool.close(wait=False)
+        if bar is not None:
+            bar.close()
+        raise
+    if bar is not None:
+        bar.close()
+    assert cut is not None
+    kept_tasks = range(cut + 1)
+    report.tasks_read = cut + 1
+
+    # -- manifest, written last ---------------------------------------------------------------
+    entries: list[ShardEntry] = []
+    for split in fmt.SPLITS:
+        for i in kept_tasks:
+            for s in p3[i]["shards"]:
+                if s["split"] == split:
+                    d = dict(s, path=Path(os.path.relpath(shards_dir / s["path"], manifest_path.parent)).as_posix())
+                    entries.append(ShardEntry.from_json(d, "write record"))
+    splits = decider.splits
+    for name, st in splits.items():
+        st["pairs"] = st["tokens"] - st["documents"]
+        st["shards"] = sum(1 for e in entries if e.split == name)
+        st["dropped_reasons"] = dict(sorted(st["dropped_reasons"].items()))
+    listed: list[str] = []
+    skip_codes: dict[str, int] = {}
+    fcount: dict[str, int] = {}
+    for i in kept_tasks:
+        rec = p1[i]
+        listed.extend(rec["skipped_records"][: MAX_LISTED - len(listed)])
+        for k, v in rec["skip_codes"].items():
+            skip_codes[k] = skip_codes.get(k, 0) + int(v)
+        for k, v in rec["filter_counters"].items():
+            fcount[k] = fcount.get(k, 0) + int(v)
+    skipped_total = sum(int(p1[i]["skipped_total"]) for i in kept_tasks)
+    build_info = {
+        "fingerprint": fingerprint,
+        "settings": settings,
+        "on_error": cfg.on_error,
+        "h5corpus_version": __version__,
+        "tasks": T,
+        "tasks_read": cut + 1,
+        "skip_reasons": dict(sorted(skip_codes.items())),
+        "skipped_records": listed,
+        "skipped_records_total": skipped_total,
+    }
+    extra: dict[str, Any] = {"source": sources_desc, "build": build_info}
+    if cfg.filters is not None:
+        extra["filters"] = {"settings": settings["filters"], "counters": dict(sorted(fcount.items()))}
+    m = Manifest(tokenizer=ident, dtype=fmt.dtype_name(fmt.token_dtype(ident.vocab_size)), chunk_tokens=int(cfg.chunk_tokens),
+                 shards=entries, splits=splits, extra=extra)
+    write_manifest(manifest_path, m)
+    listed_paths = {m.shard_path(e) for e in entries}
+    for p in _our_shard_files(shards_dir):
+        if p.absolute() not in listed_paths:
+            p.unlink(missing_ok=True)  # from tasks read past a budget, or an earlier partition
+    shutil.rmtree(state, ignore_errors=True)
+
+    report.splits = splits
+    report.skipped_total = skipped_total
+    report.skipped_records = listed
+    report.filter_counters = dict(sorted(fcount.items()))
+    report.elapsed_s = time.perf_counter() - t_start
+    return report
+
+
+def _report_from_manifest(m: Manifest, shards_dir: Path, elapsed: float) -> BuildReport:
+    b = m.extra.get("build") or {}
+    return BuildReport(
+        manifest=str(m.path), shards_dir=str(shards_dir), tokenizer=m.tokenizer.to_json(), splits=m.splits,
+        tasks=int(b.get("tasks", 0)), tasks_read=int(b.get("tasks_read", 0)),
+        skipped_total=int(b.get("skipped_records_total", 0)), skipped_records=list(b.get("skipped_records", [])),
+        filter_counters=dict((m.extra.get("filters") or {}).get("counters", {})), elapsed_s=elapsed, up_to_date=True,
+    )
+
+
+def format_report(report: BuildReport) -> str:
+    """The human summary the CLI prints: one row per split, then totals, speed and skipped records."""
+    cols = ["documents", "tokens", "pairs", "duplicates", "dropped", "truncated", "skipped"]
+    for extra in ("near_duplicates", "over_budget"):
+        if any(int(s.get(extra, 0)) for s in report.splits.values()):
+            cols.insert(-1, extra)
+    head = "up to date" if report.up_to_date else ("resumed and built" if report.resumed else "built")
+    tok = report.tokenizer
+    lines = [f"{head} {report.manifest} (tokenizer {tok.get('name')}"
+             + (f", encoder {report.encoder}" if report.encoder else "") + ")"]
+    if report.encoder_note:
+        lines.append(f"  note: {report.encoder_note}")
+    width = {c: max(len(c), 12) for c in cols}
+    lines.append("  " + "split".ljust(12) + "".join(c.replace("_", " ").rjust(width[c] + 2) for c in cols))
+    for name, st in report.splits.items():
+        lines.append("  " + name.ljust(12) + "".join(f"{int(st.get(c, 0)):,}".rjust(width[c] + 2) for c in cols))
+    shards = sum(int(s.get("shards", 0)) for s in report.splits.values())
+    lines.append(
+        f"  {report.tokens:,} tokens in {shards} shards from {report.tasks_read}/{report.tasks} tasks"
+        + (f" ({report.tasks_reused} reused after hash checks)" if report.tasks_reused else "")
+        + f"; elapsed {report.elapsed_s:.2f} s, {report.tokens_per_s / 1e6:.2f} M tokens/s"
+    )
+    if report.filter_counters:
+        lines.append("  filters: " + ", ".join(f"{k}={v:,}" for k, v in report.filter_counters.items()))
+    if report.skipped_total:
+        lines.append(f"  skipped {report.skipped_total:,} bad records" + (
+            f" (first {len(report.skipped_records)} listed)" if len(report.skipped_records) < report.skipped_total else "") + ":")
+        lines.extend(f"    {r}" for r in report.skipped_records)
+    return "\n".join(lines)

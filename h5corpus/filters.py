@@ -1,0 +1,399 @@
+"""Document filters for the build: cleaning, language ID, quality, PII scrubbing, near-dedup.
+
+:class:`FilterConfig` says which stages run (all off by default); :class:`DocumentFilter` runs
+them on one document at a time, in worker processes, in this order:
+
+1. ``clean``: HTML documents -> main text (:mod:`h5corpus.clean`); then, if asked, Unicode repair
+   (``fix_unicode``) and whitespace normalization (``normalize_whitespace``).
+2. ``lang``: keep documents whose language (py3langid, :mod:`h5corpus.langid`) is in ``lang``
+   with probability >= ``lang_threshold``.
+3. ``quality``: heuristic rules (:mod:`h5corpus.quality`).
+4. ``scrub_pii``: e-mails, phone numbers, IP addresses -> placeholders (:mod:`h5corpus.pii`).
+
+:meth:`DocumentFilter.process` returns ``(text, None)`` for a kept document (the text to hash into
+the document id and tokenize) or ``(None, reason)``. Near-dedup runs afterwards: the build computes
+:meth:`DocumentFilter.signature` of every kept text (parallel), then feeds them in global input
+order, after exact dedup, to :meth:`DocumentFilter.new_near_dedup_index` ``.add`` (sequential).
+
+Drop reasons (``--explain-drops``): ``clean:no_main_text``, ``clean:empty``, ``lang:<code>``
+(detected language not wanted), ``lang:low_confidence`` (wanted language below the threshold),
+``quality:<rule>``; the build adds ``exact_dup`` and ``near_dup``.
+
+Counters (:meth:`DocumentFilter.stats`, a ``dict[str, int]``; add them up across workers with
+:func:`merge_stats`): ``docs``, ``kept``, ``drop:<rule>`` (``drop:clean:no_main_text``,
+``drop:clean:empty``, ``drop:lang``, ``drop:quality:<rule>``), ``clean:html`` (documents extracted
+from HTML), ``clean:unicode`` / ``clean:whitespace`` (documents changed), ``lang:<code>`` (documents
+detected per language), ``pii:docs`` (documents changed), ``pii:email`` / ``pii:phone`` /
+``pii:ip`` (replacements). :func:`dropped_counts` turns them into the manifest's
+``splits.<split>.dropped`` mapping.
+
+Every stage's dependency (trafilatura, ftfy, py3langid, rensa) is imported only when the stage is
+on, so ``import h5corpus`` works without the ``filters`` extra.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .quality import QualityThresholds
+
+FILTERS_VERSION = 1
+"""Version of the filter semantics; bump when a stage changes what it keeps or emits."""
+
+
+@dataclass(kw_only=True)
+class FilterConfig:
+    """Which filter stages run and with which parameters. All stages are off by default."""
+
+    clean: bool = False
+    """Extract the main text of documents that are HTML (trafilatura); plain text is untouched."""
+    fix_unicode: bool = False
+    """Repair mojibake and strip control characters with ftfy (conservative settings)."""
+    normalize_whitespace: bool = False
+    """Unify line breaks, collapse spaces, at most one blank line in a row, strip."""
+    quality: bool = False
+    """Apply the heuristic quality rules with :attr:`quality_thresholds`."""
+    quality_thresholds: QualityThresholds = field(default_factory=QualityThresholds)
+    """Limits of the quality rules."""
+    lang: tuple[str, ...] = ()
+    """ISO 639-1 codes to keep (e.g. ``("en",)``); empty = no language filter."""
+    lang_threshold: float = 0.5
+    """Smallest py3langid probability (normalized, in [0, 1]) of a kept language."""
+    lang_max_chars: int = 1000
+    """Characters from the start of each document that language ID looks at."""
+    scrub_pii: bool = False
+    """Replace e-mail addresses, phone numbers and IP addresses with placeholders."""
+    near_dedup: bool = False
+    """Drop documents whose MinHash-estimated Jaccard similarity to an earlier kept document is
+    at least :attr:`near_dedup_threshold` (the build runs the index)."""
+    near_dedup_threshold: float = 0.8
+    """Jaccard similarity, in (0, 1), from which two documents are near duplicates."""
+    shingle_size: int = 5
+    """Words per shingle."""
+    num_perm: int = 128
+    """MinHash permutations (signature length, uint32 values)."""
+    bands: int | None = None
+    """LSH bands; None = derived from the threshold and ``num_perm`` with ``rows``."""
+    rows: int | None = None
+    """LSH rows per band; None = derived (datasketch's rule: 9 x 13 for 0.8 and 128)."""
+    verify: bool = True
+    """Confirm LSH candidates by signature agreement >= threshold (else any band collision)."""
+    seed: int = 1
+    """MinHash seed."""
+
+    @property
+    def enabled(self) -> bool:
+        """True when any stage is on."""
+        return bool(self.clean or self.fix_unicode or self.normalize_whitespace or self.quality
+                    or self.lang or self.scrub_pii or self.near_dedup)
+
+    def lsh_params(self) -> tuple[int, int]:
+        """``(bands, rows)``: as configured, or derived (:func:`h5corpus.neardedup.optimal_bands`)."""
+        if self.bands is not None and self.rows is not None:
+            return self.bands, self.rows
+        from .neardedup import optimal_bands
+
+        b, r = optimal_bands(self.near_dedup_threshold, self.num_perm)
+        if self.bands is not None:
+            return self.bands, max(1, self.num_perm // self.bands)
+        if self.rows is not None:
+            return max(1, self.num_perm // self.rows), self.rows
+        return b, r
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not 0.0 <= self.lang_threshold <= 1.0:
+            raise ValueError(f"FilterConfig.lang_threshold = {self.lang_threshold}: must be in [0, 1]")
+        if self.lang_max_chars < 1:
+            raise ValueError(f"FilterConfig.lang_max_chars = {self.lang_max_chars}: must be >= 1")
+        if not 0.0 < self.near_dedup_threshold < 1.0:
+            raise ValueError(f"FilterConfig.near_dedup_threshold = {self.near_dedup_threshold}: must be in (0, 1)")
+        if self.shingle_size < 1:
+            raise ValueError(f"FilterConfig.shingle_size = {self.shingle_size}: must be >= 1")
+        if self.num_perm < 1:
+            raise ValueError(f"FilterConfig.num_perm = {self.num_perm}: must be >= 1")
+        for name in ("bands", "rows"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"FilterConfig.{name} = {v}: must be >= 1")
+        b, r = self.lsh_params()
+        if b * r > self.num_perm:
+            raise ValueError(f"FilterConfig: bands x rows = {b} x {r} = {b * r} exceeds num_perm = {self.num_perm}")
+        self.quality_thresholds.validate()
+        if self.lang:
+            from .langid import check_languages
+
+            self.lang = check_languages(self.lang)
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as written to the manifest's top-level ``filters`` key (derived LSH
+        parameters and the versions of the models/backends of enabled stages included)."""
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["quality_thresholds"] = self.quality_thresholds.to_json()
+        d["lang"] = list(self.lang)
+        d["filters_version"] = FILTERS_VERSION
+        if self.near_dedup:
+            d["bands"], d["rows"] = self.lsh_params()
+        d["backends"] = backend_versions(self)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "FilterConfig":
+        """Inverse of :meth:`to_json` (ignores the informational keys)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "quality_thresholds" in kw:
+            kw["quality_thresholds"] = QualityThresholds.from_json(kw["quality_thresholds"])
+        if "lang" in kw:
+            kw["lang"] = tuple(kw["lang"])
+        return cls(**kw)
+
+
+def backend_versions(config: FilterConfig) -> dict[str, str]:
+    """Versions of the third-party pieces that decide what enabled stages keep."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str] = {}
+
+    def ver(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return "not installed"
+
+    if config.clean:
+        out["trafilatura"] = ver("trafilatura")
+    if config.fix_unicode:
+        out["ftfy"] = ver("ftfy")
+    if config.lang:
+        out["py3langid"] = ver("py3langid")
+    if config.near_dedup:
+        out["rensa"] = ver("rensa")
+    return out
+
+
+def parse_lang_codes(codes: str | Iterable[str] | None) -> tuple[str, ...]:
+    """``"en,de"`` / ``["en", "de"]`` -> ``("en", "de")`` (lowercased, deduplicated, validated
+    against the model); raises ValueError naming unknown codes."""
+    if codes is None:
+        return ()
+    if isinstance(codes, str):
+        codes = codes.split(",")
+    out = tuple(dict.fromkeys(c.strip().lower() for c in codes if c.strip()))
+    if out:
+        from .langid import check_languages
+
+        check_languages(out)
+    return out
+
+
+def merge_stats(*stats: Mapping[str, int]) -> dict[str, int]:
+    """Sum counter dicts (e.g. from every worker's :meth:`DocumentFilter.stats`); sorted keys."""
+    total: Counter[str] = Counter()
+    for s in stats:
+        total.update(s)
+    return dict(sorted(total.items()))
+
+
+def dropped_counts(stats: Mapping[str, int]) -> dict[str, int]:
+    """``{"drop:quality:min_words": 12, "drop:lang": 40, ...}`` -> ``{"quality:min_words": 12,
+    "lang": 40}``: the manifest's ``splits.<split>.dropped`` (the build adds ``exact_dup`` and
+    ``near_dup``)."""
+    return {k[5:]: int(v) for k, v in sorted(stats.items()) if k.startswith("drop:") and v}
+
+
+@dataclass
+class FilterResult:
+    """Outcome of :meth:`DocumentFilter.process_batch` for one document."""
+
+    text: str | None
+    """The text to keep (what is hashed and tokenized), or None when dropped."""
+    reason: str | None
+    """Why it was dropped (e.g. ``"quality:min_words"``, ``"lang:de"``), None when kept."""
+    info: dict[str, Any]
+    """Per-document facts: ``lang``/``lang_prob`` (when language ID ran), ``html`` (True when
+    extracted from HTML), ``pii`` ({kind: replacements}) when any, ``reason`` when dropped."""
+    signature: np.ndarray | None = None
+    """uint32[num_perm] MinHash of the kept text when near-dedup is on and signatures were asked
+    for (:meth:`DocumentFilter.process_batch` ``signatures=True``)."""
+
+
+class DocumentFilter:
+    """Runs the enabled stages of a :class:`FilterConfig` on documents; keeps per-rule counters.
+
+    :meth:`process_batch` is the fast path (each stage vectorized over the batch; results do not
+    depend on how documents are batched); :meth:`process` is one document. Pickles as its config
+    and counters (models load lazily in each process)."""
+
+    def __init__(self, config: FilterConfig) -> None:
+        config.validate()
+        self.config = config
+        self._stats: Counter[str] = Counter()
+        self._minhasher = None
+        self._cache: tuple[str, np.ndarray] | None = None  # (last kept text, its word hashes)
+        self.last_info: dict[str, Any] = {}
+        """Facts about the last document of the last call (see :attr:`FilterResult.info`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "stats": dict(self._stats)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+        self._stats = Counter(state["stats"])
+        self._minhasher = None
+        self._cache = None
+        self.last_info = {}
+
+    # -- documents ---------------------------------------------------------------------------
+    def process(self, text: str) -> tuple[str | None, str | None]:
+        """``(text to keep, None)`` or ``(None, drop reason)``; see the module docstring. The
+        per-document facts are left in :attr:`last_info`."""
+        r = self.process_batch([text])[0]
+        return r.text, r.reason
+
+    def process_with_info(self, text: str) -> FilterResult:
+        """One document, with its facts."""
+        return self.process_batch([text])[0]
+
+    def process_batch(self, texts: Sequence[str], *, signatures: bool = False) -> list[FilterResult]:
+        """Filter many documents at once (in order; each result as :meth:`process` would give).
+        With ``signatures=True`` and near-dedup on, kept results carry their MinHash signature
+        (cheaper than :meth:`signature` afterwards: the quality stage's words are reused)."""
+        c = self.config
+        st = self._stats
+        n = len(texts)
+        st["docs"] += n
+        out: list[FilterResult | None] = [None] * n
+        infos: list[dict[str, Any]] = [{} for _ in range(n)]
+        cur: list[str] = list(texts)
+
+        def drop(i: int, reason: str, counter: str | None = None) -> None:
+            st[f"drop:{counter or reason}"] += 1
+            infos[i]["reason"] = reason
+            out[i] = FilterResult(None, reason, infos[i])
+
+        if c.clean or c.fix_unicode or c.normalize_whitespace:
+            from . import clean
+
+            for i in range(n):
+                text = cur[i]
+                if c.clean and clean.looks_like_html(text):
+                    infos[i]["html"] = True
+                    st["clean:html"] += 1
+                    extracted = clean.html_to_text(text)
+                    if extracted is None:
+                        drop(i, "clean:no_main_text")
+                        continue
+                    text = extracted
+                if c.fix_unicode:
+                    fixed = clean.fix_unicode(text)
+                    if fixed != text:
+                        st["clean:unicode"] += 1
+                        text = fixed
+                if c.normalize_whitespace:
+                    norm = clean.normalize_whitespace(text)
+                    if norm != text:
+                        st["clean:whitespace"] += 1
+                        text = norm
+                if not text.strip():
+                    drop(i, "clean:empty")
+                    continue
+                cur[i] = text
+        live = [i for i in range(n) if out[i] is None]
+        if c.lang and live:
+            from .langid import detect_languages
+
+            for i, (code, prob) in zip(live, detect_languages([cur[i] for i in live], c.lang_max_chars)):
+                infos[i]["lang"] = code
+                infos[i]["lang_prob"] = prob
+                st[f"lang:{code}"] += 1
+                if code not in c.lang:
+                    drop(i, f"lang:{code}", counter="lang")
+                elif prob < c.lang_threshold:
+                    drop(i, "lang:low_confidence", counter="lang")
+            live = [i for i in live if out[i] is None]
+        word_hashes: dict[int, np.ndarray] = {}
+        if c.quality and live:
+            from .quality import quality_batch
+
+            reasons, wb = quality_batch([cur[i] for i in live], c.quality_thresholds)
+            for j, (i, reason) in enumerate(zip(live, reasons)):
+                if reason is not None:
+                    drop(i, f"quality:{reason}")
+                elif c.near_dedup:
+                    a, b = int(wb.offsets[j]), int(wb.offsets[j + 1])
+                    word_hashes[i] = wb.hashes[a:b]
+            live = [i for i in live if out[i] is None]
+        if c.scrub_pii:
+            from .pii import scrub_pii
+
+            for i in live:
+                scrubbed, counts = scrub_pii(cur[i])
+                if counts:
+                    infos[i]["pii"] = counts
+                    st["pii:docs"] += 1
+                    for kind, k in counts.items():
+                        st[f"pii:{kind}"] += k
+                    cur[i] = scrubbed
+                    word_hashes.pop(i, None)  # the words changed
+        sigs: dict[int, np.ndarray] = {}
+        if signatures and c.near_dedup and live:
+            hasher = self._hasher()
+            need = [i for i in live if i not in word_hashes]
+            if need:
+                from .words import split_words_batch
+
+                wb2 = split_words_batch([cur[i] for i in need])
+                for j, i in enumerate(need):
+                    word_hashes[i] = wb2.hashes[int(wb2.offsets[j]):int(wb2.offsets[j + 1])]
+            for i, sig in zip(live, hasher.signatures_of_word_hashes([word_hashes[i] for i in live])):
+                sigs[i] = sig
+        for i in live:
+            st["kept"] += 1
+            out[i] = FilterResult(cur[i], None, infos[i], sigs.get(i))
+        self._cache = None
+        if live and live[-1] == n - 1 and (n - 1) in word_hashes:
+            self._cache = (cur[n - 1], word_hashes[n - 1])
+        self.last_info = infos[-1] if n else {}
+        return out  # type: ignore[return-value]
+
+    # -- near-dedup -------------------------------------------------------------------------
+    def _hasher(self):
+        if self._minhasher is None:
+            from .neardedup import MinHasher
+
+            c = self.config
+            self._minhasher = MinHasher(num_perm=c.num_perm, shingle_size=c.shingle_size, seed=c.seed)
+        return self._minhasher
+
+    def signature(self, text: str) -> np.ndarray:
+        """uint32[num_perm] MinHash signature of a kept ``text`` (reuses the quality stage's word
+        hashes when ``text`` is what :meth:`process` just returned)."""
+        cache = self._cache
+        if cache is not None and (cache[0] is text or cache[0] == text):
+            return self._hasher().signature_of_word_hashes(cache[1])
+        return self._hasher().signature(text)
+
+    def new_near_dedup_index(self):
+        """A fresh :class:`h5corpus.neardedup.NearDedupIndex` for this config (one per build,
+        fed in global input order)."""
+        from .neardedup import NearDedupIndex
+
+        c = self.config
+        bands, rows = c.lsh_params()
+        return NearDedupIndex(num_perm=c.num_perm, bands=bands, rows=rows,
+                              threshold=c.near_dedup_threshold, verify=c.verify)
+
+    # -- counters ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters since construction (or the last :meth:`reset_stats`), sorted keys."""
+        return dict(sorted(self._stats.items()))
+
+    def reset_stats(self) -> None:
+        self._stats.clear()
+
+    merge_stats = staticmethod(merge_stats)

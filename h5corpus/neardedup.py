@@ -1,0 +1,213 @@
+"""Near-duplicate detection: MinHash signatures over word shingles + banded LSH.
+
+Two halves, matching how a parallel build uses them:
+
+- :class:`MinHasher` (parallel phase, any process): ``signature(text)`` -> ``uint32[num_perm]``.
+  Shingles are runs of ``shingle_size`` consecutive words (:mod:`h5corpus.words`: whitespace
+  words, CJK characters one word each, ASCII case folded), hashed to 64 bits with fixed constants;
+  the MinHash is rensa's ``RMinHash`` (Rust) seeded with ``seed``. A text with fewer words than
+  ``shingle_size`` has one shingle (all its words); a text without words has the *empty*
+  signature (every value ``0xFFFFFFFF``). Signatures depend only on the text and the parameters:
+  identical across processes, runs and worker counts.
+- :class:`NearDedupIndex` (sequential phase, one process, documents in global input order):
+  ``add(signature)`` returns True when the document is a near duplicate of a document added
+  (and kept) earlier, else indexes it and returns False. So the first document of each cluster in
+  input order survives, and the outcome does not depend on how signatures were computed.
+
+A candidate (a document sharing at least one LSH band with the new one) counts as a duplicate
+when the two signatures agree in at least ``threshold`` of their ``num_perm`` positions (the
+MinHash estimate of their Jaccard similarity; standard error ~ sqrt(J(1-J)/num_perm), 0.035 at
+J = 0.8 with 128 permutations), unless ``verify=False``, where any band collision counts. Bands
+and rows default to datasketch's choice for the threshold (:func:`optimal_bands`: 9 x 13 for 0.8
+and 128 permutations).
+
+Memory of the index: about ``num_perm * 4`` bytes (the signature, for verification) plus
+``bands * ~100`` bytes (Python dict entries) per kept document, ~1.4 KB with the defaults.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from .words import mix64, ngram_hashes, split_words
+
+EMPTY_VALUE = np.uint32(0xFFFFFFFF)
+
+
+def _rensa():
+    try:
+        import rensa
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("near-dedup needs rensa (MinHash in Rust): pip install 'h5corpus[filters]'") from e
+    return rensa
+
+
+def backend_version() -> str:
+    """``rensa-<version> RMinHash``: the MinHash implementation (recorded in the manifest)."""
+    from importlib.metadata import version
+
+    _rensa()
+    return f"rensa-{version('rensa')} RMinHash"
+
+
+def shingle_hashes(text: str, shingle_size: int) -> np.ndarray:
+    """uint64 hash of every run of ``shingle_size`` consecutive words of ``text`` (one hash of
+    all words when there are fewer; empty for a text without words)."""
+    return shingles_from_word_hashes(split_words(text).hashes, shingle_size)
+
+
+def shingles_from_word_hashes(hashes: np.ndarray, shingle_size: int) -> np.ndarray:
+    if hashes.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    k = min(shingle_size, int(hashes.size))
+    return ngram_hashes(hashes, k, mix=True)
+
+
+class MinHasher:
+    """MinHash signatures of texts (see the module docstring). Cheap to construct; pickles as its
+    parameters."""
+
+    def __init__(self, *, num_perm: int = 128, shingle_size: int = 5, seed: int = 1) -> None:
+        if num_perm < 1:
+            raise ValueError(f"num_perm = {num_perm}: must be >= 1")
+        if shingle_size < 1:
+            raise ValueError(f"shingle_size = {shingle_size}: must be >= 1")
+        self.num_perm = int(num_perm)
+        self.shingle_size = int(shingle_size)
+        self.seed = int(seed)
+
+    def signature(self, text: str) -> np.ndarray:
+        """uint32[num_perm] MinHash signature of ``text``'s word shingles."""
+        return self.signature_of_shingles(shingle_hashes(text, self.shingle_size))
+
+    def signature_of_word_hashes(self, word_hashes: np.ndarray) -> np.ndarray:
+        """Same as :meth:`signature` from already computed word hashes (:func:`split_words`)."""
+        return self.signature_of_shingles(shingles_from_word_hashes(word_hashes, self.shingle_size))
+
+    def signatures_of_word_hashes(self, word_hashes: Sequence[np.ndarray]) -> np.ndarray:
+        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts in
+        one rensa call (identical rows)."""
+        sh = [shingles_from_word_hashes(h, self.shingle_size) for h in word_hashes]
+        offsets = np.zeros(len(sh) + 1, dtype=np.uint64)
+        np.cumsum([x.size for x in sh], out=offsets[1:])
+        flat = np.concatenate(sh) if sh else np.zeros(0, dtype=np.uint64)
+        m = _rensa().RMinHash.digest_matrix_from_flat_token_hashes(flat, offsets, self.num_perm, self.seed)
+        sigs = np.asarray(m.to_rows(), dtype=np.uint32).reshape(len(sh), self.num_perm)
+        sigs[offsets[1:] == offsets[:-1]] = EMPTY_VALUE  # texts without words
+        return sigs
+
+    def signature_of_shingles(self, shingles: np.ndarray) -> np.ndarray:
+        if shingles.size == 0:
+            return np.full(self.num_perm, EMPTY_VALUE, dtype=np.uint32)
+        offsets = np.array([0, shingles.size], dtype=np.uint64)
+        m = _rensa().RMinHash.digest_matrix_from_flat_token_hashes(
+            np.ascontiguousarray(shingles, dtype=np.uint64), offsets, self.num_perm, self.seed
+        )
+        return np.asarray(m.to_rows()[0], dtype=np.uint32)
+
+
+def is_empty_signature(sig: np.ndarray) -> bool:
+    """True for the signature of a text without words (never a near duplicate of anything)."""
+    return bool((sig == EMPTY_VALUE).all())
+
+
+def estimated_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Fraction of positions where two signatures agree: the MinHash estimate of the Jaccard
+    similarity of the two shingle sets."""
+    if a.shape != b.shape:
+        raise ValueError(f"signatures of different lengths: {a.shape[0]} vs {b.shape[0]}")
+    return float(np.count_nonzero(a == b)) / a.size
+
+
+@lru_cache(maxsize=64)
+def optimal_bands(threshold: float, num_perm: int, fp_weight: float = 0.5, fn_weight: float = 0.5) -> tuple[int, int]:
+    """``(bands, rows)`` with ``bands * rows <= num_perm`` minimizing the weighted sum of the
+    false-positive area (``P(candidate | J)`` integrated over ``[0, threshold]``) and the
+    false-negative area (``1 - P`` over ``[threshold, 1]``), where ``P(candidate | J) =
+    1 - (1 - J**rows)**bands``: the rule of datasketch's ``MinHashLSH`` (same results; numeric
+    integration here instead of scipy's ``quad``)."""
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold = {threshold}: must be in (0, 1)")
+    x_fp = np.linspace(0.0, threshold, 2001)
+    x_fn = np.linspace(threshold, 1.0, 2001)
+    best = (float("inf"), (1, 1))
+    for b in range(1, num_perm + 1):
+        r = np.arange(1, num_perm // b + 1, dtype=np.float64)[:, None]
+        fp = np.trapezoid(1.0 - (1.0 - x_fp[None, :] ** r) ** b, x_fp, axis=1)
+        fn = np.trapezoid((1.0 - x_fn[None, :] ** r) ** b, x_fn, axis=1)
+        err = fp * fp_weight + fn * fn_weight
+        i = int(np.argmin(err))
+        if err[i] < best[0]:
+            best = (float(err[i]), (b, i + 1))
+    return best[1]
+
+
+_BAND_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+class NearDedupIndex:
+    """Banded LSH index over MinHash signatures, fed in global input order (see module docstring).
+
+    Not thread-safe and not meant to be pickled: the build runs it in one process."""
+
+    def __init__(self, *, num_perm: int, bands: int, rows: int, threshold: float, verify: bool = True) -> None:
+        if bands * rows > num_perm or bands < 1 or rows < 1:
+            raise ValueError(f"bands x rows = {bands} x {rows} must be >= 1 x 1 and fit in num_perm = {num_perm}")
+        self.num_perm = num_perm
+        self.bands = bands
+        self.rows = rows
+        self.threshold = threshold
+        self.verify = verify
+        self._tables: list[dict[int, list[int]]] = [dict() for _ in range(bands)]
+        # Odd 64-bit multipliers, one per row: band key = mix(sum(value * multiplier)).
+        self._mult = mix64(np.arange(1, rows + 1, dtype=np.uint64) * _BAND_MULT) | np.uint64(1)
+        self._sigs: list[np.ndarray] = []
+        self.added = 0
+        """Signatures offered to :meth:`add`."""
+        self.duplicates = 0
+        """How many of them were near duplicates."""
+
+    def __len__(self) -> int:
+        """Documents indexed (kept)."""
+        return len(self._sigs)
+
+    def _keys(self, sig: np.ndarray) -> list[int]:
+        """One 64-bit key per band (a hash of its ``rows`` values; a collision only adds a
+        candidate, which verification rejects)."""
+        band = sig[: self.bands * self.rows].astype(np.uint64).reshape(self.bands, self.rows)
+        with np.errstate(over="ignore"):
+            h = mix64((band * self._mult).sum(axis=1, dtype=np.uint64))
+        return h.tolist()
+
+    def add(self, signature: np.ndarray) -> bool:
+        """True if ``signature`` is a near duplicate of an earlier kept document (then it is not
+        indexed); else index it and return False. Empty signatures are never duplicates and are
+        not indexed."""
+        sig = np.asarray(signature, dtype=np.uint32)
+        if sig.shape != (self.num_perm,):
+            raise ValueError(f"signature has shape {sig.shape}, expected ({self.num_perm},)")
+        self.added += 1
+        if is_empty_signature(sig):
+            return False
+        keys = self._keys(sig)
+        cands: set[int] = set()
+        for table, k in zip(self._tables, keys):
+            hit = table.get(k)
+            if hit is not None:
+                cands.update(hit)
+        if cands:
+            if not self.verify:
+                self.duplicates += 1
+                return True
+            for c in sorted(cands):
+                if estimated_jaccard(sig, self._sigs[c]) >= self.threshold:
+                    self.duplicates += 1
+                    return True
+        idx = len(self._sigs)
+        self._sigs.append(sig)
+        for table, k in zip(self._tables, keys):
+            table.setdefault(k, []).append(idx)
+        return False

@@ -1,0 +1,141 @@
+"""PII scrubbing: e-mail addresses, phone numbers and IP addresses replaced with placeholders.
+
+:func:`scrub_pii` returns the scrubbed text and the number of replacements per kind (counters
+``pii:email``, ``pii:phone``, ``pii:ip``). Structured PII only (regular expressions validated in
+code); names and street addresses need a NER model and are out of scope.
+
+What is replaced, and what is deliberately left alone:
+
+- **E-mail** -> ``<EMAIL>``: ``local@domain.tld`` with a dotted domain and an alphabetic TLD.
+  ``user@localhost`` and ``@handles`` are not addresses.
+- **IPv4** -> ``<IP>``: four dot-separated numbers 0-255 not glued to other digits, dots or letters.
+  Kept: version strings (``v1.2.3.4``, "version 10.0.0.1", "release ...", "build ..."), numbers with
+  a fifth part (``1.2.3.4.5``), out-of-range parts (``300.1.1.1``, dates like ``2023.10.12.1``) and
+  the non-identifying addresses ``0.0.0.0``, ``127.0.0.1``, ``255.255.255.255``.
+- **IPv6** -> ``<IP>``: candidates of hex groups and colons validated by :mod:`ipaddress` (needs a
+  ``::`` or all 8 groups, so clock times ``12:30:45`` never match) with at least one digit and four
+  hex digits (so code paths like ``a::b`` or ``dead::beef`` stay). Kept: ``::``, ``::1``.
+- **Phone** -> ``<PHONE>``: (a) international numbers starting with ``+`` and a country code, 8-15
+  digits in groups separated by spaces, dots, dashes or a parenthesized area code; (b) North
+  American numbers ``(555) 123-4567``, ``555-123-4567``, ``555.123.4567`` (one separator style);
+  (c) after a keyword (tel, phone, fax, mobile, call, ...): 7-15 digits in groups. Kept: dates
+  (``2023-10-12``, ``12/10/2023``), years and ranges (``1990-1995``), plain numbers and amounts
+  (``1,234,567``, ``5551234567`` without a keyword), ISBN-like or 4-4-4 groupings, times.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections import Counter
+
+EMAIL = "<EMAIL>"
+PHONE = "<PHONE>"
+IP = "<IP>"
+
+KINDS: tuple[str, ...] = ("email", "phone", "ip")
+"""Counter suffixes: ``pii:email``, ``pii:phone``, ``pii:ip`` (number of replacements)."""
+
+_EMAIL_RE = re.compile(
+    r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
+    r"[A-Za-z]{2,24}(?![\w-])"
+)
+_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_IPV4_RE = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)")
+_VERSION_CONTEXT = re.compile(r"(?:\bv|\bversion|\bver\.?|\brelease|\bbuild|\brev\.?|\bfirmware)\s*$", re.IGNORECASE)
+_KEEP_IPS = frozenset({"0.0.0.0", "127.0.0.1", "255.255.255.255", "::", "::1"})
+# Candidates only (hex groups and colons, optionally an IPv4 tail); ipaddress decides.
+_IPV6_RE = re.compile(
+    r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{0,4})(?![\w:])"
+)
+_PHONE_INTL_RE = re.compile(
+    r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(\d{1,4}\))?(?:[ .-]?\d{1,5}){1,6}(?![\w])"
+)
+_PHONE_NANP_RE = re.compile(
+    r"(?<![\w.+/-])(?:\(\d{3}\)[ ]?\d{3}-\d{4}|\d{3}([-.])\d{3}\1\d{4})(?![\w]|[-.]\d)"
+)
+_PHONE_KEYWORD_RE = re.compile(
+    r"(?:\b(?:tel|telephone|phone|ph|fax|mobile|mob|cell|call|whatsapp|t[eé]l[eé]fono|telefon|tél)\b\.?\s*(?:[^\W\d_]+\s*)?:?\s*)"
+    r"(\(?\d{2,5}\)?(?:[ ./-]?\d{2,5}){1,5})(?![\w]|[-./]\d)",
+    re.IGNORECASE,
+)
+
+
+# Cheap gates (literal-prefixed, so `re` skips ahead fast) and the candidate regions for phones.
+_IPV4_GATE = re.compile(r"\.\d{1,3}\.\d")
+_IPV6_GATE = re.compile(r":[0-9A-Fa-f]{0,4}:")
+_NUMBERISH = re.compile(r"\d[\d .()/-]{5,}\d")
+_PLACEHOLDER = {"email": EMAIL, "phone": PHONE, "ip": IP}
+
+
+def _digits(s: str) -> int:
+    return sum(c.isdigit() for c in s)
+
+
+def pii_spans(text: str) -> list[tuple[int, int, str]]:
+    """Non-overlapping ``(start, end, kind)`` character spans of the PII in ``text``, sorted."""
+    found: list[tuple[int, int, str]] = []
+    if "@" in text:
+        found.extend((m.start(), m.end(), "email") for m in _EMAIL_RE.finditer(text))
+    if _IPV6_GATE.search(text) is not None:
+        for m in _IPV6_RE.finditer(text):
+            if _is_ipv6(m.group(0)):
+                found.append((m.start(), m.end(), "ip"))
+    if _IPV4_GATE.search(text) is not None:
+        for m in _IPV4_RE.finditer(text):
+            s = m.group(0)
+            if s not in _KEEP_IPS and _VERSION_CONTEXT.search(text, max(0, m.start() - 16), m.start()) is None:
+                found.append((m.start(), m.end(), "ip"))
+    n = len(text)
+    for region in _NUMBERISH.finditer(text):
+        a, b = region.span()
+        lo, hi = max(0, a - 48), min(n, b + 3)  # room for "+", "(", a keyword, and lookaheads
+        if "+" in text[lo:a]:
+            for m in _PHONE_INTL_RE.finditer(text, lo, hi):
+                if m.end() > a and 8 <= _digits(m.group(0)) <= 15:
+                    found.append((m.start(), m.end(), "phone"))
+        for m in _PHONE_NANP_RE.finditer(text, lo, hi):
+            if m.end() > a:
+                found.append((m.start(), m.end(), "phone"))
+        for m in _PHONE_KEYWORD_RE.finditer(text, lo, hi):
+            if m.end(1) > a and 7 <= _digits(m.group(1)) <= 15:
+                found.append((m.start(1), m.end(1), "phone"))
+    if not found:
+        return found
+    found.sort(key=lambda s: (s[0], -s[1]))
+    out = []
+    end = -1
+    for s in found:
+        if s[0] >= end:
+            out.append(s)
+            end = s[1]
+    return out
+
+
+def _is_ipv6(s: str) -> bool:
+    try:
+        ipaddress.IPv6Address(s)
+    except ValueError:
+        return False
+    # "a::b", "dead::beef" are C++/Rust paths more often than addresses: need a digit and at
+    # least 4 hex digits.
+    hexdigits = sum(c in "0123456789abcdefABCDEF" for c in s)
+    return s not in _KEEP_IPS and _digits(s) > 0 and hexdigits >= 4
+
+
+def scrub_pii(text: str) -> tuple[str, dict[str, int]]:
+    """``(scrubbed text, {kind: replacements})`` with only kinds that occurred. Placeholders:
+    ``<EMAIL>``, ``<PHONE>``, ``<IP>``. Text without PII is returned as is (the same object)."""
+    spans = pii_spans(text)
+    if not spans:
+        return text, {}
+    counts: Counter[str] = Counter()
+    parts = []
+    pos = 0
+    for a, b, kind in spans:
+        parts.append(text[pos:a])
+        parts.append(_PLACEHOLDER[kind])
+        counts[kind] += 1
+        pos = b
+    parts.append(text[pos:])
+    return "".join(parts), dict(counts)

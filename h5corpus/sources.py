@@ -1,0 +1,570 @@
+"""Where documents come from: SOURCE specs -> input files -> tasks -> streamed records.
+
+A SOURCE is one of
+
+* a file: ``.jsonl`` (also ``.jsonl.gz`` / ``.jsonl.zst``; one JSON object per line, text in
+  ``text_field``), ``.parquet`` (a string column ``text_field``), ``.txt`` (the whole file is one
+  document);
+* a folder (every supported file below it, recursively, sorted by relative path; other files and
+  dot-files are ignored);
+* a glob (``data/**/*.jsonl``; sorted; every match must be a supported file);
+* ``hf://datasets/ORG/NAME@REVISION/PATH`` -- parquet files of a Hugging Face dataset at a pinned
+  40-hex commit, e.g. FineWeb's sample::
+
+      hf://datasets/HuggingFaceFW/fineweb@9bb295ddab0e05d785b879661af7260fed5140fc/sample/10BT
+
+  read from the local hub cache when the snapshot is there (offline), else streamed from the hub
+  with ranged reads;
+* ``stdlib`` -- the running Python's standard library sources (every ``*.py`` outside test
+  folders and site-packages, one document per file): real text that ships with every Python, so
+  a build runs on a fresh machine with no network.
+
+Input order is the order of the SOURCE arguments, then file order within each, then line/row order.
+The unit of work is a :class:`Task`: a byte range of an uncompressed ``.jsonl`` (whole lines: a
+line belongs to the range holding its first byte), a run of row groups of a parquet file, a whole
+compressed file, or a run of consecutive ``.txt`` files. Tasks are planned from file sizes and
+parquet footers only; no document is read while planning. Readers stream: memory holds one line,
+one row batch, or one ``.txt`` document at a time.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+#: File name ending -> reader kind.
+EXTENSIONS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".parquet": "parquet", ".txt": "text"}
+STDLIB_SPEC = "stdlib"
+HF_PREFIX = "hf://"
+_HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
+_STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+#: Rows per parquet read batch.
+PARQUET_BATCH_ROWS = 1024
+
+
+class SourceError(ValueError):
+    """A SOURCE argument cannot be resolved: missing path, unsupported type, empty match (usage error)."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file."""
+
+    name: str
+    """Display name, stable across machines: the path as globbed/listed, ``<stdlib>/json/decoder.py``,
+    or the path inside a hub repository."""
+    path: str
+    """Where to open it: a local path or an ``hf://`` fsspec URL."""
+    kind: str
+    """Reader kind: jsonl, jsonl.gz, jsonl.zst, parquet, text."""
+    size: int
+    """Bytes on disk (or on the hub)."""
+    mtime_ns: int = 0
+    """Local modification time (0 for remote files); only used to notice edits between resumes."""
+
+
+@dataclass(frozen=True)
+class Input:
+    """One resolved SOURCE argument."""
+
+    spec: str
+    kind: str
+    """files | stdlib | hf"""
+    files: tuple[SourceFile, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+    """hf: repo, revision, path; stdlib: python version."""
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description for the manifest (no absolute paths, no mtimes)."""
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f"{f.name}\t{f.size}\n".encode())
+        d: dict[str, Any] = {
+            "spec": self.spec, "kind": self.kind, "files": len(self.files),
+            "bytes": sum(f.size for f in self.files), "listing_sha256": h.hexdigest(),
+        }
+        d.update(self.meta)
+        return d
+
+
+@dataclass(frozen=True)
+class Task:
+    """A unit of reading, tokenizing and shard writing. ``index`` is its place in input order."""
+
+    index: int
+    kind: str
+    files: tuple[SourceFile, ...]
+    """One file, or a run of ``.txt`` files."""
+    start: int = 0
+    """jsonl: first byte offset; parquet: first row group."""
+    stop: int = -1
+    """jsonl: end byte offset (exclusive); parquet: end row group (exclusive); -1 = to the end."""
+    first_row: int = 0
+    """parquet: index of the first row of ``start`` (for messages)."""
+    nbytes: int = 0
+    """Approximate input bytes (for scheduling and progress)."""
+
+    @property
+    def key(self) -> str:
+        """Identity of the task's input (paths, range, sizes, mtimes): a resumed build reuses a
+        task's outputs only when its key is unchanged."""
+        parts = [self.kind, str(self.start), str(self.stop)] + [f"{f.path}|{f.size}|{f.mtime_ns}" for f in self.files]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+    @property
+    def label(self) -> str:
+        """Short description for messages."""
+        f = self.files[0].name
+        if self.kind == "text" and len(self.files) > 1:
+            return f"{f} (+{len(self.files) - 1} files)"
+        if self.kind == "jsonl" and (self.start or self.stop >= 0):
+            return f"{f} [bytes {self.start:,}-{self.stop:,}]" if self.stop >= 0 else f"{f} [bytes {self.start:,}-]"
+        if self.kind == "parquet" and (self.start or self.stop >= 0):
+            return f"{f} [row groups {self.start}-{self.stop}]"
+        return f
+
+
+# -- resolving SOURCE specs ---------------------------------------------------------------------
+def kind_of(path: str) -> str | None:
+    low = path.lower()
+    for ext in sorted(EXTENSIONS, key=len, reverse=True):
+        if low.endswith(ext):
+            return EXTENSIONS[ext]
+    return None
+
+
+def _local_file(name: str, path: Path, kind: str) -> SourceFile:
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise SourceError(f"{name}: cannot stat ({e.strerror or e})") from None
+    return SourceFile(name=name, path=str(path), kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
+def stdlib_files() -> list[tuple[str, Path]]:
+    """(display name, path) of the standard library's ``*.py`` files outside test folders, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("."))
+        rel = Path(dirpath).relative_to(root)
+        for fn in sorted(filenames):
+            if fn.endswith(".py"):
+                out.append(((rel / fn).as_posix(), Path(dirpath) / fn))
+    out.sort(key=lambda t: t[0])
+    return [(f"<stdlib>/{r}", p) for r, p in out]
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str, str]:
+    """``hf://datasets/ORG/NAME@REV/PATH`` -> (``ORG/NAME``, REV, PATH). REV must be a 40-hex commit."""
+    m = _HF_RE.match(spec)
+    if not m:
+        raise SourceError(
+            f"{spec}: a hub source is hf://datasets/ORG/NAME@REVISION/PATH, e.g. "
+            "hf://datasets/HuggingFaceFW/fineweb@9bb295ddab0e05d785b879661af7260fed5140fc/sample/10BT"
+        )
+    rev = m["rev"]
+    if not re.fullmatch(r"[0-9a-f]{40}", rev):
+        raise SourceError(f"{spec}: pin the dataset to a commit (40 hex digits after '@'), not {rev!r}, so the build is reproducible")
+    return f"{m['org']}/{m['name']}", rev, (m["path"] or "").strip("/")
+
+
+def _resolve_hf(spec: str, cache_dir: Path) -> Input:
+    repo, rev, sub = parse_hf_spec(spec)
+    meta = {"repo": repo, "revision": rev, "path": sub}
+    snap = cache_dir / f"datasets--{repo.replace('/', '--')}" / "snapshots" / rev
+    local = snap / sub if sub else snap
+    files: list[SourceFile] = []
+    if local.is_file():
+        files = [_local_file(sub, local, "parquet")]
+    elif local.is_dir():
+        for p in sorted(local.rglob("*.parquet")):
+            files.append(_local_file(p.relative_to(snap).as_posix(), p, "parquet"))
+    elif any(ch in sub for ch in "*?[") and snap.is_dir():
+        for m in sorted(globlib.glob(str(snap / sub), recursive=True)):
+            if m.endswith(".parquet"):
+                files.append(_local_file(Path(m).relative_to(snap).as_posix(), Path(m), "parquet"))
+    if files:
+        return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
+    from .tokenize import hub_offline
+
+    if hub_offline():
+        raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and HF_HUB_OFFLINE is set")
+    try:
+        from huggingface_hub import HfFileSystem
+
+        fs = HfFileSystem()
+        base = f"datasets/{repo}@{rev}" + (f"/{sub}" if sub else "")
+        if sub.endswith(".parquet"):
+            paths = [base]
+        elif any(ch in sub for ch in "*?["):
+            paths = sorted(p for p in fs.glob(base) if p.endswith(".parquet"))
+        else:
+            paths = sorted(fs.glob(base + "/**/*.parquet"))
+        prefix = f"datasets/{repo}@{rev}/"
+        for p in paths:
+            info = fs.info(p)
+            files.append(SourceFile(name=p[len(prefix):] if p.startswith(prefix) else p, path=HF_PREFIX + p,
+                                    kind="parquet", size=int(info.get("size") or 0)))
+    except Exception as e:
+        raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and the hub could not be listed ({type(e).__name__}: {e})") from None
+    if not files:
+        raise SourceError(f"{spec}: no parquet files at that path")
+    return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
+
+
+def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str] | None = None) -> list[Input]:
+    """Resolve SOURCE arguments to files, in input order. Raises :class:`SourceError` naming the
+    spec for a missing path, an unsupported file type, or a pattern that matches nothing."""
+    from .tokenize import hf_cache_dir as _cache
+
+    if not specs:
+        raise SourceError("no SOURCE given")
+    out: list[Input] = []
+    for spec in specs:
+        if spec == STDLIB_SPEC:
+            files = tuple(_local_file(n, p, "text") for n, p in stdlib_files())
+            out.append(Input(spec=spec, kind="stdlib", files=files,
+                             meta={"python": ".".join(map(str, sys.version_info[:3]))}))
+            continue
+        if spec.startswith(HF_PREFIX):
+            out.append(_resolve_hf(spec, _cache(hf_cache_dir)))
+            continue
+        p = Path(spec)
+        files_l: list[SourceFile] = []
+        if p.is_dir():
+            for q in sorted(p.rglob("*"), key=lambda q: q.relative_to(p).as_posix()):
+                rel = q.relative_to(p)
+                if any(part.startswith(".") for part in rel.parts) or q.is_dir():
+                    continue
+                k = kind_of(q.name)
+                if k:
+                    files_l.append(_local_file(q.as_posix(), q, k))
+            if not files_l:
+                raise SourceError(f"{spec}: folder holds no supported files ({', '.join(EXTENSIONS)})")
+        elif p.exists() or os.path.lexists(p):
+            k = kind_of(p.name)
+            if k is None:
+                raise SourceError(f"{spec}: unsupported file type (supported: {', '.join(EXTENSIONS)})")
+            files_l.append(_local_file(spec, p, k))
+        elif any(ch in spec for ch in "*?["):
+            matches = sorted(globlib.glob(spec, recursive=True))
+            for m in matches:
+                if Path(m).is_dir():
+                    continue
+                k = kind_of(m)
+                if k is None:
+                    raise SourceError(f"{spec}: matches {m}, an unsupported file type (supported: {', '.join(EXTENSIONS)})")
+                files_l.append(_local_file(m, Path(m), k))
+            if not files_l:
+                raise SourceError(f"{spec}: pattern matches no files")
+        else:
+            raise SourceError(f"{spec}: no such file or folder")
+        out.append(Input(spec=spec, kind="files", files=tuple(files_l)))
+    return out
+
+
+# -- planning tasks -----------------------------------------------------------------------------
+def _open_parquet(path: str):
+    import pyarrow.parquet as pq
+
+    if path.startswith(HF_PREFIX):
+        from huggingface_hub import HfFileSystem
+
+        fh = HfFileSystem().open(path[len(HF_PREFIX):], "rb", block_size=8 << 20)
+        return pq.ParquetFile(fh)
+    return pq.ParquetFile(path)
+
+
+def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
+    """Cut the inputs into tasks of about ``task_bytes`` input bytes, in input order.
+
+    Depends only on file sizes and parquet footers, so the same inputs and ``task_bytes`` always
+    give the same tasks (and shard names). A parquet file that cannot be opened becomes one task
+    whose reader reports the error.
+    """
+    if task_bytes <= 0:
+        raise ValueError(f"task_bytes must be positive, got {task_bytes}")
+    tasks: list[Task] = []
+
+    def add(**kw: Any) -> None:
+        tasks.append(Task(index=len(tasks), **kw))
+
+    for inp in inputs:
+        group: list[SourceFile] = []
+        group_bytes = 0
+        for f in inp.files:
+            if f.kind == "text":
+                group.append(f)
+                group_bytes += f.size
+                if group_bytes >= task_bytes:
+                    add(kind="text", files=tuple(group), nbytes=group_bytes)
+                    group, group_bytes = [], 0
+                continue
+            if group:
+                add(kind="text", files=tuple(group), nbytes=group_bytes)
+                group, group_bytes = [], 0
+            if f.kind == "jsonl" and f.size > task_bytes:
+                n = -(-f.size // task_bytes)
+                step = -(-f.size // n)
+                for a in range(0, f.size, step):
+                    b = min(a + step, f.size)
+                    add(kind="jsonl", files=(f,), start=a, stop=b if b < f.size else -1, nbytes=b - a)
+            elif f.kind == "parquet":
+                try:
+                    md = _open_parquet(f.path).metadata
+                    sizes = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
+                    rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+                except Exception:
+                    add(kind="parquet", files=(f,), nbytes=f.size)
+                    continue
+                a, acc = 0, 0
+                first_row = 0
+                for i, s in enumerate(sizes):
+                    acc += s
+                    if acc >= task_bytes or i == len(sizes) - 1:
+                        whole = a == 0 and i == len(sizes) - 1
+                        add(kind="parquet", files=(f,), start=0 if whole else a, stop=-1 if whole else i + 1,
+                            first_row=first_row, nbytes=acc)
+                        first_row += sum(rows[a : i + 1])
+                        a, acc = i + 1, 0
+                if not sizes:
+                    add(kind="parquet", files=(f,), nbytes=f.size)
+            else:
+                add(kind=f.kind, files=(f,), nbytes=f.size)
+        if group:
+            add(kind="text", files=tuple(group), nbytes=group_bytes)
+    return tasks
+
+
+# -- reading records ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BadRecord:
+    """A record that is not a usable document. ``where`` names file and line/row."""
+
+    where: str
+    reason: str
+    code: str
+    """Kind: invalid_utf8, invalid_unicode, malformed_json, not_object, missing_field, not_string,
+    unreadable."""
+    fatal: bool = False
+    """True when the rest of the task could not be read (corrupt stream, unreadable file)."""
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+#: A document as read: its text and the text's UTF-8 bytes (``data`` hashes to the document id).
+Doc = tuple[str, bytes]
+
+
+def _utf8(text: str) -> bytes | None:
+    """UTF-8 bytes of ``text``; None when it holds lone surrogates (JSON ``\\ud800`` escapes)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+
+
+class TaskReader:
+    """Stream one task's records: documents ``(text, utf8_bytes)`` (text possibly empty) or
+    :class:`BadRecord`.
+
+    Lines that are empty or whitespace only are not records (they are passed over silently).
+    """
+
+    def __init__(self, task: Task, text_field: str = "text") -> None:
+        self.task = task
+        self.text_field = text_field
+
+    def __iter__(self) -> Iterator[Doc | BadRecord]:
+        k = self.task.kind
+        if k in ("jsonl", "jsonl.gz", "jsonl.zst"):
+            return self._jsonl()
+        if k == "parquet":
+            return self._parquet()
+        if k == "text":
+            return self._text()
+        raise ValueError(f"unknown task kind {k!r}")
+
+    # jsonl --------------------------------------------------------------------------------------
+    @staticmethod
+    def _line_base(fh_path: str, first: int) -> int:
+        """1-based number of the line starting at byte ``first`` (counted only when needed)."""
+        if first == 0:
+            return 1
+        n = 0
+        with open(fh_path, "rb") as fh:
+            left = first
+            while left > 0:
+                b = fh.read(min(left, 1 << 24))
+                if not b:
+                    break
+                n += b.count(b"\n")
+                left -= len(b)
+        return n + 1
+
+    def _jsonl_record(self, line: bytes, where) -> Doc | BadRecord:
+        try:
+            s = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return BadRecord(where(), f"invalid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start} of the line)", "invalid_utf8")
+        try:
+            obj = json.loads(s, strict=False)
+        except ValueError as e:
+            return BadRecord(where(), f"malformed JSON ({e})", "malformed_json")
+        if not isinstance(obj, dict):
+            return BadRecord(where(), f"not a JSON object (a {_type_name(obj)})", "not_object")
+        if self.text_field not in obj:
+            keys = ", ".join(list(obj)[:8])
+            return BadRecord(where(), f"no field {self.text_field!r} (fields: {keys})", "missing_field")
+        v = obj[self.text_field]
+        if not isinstance(v, str):
+            return BadRecord(where(), f"field {self.text_field!r} is {_type_name(v)}, not a string", "not_string")
+        data = _utf8(v)
+        if data is None:
+            return BadRecord(where(), f"field {self.text_field!r} holds a lone UTF-16 surrogate escape (not valid Unicode)", "invalid_unicode")
+        return v, data
+
+    def _jsonl(self) -> Iterator[Doc | BadRecord]:
+        t = self.task
+        f = t.files[0]
+        base: list[int] = []
+        lineno = 0
+        first = 0  # byte offset of this task's first line (uncompressed jsonl)
+
+        def where() -> str:
+            if not base:
+                base.append(self._line_base(f.path, first))
+            return f"{f.name}:{base[0] + lineno - 1}"
+
+        try:
+            fh = self._open_stream(f)
+        except OSError as e:
+            yield BadRecord(f.name, f"cannot open ({e.strerror or e})", "unreadable", fatal=True)
+            return
+        with fh:
+            try:
+                if t.kind == "jsonl" and t.start > 0:
+                    fh.seek(t.start - 1)
+                    if fh.read(1) != b"\n":
+                        fh.readline()  # this line belongs to the previous range
+                pos = first = fh.tell() if t.kind == "jsonl" else 0
+                stop = t.stop if t.kind == "jsonl" else -1
+                while stop < 0 or pos < stop:
+                    line = fh.readline()
+                    if not line:
+                        break
+                    if t.kind == "jsonl":
+                        pos += len(line)
+                    lineno += 1
+                    if line.isspace():
+                        continue
+                    yield self._jsonl_record(line, where)
+            except (OSError, EOFError, ValueError) as e:  # corrupt/truncated compressed stream, I/O error
+                lineno += 1
+                yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
+
+    @staticmethod
+    def _open_stream(f: SourceFile):
+        if f.kind == "jsonl":
+            return open(f.path, "rb")
+        if f.kind == "jsonl.gz":
+            import gzip
+
+            return gzip.open(f.path, "rb")
+        if f.kind == "jsonl.zst":
+            import zstandard
+
+            raw = open(f.path, "rb")
+            try:
+                return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), buffer_size=1 << 20)
+            except Exception:
+                raw.close()
+                raise
+        raise ValueError(f.kind)
+
+    # parquet ------------------------------------------------------------------------------------
+    def _parquet(self) -> Iterator[Doc | BadRecord]:
+        import pyarrow as pa
+
+        t = self.task
+        f = t.files[0]
+        try:
+            pf = _open_parquet(f.path)
+            n_groups = pf.metadata.num_row_groups
+        except Exception as e:
+            yield BadRecord(f.name, f"cannot open as parquet ({type(e).__name__}: {e})", "unreadable", fatal=True)
+            return
+        stop = n_groups if t.stop < 0 else t.stop
+        groups = list(range(t.start, stop))
+        n_rows = sum(pf.metadata.row_group(i).num_rows for i in groups)
+        row = t.first_row
+        names = pf.schema_arrow.names
+        fld = self.text_field
+        if fld not in names:
+            reason = f"no column {fld!r} (columns: {', '.join(names[:8])})"
+            for r in range(row, row + n_rows):
+                yield BadRecord(f"{f.name} row {r}", reason, "missing_field")
+            return
+        typ = pf.schema_arrow.field(fld).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
+            reason = f"column {fld!r} is {typ}, not a string"
+            for r in range(row, row + n_rows):
+                yield BadRecord(f"{f.name} row {r}", reason, "not_string")
+            return
+        if not groups:
+            return
+        try:
+            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld])
+            for batch in batches:
+                col = batch.column(0)
+                try:
+                    values = col.to_pylist()
+                except Exception:  # invalid UTF-8 somewhere in the batch: find the row
+                    values = []
+                    for i in range(len(col)):
+                        try:
+                            values.append(col[i].as_py())
+                        except Exception as e:
+                            values.append(BadRecord(f"{f.name} row {row + i}", f"invalid string ({type(e).__name__}: {e})", "invalid_utf8"))
+                for i, v in enumerate(values):
+                    if isinstance(v, str):
+                        data = _utf8(v)
+                        yield (v, data) if data is not None else BadRecord(
+                            f"{f.name} row {row + i}", f"field {fld!r} is not valid Unicode", "invalid_unicode")
+                    elif isinstance(v, BadRecord):
+                        yield v
+                    else:
+                        yield BadRecord(f"{f.name} row {row + i}", f"field {fld!r} is {_type_name(v)}, not a string", "not_string")
+                row += len(values)
+        except Exception as e:
+            yield BadRecord(f"{f.name} row {row}", f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
+
+    # text ---------------------------------------------------------------------------------------
+    def _text(self) -> Iterator[Doc | BadRecord]:
+        for f in self.task.files:
+            try:
+                with open(f.path, "rb") as fh:
+                    raw = fh.read()
+            except OSError as e:
+                yield BadRecord(f.name, f"cannot read ({e.strerror or e})", "unreadable")
+                continue
+            try:
+                yield raw.decode("utf-8"), raw
+            except UnicodeDecodeError as e:
+                line = raw.count(b"\n", 0, e.start) + 1
+                yield BadRecord(f.name, f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start:,}, line {line})", "invalid_utf8")

@@ -1,0 +1,221 @@
+"""Sources: spec resolution, task planning, and streaming readers on real text and bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from h5corpus.sources import (
+    BadRecord, SourceError, TaskReader, parse_hf_spec, plan_tasks, resolve_sources, stdlib_files,
+)
+
+FINEWEB_REV = "9bb295ddab0e05d785b879661af7260fed5140fc"
+FINEWEB_SCHEMA = pa.schema([
+    ("text", pa.string()), ("id", pa.string()), ("dump", pa.string()), ("url", pa.string()),
+    ("date", pa.string()), ("file_path", pa.string()), ("language", pa.string()),
+    ("language_score", pa.float64()), ("token_count", pa.int64()),
+])
+
+
+def read_all(specs, *, task_bytes=1 << 30, text_field="text", **kw) -> list:
+    """Every record of every task, in task order."""
+    tasks = plan_tasks(resolve_sources(specs, **kw), task_bytes=task_bytes)
+    out = []
+    for t in tasks:
+        for r in TaskReader(t, text_field):
+            out.append(r if isinstance(r, BadRecord) else r[0])
+    return out
+
+
+def write_jsonl(path: Path, texts, **extra) -> Path:
+    with open(path, "w", encoding="utf-8") as fh:
+        for i, t in enumerate(texts):
+            fh.write(json.dumps({"id": f"d{i}", "text": t, **extra}, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_fineweb_parquet(path: Path, texts, row_group_size: int) -> Path:
+    n = len(texts)
+    table = pa.table({
+        "text": texts, "id": [f"<urn:uuid:{i:08d}>" for i in range(n)], "dump": ["CC-MAIN-2024-10"] * n,
+        "url": [f"https://example.org/{i}" for i in range(n)], "date": ["2024-02-20T00:00:00Z"] * n,
+        "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n, "language": ["en"] * n,
+        "language_score": [0.9] * n, "token_count": [len(t) // 4 for t in texts],
+    }, schema=FINEWEB_SCHEMA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.fixture(scope="module")
+def texts(stdlib_corpus_texts) -> list[str]:
+    """Real text with multi-byte characters so byte-range cuts land inside characters too."""
+    return [t if i % 3 else t + "\n# ünïcödé — 日本語 👍\n" for i, t in enumerate(stdlib_corpus_texts[:80])]
+
+
+@pytest.mark.parametrize("task_bytes", [997, 20_000, 333_333, 1 << 30])
+def test_jsonl_byte_ranges_partition_lines_exactly(tmp_path, texts, task_bytes):
+    """Every line belongs to exactly one range task (the one holding its first byte), in order."""
+    p = write_jsonl(tmp_path / "a.jsonl", texts)
+    tasks = plan_tasks(resolve_sources([str(p)]), task_bytes=task_bytes)
+    if task_bytes < p.stat().st_size:
+        assert len(tasks) > 1
+    assert read_all([str(p)], task_bytes=task_bytes) == texts
+
+
+def test_every_format_streams_the_same_documents(tmp_path, texts):
+    """jsonl, jsonl.gz, jsonl.zst, parquet (row-group tasks) and a folder of .txt agree."""
+    write_jsonl(tmp_path / "a.jsonl", texts)
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write((tmp_path / "a.jsonl").read_text(encoding="utf-8"))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "a.jsonl").read_bytes()))
+    pq_path = write_fineweb_parquet(tmp_path / "d.parquet", texts, row_group_size=7)
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    for i, t in enumerate(texts):
+        (txt / f"{i:04d}.txt").write_text(t, encoding="utf-8")
+    (txt / "README.md").write_text("ignored: not a supported type")
+    (txt / ".hidden.txt").write_text("ignored: dot-file")
+    for spec in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet", "txt"):
+        assert read_all([str(tmp_path / spec)], task_bytes=50_000) == texts, spec
+    assert len(plan_tasks(resolve_sources([str(pq_path)]), task_bytes=50_000)) > 1
+
+
+def test_input_order_is_spec_order_then_sorted_paths(tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "b.jsonl", ["b1", "b2"])
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["a1"])
+    write_jsonl(tmp_path / "z.jsonl", ["z1"])
+    assert read_all([str(tmp_path / "z.jsonl"), str(tmp_path / "d")]) == ["z1", "a1", "b1", "b2"]
+    assert read_all([str(tmp_path / "d" / "*.jsonl")]) == ["a1", "b1", "b2"]
+
+
+def test_bad_specs_are_usage_errors_naming_the_spec(tmp_path):
+    with pytest.raises(SourceError, match="no such file or folder"):
+        resolve_sources([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(SourceError, match="unsupported file type"):
+        resolve_sources([str(tmp_path / "x.csv")])
+    with pytest.raises(SourceError, match="matches no files"):
+        resolve_sources([str(tmp_path / "*.jsonl")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no supported files"):
+        resolve_sources([str(tmp_path / "empty")])
+
+
+def test_bad_jsonl_records_name_file_and_line(tmp_path):
+    """Invalid UTF-8, malformed JSON, non-objects, missing/non-string fields and lone surrogates are
+    BadRecords naming file:line; NUL bytes and empty texts are documents; blank lines are not records."""
+    lines = [
+        b'{"text": "ok one"}',
+        b'{"text": "bad \xff utf8"}',
+        b'{"text": "unterminated',
+        b'',
+        b'   ',
+        b'[1, 2]',
+        b'{"body": "no text field"}',
+        b'{"text": 42}',
+        b'{"text": null}',
+        b'{"text": "lone \\ud800 surrogate"}',
+        b'{"text": "nul\\u0000inside"}',
+        b'{"text": ""}',
+        b'{"text": "raw\ttab and \x01 control"}',
+    ]
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    recs = read_all([str(p)])
+    got = [(r.where, r.code) if isinstance(r, BadRecord) else r for r in recs]
+    name = str(p)
+    assert got == [
+        "ok one",
+        (f"{name}:2", "invalid_utf8"),
+        (f"{name}:3", "malformed_json"),
+        (f"{name}:6", "not_object"),
+        (f"{name}:7", "missing_field"),
+        (f"{name}:8", "not_string"),
+        (f"{name}:9", "not_string"),
+        (f"{name}:10", "invalid_unicode"),
+        "nul\x00inside",
+        "",
+        "raw\ttab and \x01 control",
+    ]
+    assert "null" in recs[6].reason and "'text'" in recs[4].reason
+
+
+def test_line_numbers_are_absolute_in_later_byte_ranges(tmp_path, texts):
+    rows = [json.dumps({"text": t}) for t in texts[:40]]
+    rows[33] = '{"text": broken'
+    p = tmp_path / "big.jsonl"
+    p.write_text("\n".join(rows) + "\n")
+    bad = [r for r in read_all([str(p)], task_bytes=10_000) if isinstance(r, BadRecord)]
+    assert [b.where for b in bad] == [f"{p}:34"]
+
+
+def test_corrupt_and_unreadable_files_report_where_reading_stopped(tmp_path, texts):
+    raw = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode())
+    p = tmp_path / "cut.jsonl.gz"
+    p.write_bytes(raw[: len(raw) // 2])
+    recs = read_all([str(p)])
+    assert recs[:-1] == texts[: len(recs) - 1] and len(recs) > 2
+    assert isinstance(recs[-1], BadRecord) and recs[-1].fatal and recs[-1].where.startswith(f"{p}:")
+    q = tmp_path / "fake.parquet"
+    q.write_bytes(b"this is not parquet")
+    [r] = read_all([str(q)])
+    assert isinstance(r, BadRecord) and r.fatal and r.code == "unreadable" and r.where == str(q)
+
+
+def test_parquet_nulls_and_missing_columns_are_bad_rows(tmp_path):
+    p = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "c"]}), p)
+    recs = read_all([str(p)])
+    assert recs[0] == "a" and recs[2] == "c"
+    assert isinstance(recs[1], BadRecord) and recs[1].where == f"{p} row 1"
+    recs = read_all([str(p)], text_field="content")
+    assert [r.where for r in recs] == [f"{p} row {i}" for i in range(3)] and all(r.code == "missing_field" for r in recs)
+
+
+def test_a_million_character_document_streams_whole(tmp_path, stdlib_corpus_texts):
+    big = "".join(stdlib_corpus_texts)[:1_200_000]
+    assert len(big) == 1_200_000
+    p = write_jsonl(tmp_path / "big.jsonl", ["short", big, "after"])
+    assert read_all([str(p)], task_bytes=100_000) == ["short", big, "after"]
+
+
+def test_hf_spec_requires_a_pinned_commit():
+    assert parse_hf_spec(f"hf://datasets/HuggingFaceFW/fineweb@{FINEWEB_REV}/sample/10BT") == (
+        "HuggingFaceFW/fineweb", FINEWEB_REV, "sample/10BT")
+    with pytest.raises(SourceError, match="pin the dataset to a commit"):
+        parse_hf_spec("hf://datasets/HuggingFaceFW/fineweb@main/sample/10BT")
+    with pytest.raises(SourceError, match="hf://datasets/ORG/NAME@REVISION/PATH"):
+        parse_hf_spec("hf://HuggingFaceFW/fineweb/sample/10BT")
+
+
+def test_hf_source_reads_fineweb_schema_from_the_local_cache(tmp_path, texts, monkeypatch):
+    """FineWeb sample-10BT at the pinned revision, served from a local hub cache (offline)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = tmp_path / "hub" / "datasets--HuggingFaceFW--fineweb" / "snapshots" / FINEWEB_REV / "sample" / "10BT"
+    write_fineweb_parquet(snap / "000_00000.parquet", texts[:50], row_group_size=8)
+    write_fineweb_parquet(snap / "001_00000.parquet", texts[50:], row_group_size=8)
+    spec = f"hf://datasets/HuggingFaceFW/fineweb@{FINEWEB_REV}/sample/10BT"
+    [inp] = resolve_sources([spec], hf_cache_dir=tmp_path / "hub")
+    assert inp.meta == {"repo": "HuggingFaceFW/fineweb", "revision": FINEWEB_REV, "path": "sample/10BT"}
+    assert [f.name for f in inp.files] == ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
+    assert read_all([spec], task_bytes=20_000, hf_cache_dir=tmp_path / "hub") == texts
+    with pytest.raises(SourceError, match="HF_HUB_OFFLINE"):
+        resolve_sources([f"hf://datasets/HuggingFaceFW/fineweb@{'0' * 40}/sample/10BT"], hf_cache_dir=tmp_path / "hub")
+
+
+def test_stdlib_source_is_the_standard_library_without_tests():
+    files = stdlib_files()
+    names = [n for n, _ in files]
+    assert names == sorted(names) and len(names) > 300
+    assert "<stdlib>/json/decoder.py" in names
+    assert not any("/test/" in n or "/tests/" in n or "site-packages" in n for n in names)
+    [inp] = resolve_sources(["stdlib"])
+    assert inp.kind == "stdlib" and len(inp.files) == len(files)
