@@ -290,7 +290,7 @@ def bench_chunk_sizes(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIde
     base_path = work / "chunk-baseline.bin"
     sub.tofile(base_path)
     out: dict = {"seq_len": L, "tokens": int(sub.size)}
-    cold_n = 60 if quick else 300
+    cold_n = 40  # few enough that read-ahead cannot pull the whole ~8 MB shard into the cache
     hot_n = 400 if quick else 3000
     for chunk in (L // 2, L, 2 * L):
         root = work / f"chunk-{chunk}"
@@ -322,18 +322,22 @@ def bench_chunk_sizes(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIde
         t = interleaved({k: (lambda f=f: f(starts[:hot_n])) for k, f in fns.items()}, 3)
         b0 = t["memmap"]
         row["hot"] = {k: {"windows_per_s": round(hot_n / v), "vs_memmap": round(b0 / v, 3)} for k, v in t.items()}
-        # cold: each path starts from an empty page cache, fresh handles, same windows
+        # cold: each path starts from an empty page cache, fresh handles, same windows; best of 3
         row["cold"] = {}
         for k in list(fns):
-            del fns, handles  # unmap and close everything, so the eviction below takes effect
-            fns, handles = readers()
-            drop_page_cache([base_path, shard])
-            r0, t0 = read_bytes(), time.perf_counter()
-            fns[k](starts[:cold_n])
-            dt = time.perf_counter() - t0
-            rb = read_bytes() - r0
-            row["cold"][k] = {"windows_per_s": round(cold_n / dt),
-                              "storage_KiB_per_window": round(rb / cold_n / 1024, 1) if rb >= 0 else None}
+            best_dt, best_rb = float("inf"), -1
+            for _ in range(3):
+                del fns, handles  # unmap and close everything, so the eviction below takes effect
+                fns, handles = readers()
+                fns[k](starts[-1:])  # opens: HDF5 metadata / chunk map in memory, then evict the data
+                drop_page_cache([base_path, shard])
+                r0, t0 = read_bytes(), time.perf_counter()
+                fns[k](starts[:cold_n])
+                dt = time.perf_counter() - t0
+                if dt < best_dt:
+                    best_dt, best_rb = dt, read_bytes() - r0
+            row["cold"][k] = {"windows_per_s": round(cold_n / best_dt),
+                              "storage_KiB_per_window": round(best_rb / cold_n / 1024, 1) if best_rb >= 0 else None}
         del fns, handles
         c.close()
         out[f"chunk_{chunk}"] = row

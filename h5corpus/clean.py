@@ -5,10 +5,11 @@ None: the page had no main text). Plain text is never touched by :func:`html_to_
 because :func:`looks_like_html` is checked first; Unicode repair and whitespace normalization are
 separate opt-in steps.
 
-- HTML: only documents that *are* HTML (first non-blank character ``<`` followed by a known HTML
-  tag, doctype or comment within the first 2 KiB) are extracted, with trafilatura (main content
-  without navigation, footers, comments; tables kept), falling back to trafilatura's ``baseline``
-  paragraph extractor for fragments its main extractor rejects.
+- HTML: only documents that *are* HTML (:func:`looks_like_html`: a doctype or ``<html`` first, or
+  a known tag first and a closing tag last) are extracted, with trafilatura (main content without
+  navigation, headers, footers, comments; tables kept), falling back for fragments its main
+  extractor rejects to trafilatura's ``baseline``, then to the text content of the lxml tree
+  (scripts and styles removed).
 - Unicode: ftfy with a conservative configuration (:data:`FTFY_CONFIG`): mojibake, C1 controls,
   latin ligatures, surrogates, terminal escapes, control characters, NFC. It does not decode HTML
   entities, convert full-width characters or straighten quotes.
@@ -24,19 +25,30 @@ import re
 # HTML
 
 _HTML_PROBE_CHARS = 2048
+_FULL_PAGE = re.compile(
+    r"(?:<\?xml[^>]*>\s*)?(?:<!--.*?-->\s*)*(?:<!doctype\s+html|<html[\s>])", re.IGNORECASE | re.DOTALL
+)
 _HTML_TAG = re.compile(
-    r"<(?:!doctype\s+html|!--|\?xml|(?:html|head|body|meta|title|link|script|style|div|span|p|a|"
-    r"article|section|main|header|footer|nav|aside|table|ul|ol|li|h[1-6]|br|img|form)[\s/>])",
+    r"<(?:!--|(?:html|head|body|meta|title|link|script|style|div|span|p|a|article|section|main|"
+    r"header|footer|nav|aside|table|ul|ol|li|h[1-6]|br|img|form)[\s/>])",
     re.IGNORECASE,
 )
 
 
 def looks_like_html(text: str) -> bool:
-    """True when ``text`` is an HTML page or fragment: its first non-blank character is ``<`` and
-    a known HTML tag, doctype or comment starts there. Plain text that merely contains a tag later
-    ("use <b> for bold") is not HTML. Cost: a scan of the first 2 KiB."""
+    """True when ``text`` is an HTML page or fragment: it starts (after blanks and a BOM) with a
+    doctype or ``<html``, or with a known HTML tag and it ends with a closing tag. Plain text that
+    merely contains tags ("use <b> for bold", a tutorial opening with "<table>: ...") is not HTML.
+    Cost: a look at the first 2 KiB and the last 256 characters."""
     head = text[:_HTML_PROBE_CHARS].lstrip("\ufeff \t\r\n")
-    return head.startswith("<") and _HTML_TAG.match(head) is not None
+    if not head.startswith("<"):
+        return False
+    if _FULL_PAGE.match(head):
+        return True
+    if _HTML_TAG.match(head) is None:
+        return False
+    tail = text[-256:].rstrip()
+    return tail.endswith(">") and "</" in tail
 
 
 def html_to_text(html: str) -> str | None:
@@ -51,11 +63,26 @@ def html_to_text(html: str) -> str | None:
         include_links=False, deduplicate=False, with_metadata=False, output_format="txt",
     )
     if not text or not text.strip():
-        # Short fragments (a few <p>) are below trafilatura's main-content thresholds.
+        # Short fragments (a few <p>) are below trafilatura's main-content thresholds: take
+        # its baseline (article/paragraph text), else the text content of the parsed markup.
         _tree, text, _n = trafilatura.baseline(html)
+    if not text or not text.strip():
+        text = _text_content(html)
     if not text or not text.strip():
         return None
     return normalize_whitespace(text)
+
+
+def _text_content(html: str) -> str:
+    import lxml.html
+
+    try:
+        root = lxml.html.fromstring(html)
+    except (ValueError, lxml.etree.ParserError):
+        return ""
+    for bad in root.xpath("//script|//style|//noscript"):
+        bad.drop_tree()
+    return root.text_content()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def inspect_cli(
     split: Optional[list[str]] = typer.Option(None, "--split", help="Split(s) to inspect (default: all present)."),
     seq_len: int = typer.Option(4096, "--seq-len", help="Independent context limit, in input tokens."),
     batch_size: int = typer.Option(35, "--batch-size", help="Packs per microbatch."),
-    packing_buffer: int = typer.Option(64, "--packing-buffer", help="Best-fit candidate buffer, in chunks."),
+    packing_buffer: Optional[int] = typer.Option(None, "--packing-buffer", help="Candidate buffer, in chunks (default 64 for buffer, 16,384 for bfd)."),
     mode: str = typer.Option("buffer", "--mode", help="Packing mode: buffer or bfd."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed for the packing simulation and checks."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of the table."),

@@ -33,6 +33,7 @@ on, so ``import h5corpus`` works without the ``filters`` extra.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
@@ -237,6 +238,9 @@ class DocumentFilter:
         self._cache: tuple[str, np.ndarray] | None = None  # (last kept text, its word hashes)
         self.last_info: dict[str, Any] = {}
         """Facts about the last document of the last call (see :attr:`FilterResult.info`)."""
+        self.seconds: Counter[str] = Counter()
+        """Wall-clock seconds spent per stage (clean, lang, quality, pii, signature) in this
+        process, for build summaries and benchmarks."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "stats": dict(self._stats)}
@@ -247,6 +251,7 @@ class DocumentFilter:
         self._minhasher = None
         self._cache = None
         self.last_info = {}
+        self.seconds = Counter()
 
     # -- documents ---------------------------------------------------------------------------
     def process(self, text: str) -> tuple[str | None, str | None]:
@@ -267,6 +272,9 @@ class DocumentFilter:
         st = self._stats
         n = len(texts)
         st["docs"] += n
+        clock = time.perf_counter
+        tm = self.seconds
+        t0 = clock()
         out: list[FilterResult | None] = [None] * n
         infos: list[dict[str, Any]] = [{} for _ in range(n)]
         cur: list[str] = list(texts)
@@ -303,6 +311,8 @@ class DocumentFilter:
                     drop(i, "clean:empty")
                     continue
                 cur[i] = text
+            tm["clean"] += clock() - t0
+            t0 = clock()
         live = [i for i in range(n) if out[i] is None]
         if c.lang and live:
             from .langid import detect_languages
@@ -316,6 +326,8 @@ class DocumentFilter:
                 elif prob < c.lang_threshold:
                     drop(i, "lang:low_confidence", counter="lang")
             live = [i for i in live if out[i] is None]
+            tm["lang"] += clock() - t0
+            t0 = clock()
         word_hashes: dict[int, np.ndarray] = {}
         if c.quality and live:
             from .quality import quality_batch
@@ -328,6 +340,8 @@ class DocumentFilter:
                     a, b = int(wb.offsets[j]), int(wb.offsets[j + 1])
                     word_hashes[i] = wb.hashes[a:b]
             live = [i for i in live if out[i] is None]
+            tm["quality"] += clock() - t0
+            t0 = clock()
         if c.scrub_pii:
             from .pii import scrub_pii
 
@@ -340,6 +354,8 @@ class DocumentFilter:
                         st[f"pii:{kind}"] += k
                     cur[i] = scrubbed
                     word_hashes.pop(i, None)  # the words changed
+            tm["pii"] += clock() - t0
+            t0 = clock()
         sigs: dict[int, np.ndarray] = {}
         if signatures and c.near_dedup and live:
             hasher = self._hasher()
@@ -352,6 +368,7 @@ class DocumentFilter:
                     word_hashes[i] = wb2.hashes[int(wb2.offsets[j]):int(wb2.offsets[j + 1])]
             for i, sig in zip(live, hasher.signatures_of_word_hashes([word_hashes[i] for i in live])):
                 sigs[i] = sig
+            tm["signature"] += clock() - t0
         for i in live:
             st["kept"] += 1
             out[i] = FilterResult(cur[i], None, infos[i], sigs.get(i))

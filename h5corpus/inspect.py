@@ -195,7 +195,7 @@ def inspect_corpus(
     splits: Sequence[str] | None = None,
     seq_len: int = 4096,
     batch_size: int = 35,
-    packing_buffer: int = 64,
+    packing_buffer: int | None = None,
     mode: str = "buffer",
     seed: int = 0,
     top_k: int = 20,
@@ -205,6 +205,9 @@ def inspect_corpus(
     from .packing import chunk_layout, pack_fill
     from .reader import open_corpus
 
+    from .packing import default_packing_buffer
+
+    packing_buffer = default_packing_buffer(mode, packing_buffer)
     m = read_manifest(manifest)
     present = [s for s in fmt.SPLITS if m.shards_of(s)]
     splits = list(splits) if splits else present

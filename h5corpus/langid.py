@@ -176,8 +176,11 @@ def detect_languages(texts: Sequence[str], max_chars: int = 1000) -> list[tuple[
         fd = f[a:z]
         fd = np.sort(fd[fd >= 0])
         if fd.size:
-            first = np.flatnonzero(np.r_[True, fd[1:] != fd[:-1]])  # np.unique, minus overhead
-            counts = np.diff(np.r_[first, fd.size]).astype(np.float32)
+            new = np.empty(fd.size, dtype=bool)  # np.unique(return_counts=True), minus its overhead
+            new[0] = True
+            np.not_equal(fd[1:], fd[:-1], out=new[1:])
+            first = np.flatnonzero(new)
+            counts = np.diff(first, append=fd.size).astype(np.float32)
             scores[d] = np.log1p(counts) @ ptc[fd[first]] + m.pc
     lens = np.fromiter((len(d) for d in data), dtype=np.float32, count=len(data))
     scores *= (1.0 / np.sqrt(np.maximum(lens, 1.0)))[:, None]

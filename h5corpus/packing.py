@@ -407,9 +407,9 @@ class _Plan:
         flat = [i for p in self.pending for i in p]
         return {
             "cursor": int(cursor),
-            "buffer": buffer,
-            "pending_chunks": np.asarray(flat, dtype=np.int64),
-            "pending_lengths": np.asarray([len(p) for p in self.pending], dtype=np.int64),
+            "buffer": torch.from_numpy(buffer),
+            "pending_chunks": torch.tensor(flat, dtype=torch.int64),
+            "pending_lengths": torch.tensor([len(p) for p in self.pending], dtype=torch.int64),
             "rng": self.rng.bit_generator.state,
         }
 
@@ -468,7 +468,7 @@ def pack_fill(lengths: np.ndarray, max_seq_len: int = 4096, batch_size: int = 35
     would yield with ``num_workers=0`` and ``world_size=1``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    buf = _default_buffer(mode, packing_buffer)
+    buf = default_packing_buffer(mode, packing_buffer)
     order = epoch_order(lengths.size, seed, epoch, shuffle)
     plan = _Plan(lengths, order, max_seq_len=max_seq_len, batch_size=batch_size, packing_buffer=buf, mode=mode,
                  rng_seed=_rng_seed(seed, epoch, Consumer(0, 1, 0, 1)))
@@ -496,7 +496,7 @@ def pack_fill(lengths: np.ndarray, max_seq_len: int = 4096, batch_size: int = 35
     )
 
 
-def _default_buffer(mode: str, packing_buffer: int | None) -> int:
+def default_packing_buffer(mode: str, packing_buffer: int | None) -> int:
     if packing_buffer is not None:
         return int(packing_buffer)
     return 64 if mode == "buffer" else DEFAULT_BFD_BUFFER
@@ -535,7 +535,9 @@ class BestFitDataset(IterableDataset):
     Use with ``torch.utils.data.DataLoader`` or torchdata's ``StatefulDataLoader`` with
     ``batch_size=None``. ``state_dict()`` / ``load_state_dict()`` (torchdata's Stateful protocol)
     capture the epoch, this consumer's document order, the chunk cursor, the candidate buffer,
-    BFD's pending packs and the RNG state; a restored dataset yields the identical next batch.
+    BFD's pending packs and the RNG state (plain Python and int64 tensors: a checkpoint holding it
+    loads with ``torch.load(..., weights_only=True)``); a restored dataset yields the identical
+    next batch.
     Call :meth:`set_epoch` before each epoch.
     """
 
@@ -555,7 +557,7 @@ class BestFitDataset(IterableDataset):
         self.corpus = corpus
         self.max_seq_len = int(max_seq_len)
         self.batch_size = int(batch_size)
-        self.packing_buffer = _default_buffer(mode, packing_buffer)
+        self.packing_buffer = default_packing_buffer(mode, packing_buffer)
         if self.packing_buffer < 1:
             raise ValueError(f"packing_buffer must be >= 1 chunk, got {self.packing_buffer}")
         self.seed = int(seed)
@@ -680,8 +682,9 @@ class BestFitDataset(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue with the identical next batch: plan version, corpus
         fingerprint, config, epoch, consumer, this consumer's document order, the plan's cursor,
-        candidate buffer, pending packs and RNG state, and counters. Plain Python, numpy arrays and
-        the numpy bit generator's state dict (picklable; ``torch.save`` with ``weights_only=False``)."""
+        candidate buffer, pending packs and RNG state, and counters. Plain Python values, int64
+        tensors and the numpy bit generator's state dict (plain ints): ``torch.save`` /
+        ``torch.load(weights_only=True)`` round-trip it."""
         base = {"plan_version": PLAN_VERSION, "fingerprint": self.fingerprint, "config": self._config()}
         live = self._live
         if live is None:
@@ -690,7 +693,7 @@ class BestFitDataset(IterableDataset):
             return {**base, "started": False, "epoch": self.epoch}
         c: Consumer = live["consumer"]
         plan: _Plan = live["plan"]
-        return {**base, "started": True, "epoch": live["epoch"], "consumer": (c.index, c.count), "order": plan.docs.copy(),
+        return {**base, "started": True, "epoch": live["epoch"], "consumer": (c.index, c.count), "order": torch.from_numpy(plan.docs.copy()),
                 "plan": plan.state(), "batches_yielded": live["batches"], "tokens_yielded": live["tokens"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -89,6 +89,8 @@ def pii_spans(text: str) -> list[tuple[int, int, str]]:
     n = len(text)
     for region in _NUMBERISH.finditer(text):
         a, b = region.span()
+        if b - a < 7 or _digits(region.group(0)) < 7:  # every phone pattern has 7+ digits
+            continue
         lo, hi = max(0, a - 48), min(n, b + 3)  # room for "+", "(", a keyword, and lookaheads
         if "+" in text[lo:a]:
             for m in _PHONE_INTL_RE.finditer(text, lo, hi):

@@ -266,9 +266,9 @@ def _sorted_runs(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _maybe_repeated(g: np.ndarray) -> np.ndarray:
     """Sorted positions whose value *may* occur more than once: every position of a repeated
-    value, plus positions sharing a hash bucket with another value. A bincount over >= 2 x len
-    buckets instead of a sort; the exact answer then only sorts these candidates."""
-    buckets = 1 << max(6, (2 * g.size - 1).bit_length())
+    value, plus positions sharing a hash bucket with another value (~1 in 9 of the others). A
+    bincount over >= 8 x len buckets instead of a sort; the exact answer sorts only these."""
+    buckets = 1 << max(6, (8 * g.size - 1).bit_length())
     b = (g & np.uint64(buckets - 1)).astype(np.intp)
     return np.flatnonzero(np.bincount(b, minlength=buckets)[b] >= 2)
 
@@ -322,6 +322,7 @@ class _Windows:
     positions, texts, characters, and (on first use) salted hashes."""
 
     def __init__(self, wb: WordBatch, n: int, select: np.ndarray, cum: np.ndarray) -> None:
+        # n-grams never cross texts: text t contributes windows offsets[t] .. offsets[t+1]-n
         self._hashes = wb.hashes
         self.n = n
         counts = np.diff(wb.offsets) - (n - 1)  # n-grams per text
@@ -373,48 +374,65 @@ def _group_max(values: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def _bucket_counts(g: np.ndarray) -> np.ndarray:
+    """For each value, how many values share its hash bucket (>= 8 x len buckets): at least the
+    number of times the value itself occurs."""
+    buckets = 1 << max(6, (8 * g.size - 1).bit_length())
+    b = (g & np.uint64(buckets - 1)).astype(np.intp)
+    return np.bincount(b, minlength=buckets)[b]
+
+
 def _top_ngram_fails(wb: WordBatch, alive: np.ndarray, total: np.ndarray, limits: Mapping[int, float]) -> np.ndarray:
     """Texts (among ``alive``) whose :func:`top_ngram_fraction` exceeds the limit for some n.
 
-    Exact. Only n-grams sharing a hash bucket are sorted (:func:`_maybe_repeated`); and since an
-    n-gram never occurs more often than its first (n-1)-gram and covers at most the longest window
-    of n words, a text whose bound (top count x longest window) is within the limit for a larger
-    n is not recomputed for it."""
+    Exact, sorting as little as possible: a text's top count is at most the largest hash-bucket
+    count among its n-grams (:func:`_bucket_counts`) and, for larger n, at most its top count for
+    a smaller n; its top n-gram covers at most its longest window of n words. Only texts whose
+    bound (count x longest window) exceeds the limit have their candidate n-grams sorted."""
     size = len(wb)
     cum = _char_prefix(wb)
     fail = np.zeros(size, dtype=bool)
-    top_prev: np.ndarray | None = None
+    top_ub = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)  # bound on the top count
     for n, limit in sorted(limits.items()):
-        select = alive & ~fail
-        if top_prev is not None:
-            w = _Windows(wb, n, select & (top_prev >= 2), cum)
-            longest = _group_max(w.chars, w.text, size)
-            select &= top_prev * longest > limit * total
+        select = alive & ~fail & (top_ub >= 2)  # no repeated (n-1)-gram: no repeated n-gram
         if not select.any():
-            if top_prev is None:
-                top_prev = np.zeros(size, dtype=np.int64)
             continue
         w = _Windows(wb, n, select, cum)
+        longest = _group_max(w.chars, w.text, size)
+        select &= np.minimum(top_ub, 1 << 40) * longest > limit * total
+        if not select.any():
+            continue
+        keep = select[w.text]
+        text, chars, g = w.text[keep], w.chars[keep], w.g[keep]
+        bc = _bucket_counts(g)
+        ub = _group_max(bc, text, size)
+        top_ub = np.where(select, np.minimum(top_ub, ub), top_ub)
+        need = select & (ub * longest > limit * total)
+        if not need.any():
+            continue
+        cand = np.flatnonzero(need[text] & (bc >= 2))
         top = np.zeros(size, dtype=np.int64)
         best = np.zeros(size, dtype=np.int64)
-        cand = _maybe_repeated(w.g) if w.g.size >= 2 else w.pos[:0]
         if cand.size >= 2:
-            vals = w.g[cand]
+            vals = g[cand]
             order = np.argsort(vals)
             sv = vals[order]
-            starts = np.flatnonzero(np.r_[True, sv[1:] != sv[:-1]])
-            counts = np.diff(np.r_[starts, sv.size])
+            new = np.empty(sv.size, dtype=bool)
+            new[0] = True
+            np.not_equal(sv[1:], sv[:-1], out=new[1:])
+            starts = np.flatnonzero(new)
+            counts = np.diff(starts, append=sv.size)
             rep = counts >= 2
             first = cand[order[starts[rep]]]  # one occurrence of each repeated n-gram
             counts = counts[rep]
-            rtext = w.text[first]
+            rtext = text[first]
             by_text = np.argsort(rtext, kind="stable")
-            rtext, counts, rchars = rtext[by_text], counts[by_text], w.chars[first][by_text]
+            rtext, counts, rchars = rtext[by_text], counts[by_text], chars[first][by_text]
             top = _group_max(counts, rtext, size)
             is_top = counts == top[rtext]
             best = _group_max(rchars[is_top], rtext[is_top], size)
-        fail |= select & (top * best > limit * total)
-        top_prev = np.where(select, top, top_prev if top_prev is not None else top)
+        fail |= need & (top * best > limit * total)
+        top_ub = np.where(need, top, top_ub)
     return fail
 
 

@@ -66,38 +66,56 @@ def _h5open(path: str | os.PathLike[str]) -> h5py.File:
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
 
 class _MmapTokens:
-    """Raw chunks of a finished, unfiltered shard read through a read-only memory map."""
+    """Raw chunks of a finished, unfiltered shard read through a read-only memory map.
+
+    The writer appends chunks in order, so most chunks sit right after their predecessor in the
+    file. Runs of such chunks are exposed as one array (:attr:`runs`), and a range is one copy
+    unless it crosses from one run into the next (where HDF5 put an index block between chunks)."""
 
     kind = "mmap"
 
     def __init__(self, path: str, chunk_tokens: int, byte_offsets: np.ndarray, dtype: np.dtype, n_tokens: int) -> None:
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = C = chunk_tokens
         self.n_tokens = n_tokens
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        #: one zero-copy ndarray view per chunk, in chunk order
-        self.chunks = [np.frombuffer(self._mm, dtype=dtype, count=chunk_tokens, offset=int(o)) for o in byte_offsets]
+        chunk_bytes = C * dtype.itemsize
+        first = np.flatnonzero(np.diff(byte_offsets) != chunk_bytes) + 1 if byte_offsets.size else byte_offsets
+        bounds = [0, *first.tolist(), int(byte_offsets.size)] if byte_offsets.size else [0]
+        #: zero-copy arrays over runs of file-contiguous chunks, in token order
+        self.runs = [np.frombuffer(self._mm, dtype=dtype, count=(b - a) * C, offset=int(byte_offsets[a]))
+                     for a, b in zip(bounds[:-1], bounds[1:])]
+        #: per chunk: its run's array, and the chunk's first token's position inside that run
+        self.chunk_run: list[np.ndarray] = []
+        self.chunk_pos: list[int] = []
+        for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
+            self.chunk_run.extend([run] * (b - a))
+            self.chunk_pos.extend(range(0, (b - a) * C, C))
 
     def read(self, lo: int, hi: int, out: np.ndarray) -> None:
         """``out[:] = tokens[lo:hi]`` (shard-local positions; ``out`` may be any integer dtype)."""
         C = self.chunk_tokens
         k, off = divmod(lo, C)
-        if off + (hi - lo) <= C:  # the common case: one chunk, one copy
-            out[:] = self.chunks[k][off : off + hi - lo]
+        run = self.chunk_run[k]
+        p = self.chunk_pos[k] + off
+        if p + (hi - lo) <= run.size:  # the common case: inside one run, one copy
+            out[:] = run[p : p + hi - lo]
             return
         pos = lo
         while pos < hi:
             k, off = divmod(pos, C)
-            n = min(C - off, hi - pos)
-            out[pos - lo : pos - lo + n] = self.chunks[k][off : off + n]
+            run = self.chunk_run[k]
+            p = self.chunk_pos[k] + off
+            n = min(run.size - p, hi - pos)
+            out[pos - lo : pos - lo + n] = run[p : p + n]
             pos += n
 
     def refresh(self) -> None:  # finished shards never change
         pass
 
     def close(self) -> None:
-        self.chunks = []
+        self.runs, self.chunk_run = [], []
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -593,10 +611,12 @@ class Corpus:
                 self.tokens(g, g + length, row)
                 continue
             r = readers.get(s) or self._reader(s)
-            if r.kind == "mmap":  # inline the one-chunk case: one copy, no call
+            if r.kind == "mmap":  # inline the one-run case: one copy, no call
                 k, o = divmod(a, r.chunk_tokens)  # type: ignore[union-attr]
-                if o + length <= r.chunk_tokens:  # type: ignore[union-attr]
-                    row[:] = r.chunks[k][o : o + length]  # type: ignore[union-attr]
+                run = r.chunk_run[k]  # type: ignore[union-attr]
+                p = r.chunk_pos[k] + o  # type: ignore[union-attr]
+                if p + length <= run.size:
+                    row[:] = run[p : p + length]
                     continue
             r.read(a, a + length, row)
         return out

@@ -369,19 +369,26 @@ def test_resume_three_times_in_a_row_gives_the_identical_next_batches(stdlib_man
     assert all(batches_equal(x, y) for x, y in zip(got, ref))
 
 
-def test_state_dict_holds_order_cursor_buffer_and_rng(stdlib_manifest):
+def test_state_dict_holds_order_cursor_buffer_and_rng(stdlib_manifest, tmp_path):
     """Mid-epoch state carries this consumer's order, the chunk cursor, the waiting candidates and
-    the RNG state; a state for another corpus or config is refused."""
+    the RNG state, survives torch.save/torch.load(weights_only=True), and a state for another
+    corpus, config or consumer is refused."""
     corpus = open_corpus(stdlib_manifest, "train")
     ds = BestFitDataset(corpus, 256, 4, 64, seed=1)
     it = iter(ds)
     next(it)
     st = ds.state_dict()
     assert st["started"] and st["batches_yielded"] == 1
-    assert np.array_equal(st["order"], epoch_order(corpus.num_documents, 1, 0))
+    assert np.array_equal(st["order"].numpy(), epoch_order(corpus.num_documents, 1, 0))
     buf = st["plan"]["buffer"]
     assert st["plan"]["cursor"] > 0 and 0 < len(buf) <= 64 and int(buf.max()) < st["plan"]["cursor"]
     assert "state" in st["plan"]["rng"]
+    # a checkpoint holding the state loads with torch's safe (weights_only) unpickler
+    path = tmp_path / "ckpt.pt"
+    torch.save({"loader": st}, path)
+    restored = BestFitDataset(corpus, 256, 4, 64, seed=1)
+    restored.load_state_dict(torch.load(path, weights_only=True)["loader"])
+    assert batches_equal(next(iter(restored)), next(it))
     with pytest.raises(ValueError, match="config"):
         BestFitDataset(corpus, 256, 5, 64, seed=1).load_state_dict(st)
     other = open_corpus(stdlib_manifest, "validation")

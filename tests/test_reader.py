@@ -87,6 +87,28 @@ def test_tokens_equal_concatenated_shards_across_chunk_and_shard_boundaries(stdl
         np.testing.assert_array_equal(c.document(i), toks[offs[i] : offs[i + 1]])
 
 
+def test_reads_across_every_gap_between_file_chunks(stdlib_manifest):
+    """Where HDF5 placed an index block between two consecutive /tokens chunks (found with
+    h5py's chunk_iter), ranges crossing that boundary still equal the stream."""
+    c = open_corpus(stdlib_manifest, "train")
+    toks, _, starts = oracle_stream(stdlib_manifest)
+    gaps = 0
+    for s, path in enumerate(c.paths):
+        with h5py.File(path, "r") as f:
+            info: list = []
+            f["tokens"].id.chunk_iter(info.append)
+        info.sort(key=lambda i: i.chunk_offset[0])
+        for prev, nxt in zip(info[:-1], info[1:]):
+            if nxt.byte_offset != prev.byte_offset + prev.size:
+                gaps += 1
+                g = int(starts[s]) + nxt.chunk_offset[0]
+                for a, b in ((g - 1, g + 1), (g - 3000, g + 5000), (g - c.chunk_tokens, g + 2 * c.chunk_tokens)):
+                    a, b = max(a, int(starts[s])), min(b, int(starts[s + 1]))
+                    np.testing.assert_array_equal(c.tokens(a, b), toks[a:b])
+                    np.testing.assert_array_equal(c.gather(np.array([a]), b - a)[0], toks[a:b])
+    assert gaps >= 3, "expected index blocks between some chunks"
+
+
 def test_gather_equals_tokens_for_every_window_even_across_shards(stdlib_manifest):
     """gather(starts, n) row j == tokens(starts[j], starts[j] + n), into any integer dtype."""
     c = open_corpus(stdlib_manifest, "train")
