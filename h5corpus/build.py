@@ -5,17 +5,17 @@ The build runs in three phases over *tasks* (``sources.plan_tasks``: a byte rang
 row groups of a parquet file, a compressed file, a run of ``.txt`` files), numbered in input order:
 
 1. **read** (parallel, one job per task): stream records, apply the optional filters, hash each
-   document's UTF-8 text (document id = sha256), drop duplicates inside the task, tokenize, and
-   spill ``tokens`` (EOS appended) and a per-document table (id, tokens, characters, split) to the
-   state folder. A completion record (JSON, written atomically, last) carries the spill files'
-   sha256.
+   document's UTF-8 text (document id = sha256), drop duplicates inside the task, tokenize
+   (appending EOS, or cutting at ``max_document_tokens``), and write the task's documents into its
+   *candidate* shards (``ShardWriter``, in the state folder) plus a per-document table (id, tokens,
+   characters, split, flags). A completion record (JSON, written last) carries their hashes.
 2. **decide** (main process, sequential in input order, cheap): global exact dedup across tasks
    (first occurrence wins), near-duplicate index (filters' signatures), ``--max-tokens`` budgets
    (whole documents in input order until a budget is filled; the last one is kept whole). Reading
    stops at the task where every budget is filled.
-3. **write** (parallel, one job per task): the kept documents of each task into that task's own
-   shards ``shards/<split>/<split>-<task:05d>-<n:03d>.h5`` (``ShardWriter``; at most
-   ``shard_tokens`` tokens each, documents never cut), truncating at ``max_document_tokens``.
+3. **finish** (parallel, one job per task): a task that keeps all its candidates has them renamed
+   into place as ``shards/<split>/<split>-<task:05d>-<n:03d>.h5``; otherwise its kept documents are
+   copied into new shards of those names (at most ``shard_tokens`` tokens each, documents whole).
 
 The manifest is written last, atomically. Every output byte is a function of the inputs and the
 settings, never of the worker count or timing, so any worker count gives identical files, and a
@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
+import h5py
 import numpy as np
 
 from . import __version__
@@ -68,8 +69,10 @@ PROOF_SAMPLE_TASK_CHARS = 16 << 10
 STATE_DIR = ".build"
 LOCK_FILE = ".build.lock"
 SHARD_NAME = re.compile(r"^(train|validation)-(\d{5})-(\d{3})\.h5$")
-#: Per-document table of a read task's spill.
-DOC_DTYPE = np.dtype([("id", "V32"), ("tokens", "<i8"), ("chars", "<i8"), ("split", "u1")])
+#: Per-document table of a read task.
+DOC_DTYPE = np.dtype([("id", "V32"), ("tokens", "<i8"), ("chars", "<i8"), ("split", "u1"), ("flags", "u1")])
+"""Per document: sha256 id, tokens as stored (EOS included; the cut length if truncated), characters
+of the text, split index (0 train, 1 validation), FLAG_* bits."""
 _ENCODE_BATCH_DOCS = 256
 _ENCODE_BATCH_CHARS = 1 << 20
 
@@ -399,6 +402,25 @@ class _Job:
 
 _W: _Job | None = None
 
+#: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
+#: (main process and workers) the N-th time (default 1st) one process reaches that point.
+CRASH_ENV = "H5CORPUS_TEST_CRASH_AT"
+_crash_counts: dict[str, int] = {}
+
+
+def _crash_point(point: str) -> None:
+    want = os.environ.get(CRASH_ENV)
+    if not want:
+        return
+    name, _, nth = want.partition(":")
+    if name != point:
+        return
+    _crash_counts[point] = _crash_counts.get(point, 0) + 1
+    if _crash_counts[point] == int(nth or 1):
+        if _W is not None and _W.parent_pid:
+            os.kill(_W.parent_pid, signal.SIGKILL)  # the build dies; workers follow (PDEATHSIG)
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 def _init_worker(job: _Job) -> None:
     global _W
@@ -436,24 +458,90 @@ class _Progress:
 
 def _p1_paths(state: Path, index: int) -> dict[str, Path]:
     stem = state / "p1" / f"{index:05d}"
-    return {"record": stem.with_suffix(".json"), "tokens": stem.with_suffix(".tokens"),
-            "docs": stem.with_suffix(".docs"), "sig": stem.with_suffix(".sig")}
+    return {"record": stem.with_suffix(".json"), "docs": stem.with_suffix(".docs"), "sig": stem.with_suffix(".sig"),
+            "cand": stem}
 
 
 def _p3_record_path(state: Path, index: int) -> Path:
     return state / "p3" / f"{index:05d}.json"
 
 
+def _write_state_json(path: Path, obj: Any) -> None:
+    """Atomic (temp file + rename) but not fsynced: every state file is verified by hash before
+    reuse, so a record that outlived its data after a power loss is detected and redone."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _shard_json(info: Any, path: str) -> dict[str, Any]:
+    return {"path": path, "split": info.split, "tokens": info.tokens, "documents": info.documents,
+            "sha256": info.sha256, "index_sha256": info.index_sha256, "bytes": info.bytes}
+
+
+class _ShardSeq:
+    """One split's documents of one task, in order, into shards of at most ``shard_tokens`` tokens
+    (greedy, documents whole; a longer single document gets a shard of its own). Phase 1 and the
+    phase 3 rewrite both use it, so a shard's boundaries depend only on the documents it holds."""
+
+    def __init__(self, directory: Path, name: Any, split: str, identity: TokenizerIdentity, chunk_tokens: int,
+                 shard_tokens: int) -> None:
+        self.directory, self.name, self.split = directory, name, split
+        self.identity, self.chunk_tokens, self.cap = identity, chunk_tokens, shard_tokens
+        self.w: ShardWriter | None = None
+        self.infos: list[Any] = []
+
+    def add(self, flat: np.ndarray, lengths: np.ndarray, ids: np.ndarray, flags: np.ndarray) -> None:
+        i, n, pos = 0, lengths.size, 0
+        while i < n:
+            if self.w is None:
+                self.w = ShardWriter(self.directory / self.name(len(self.infos)), split=self.split,
+                                     tokenizer=self.identity, chunk_tokens=self.chunk_tokens)
+            cs = np.cumsum(lengths[i:])
+            k = int(np.searchsorted(cs, self.cap - self.w.tokens, side="right"))
+            if k == 0:
+                if self.w.tokens == 0:
+                    k = 1
+                else:
+                    self._close()
+                    continue
+            take = int(cs[k - 1])
+            self.w.add_documents(flat[pos : pos + take], lengths[i : i + k], ids[i : i + k], flags[i : i + k])
+            pos += take
+            i += k
+            if self.w.tokens >= self.cap:
+                self._close()
+
+    def _close(self) -> None:
+        if self.w is not None:
+            self.infos.append(self.w.close())
+            self.w = None
+
+    def close(self) -> list[Any]:
+        self._close()
+        return self.infos
+
+    def abort(self) -> None:
+        if self.w is not None:
+            self.w.abort()
+            self.w = None
+
+
 def _read_job(task: Task) -> dict[str, Any]:
-    """Phase 1 for one task; returns its completion record (also written to the state folder)."""
+    """Phase 1 for one task: read, filter, hash, dedup within the task, tokenize, and write every
+    kept document into the task's *candidate* shards (in the state folder) plus a per-document
+    table. Returns the completion record (also written to the state folder, last)."""
     J = _W
     assert J is not None
     t0 = time.perf_counter()
     state = Path(J.state)
     paths = _p1_paths(state, task.index)
+    shutil.rmtree(paths["cand"], ignore_errors=True)  # leftovers of a killed attempt
+    paths["cand"].mkdir(parents=True)
     tmp = f".tmp{os.getpid()}"
     dtype = fmt.token_dtype(J.identity.vocab_size)
     eos = J.identity.eos_id
+    mdt = J.max_document_tokens
     prefix = _split_prefix(J.seed)
     threshold = _split_threshold(J.fraction)
     filters = J.filters
@@ -474,17 +562,15 @@ def _read_job(task: Task) -> dict[str, Any]:
     sigs: list[Any] = []
     n_docs = 0
     n_tokens = 0
-    tok_hash = sha256()
     doc_hash = sha256()
     b_texts: list[str] = []
     b_ids: list[bytes] = []
     b_chars: list[int] = []
     b_split: list[int] = []
     b_size = 0
-
-    tok_tmp = paths["tokens"].with_name(paths["tokens"].name + tmp)
+    seqs = [_ShardSeq(paths["cand"], (lambda n, s=split: f"{s}-{n:03d}.h5"), split, J.identity, J.chunk_tokens,
+                      J.shard_tokens) for split in fmt.SPLITS]
     docs_tmp = paths["docs"].with_name(paths["docs"].name + tmp)
-    tok_fh = open(tok_tmp, "wb")
     docs_fh = open(docs_tmp, "wb")
 
     def flush() -> None:
@@ -492,28 +578,41 @@ def _read_job(task: Task) -> dict[str, Any]:
         if not b_texts:
             return
         arrs = J.encoder.encode_batch(b_texts)
-        lengths = np.fromiter((a.size + 1 for a in arrs), dtype=np.int64, count=len(arrs))
-        flat = np.empty(int(lengths.sum()), dtype=dtype)
-        pos = 0
-        for a in arrs:
-            n = a.size
-            flat[pos : pos + n] = a
-            flat[pos + n] = eos
-            pos += n + 1
-        mv = memoryview(flat).cast("B")
-        tok_fh.write(mv)
-        tok_hash.update(mv)
-        rows = np.empty(len(arrs), dtype=DOC_DTYPE)
+        n = len(arrs)
+        full = np.fromiter((a.size + 1 for a in arrs), dtype=np.int64, count=n)
+        stored = np.minimum(full, mdt) if mdt else full
+        flags = (stored < full).astype(np.uint8) * fmt.FLAG_TRUNCATED
+        split = np.asarray(b_split, dtype=np.uint8)
+        ids = np.frombuffer(b"".join(b_ids), dtype=np.uint8).reshape(n, fmt.DOC_ID_BYTES)
+        for s in (0, 1):
+            sel = np.flatnonzero(split == s)
+            if not sel.size:
+                continue
+            lens = stored[sel]
+            flat = np.empty(int(lens.sum()), dtype=dtype)
+            pos = 0
+            for i in sel.tolist():
+                a = arrs[i]
+                m = int(stored[i])
+                if m == a.size + 1:
+                    flat[pos : pos + m - 1] = a
+                    flat[pos + m - 1] = eos
+                else:  # cut at max_document_tokens: the first m ids, no EOS
+                    flat[pos : pos + m] = a[:m]
+                pos += m
+            seqs[s].add(flat, lens, ids[sel], flags[sel])
+        rows = np.empty(n, dtype=DOC_DTYPE)
         rows["id"] = np.frombuffer(b"".join(b_ids), dtype="V32")
-        rows["tokens"] = lengths
+        rows["tokens"] = stored
         rows["chars"] = b_chars
-        rows["split"] = b_split
+        rows["split"] = split
+        rows["flags"] = flags
         rb = rows.tobytes()
         docs_fh.write(rb)
         doc_hash.update(rb)
-        n_docs += len(arrs)
-        n_tokens += flat.size
-        progress.add(len(arrs), flat.size)
+        n_docs += n
+        n_tokens += int(stored.sum())
+        progress.add(n, int(stored.sum()))
         b_texts.clear(), b_ids.clear(), b_chars.clear(), b_split.clear()
         b_size = 0
 
@@ -533,8 +632,7 @@ def _read_job(task: Task) -> dict[str, Any]:
             if filters is not None:
                 new, reason = filters.process(text)
                 if new is None:
-                    s = split_of(sha256(data).digest())
-                    c = counts[s]
+                    c = counts[split_of(sha256(data).digest())]
                     c["dropped"] += 1
                     r = str(reason or "filtered")
                     c["dropped_reasons"][r] = c["dropped_reasons"].get(r, 0) + 1
@@ -562,9 +660,9 @@ def _read_job(task: Task) -> dict[str, Any]:
             if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
                 flush()
         flush()
-        tok_fh.close()
+        cands = [_shard_json(info, info.path.name) for seq in seqs for info in seq.close()]
+        _crash_point("read-candidates")
         docs_fh.close()
-        os.replace(tok_tmp, paths["tokens"])
         os.replace(docs_tmp, paths["docs"])
         sig_sha = None
         if sig_fn is not None:
@@ -574,9 +672,9 @@ def _read_job(task: Task) -> dict[str, Any]:
             os.replace(sig_tmp, paths["sig"])
             sig_sha = hashlib.sha256(blob).hexdigest()
     except BaseException:
-        tok_fh.close()
+        for seq in seqs:
+            seq.abort()
         docs_fh.close()
-        tok_tmp.unlink(missing_ok=True)
         docs_tmp.unlink(missing_ok=True)
         raise
     fc: dict[str, int] = {}
@@ -589,7 +687,8 @@ def _read_job(task: Task) -> dict[str, Any]:
         "encoder": J.encoder.name,
         "documents": n_docs,
         "tokens": n_tokens,
-        "files": {"tokens": tok_hash.hexdigest(), "docs": doc_hash.hexdigest(), "sig": sig_sha},
+        "files": {"docs": doc_hash.hexdigest(), "sig": sig_sha},
+        "candidates": cands,
         "counts": {split: counts[i] for i, split in enumerate(fmt.SPLITS)},
         "skipped_total": skipped_total,
         "skip_codes": skip_codes,
@@ -597,7 +696,8 @@ def _read_job(task: Task) -> dict[str, Any]:
         "filter_counters": fc,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    write_json_atomic(paths["record"], record)
+    _write_state_json(paths["record"], record)
+    _crash_point("read-record")
     return record
 
 
@@ -610,84 +710,95 @@ def _task_shard_files(shards_dir: Path, index: int) -> list[Path]:
     return out
 
 
-def _check_reusable_shards(shards_dir: Path, rec: Mapping[str, Any], identity: TokenizerIdentity, chunk_tokens: int) -> bool:
-    """True when every shard a write record lists is on disk and matches its hashes."""
+def _shards_intact(directory: Path, shards: Sequence[Mapping[str, Any]], identity: TokenizerIdentity, chunk_tokens: int) -> bool:
+    """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
     from .validate import _Expect, check_shard
 
     expect = _Expect(dtype=fmt.dtype_name(fmt.token_dtype(identity.vocab_size)), chunk_tokens=chunk_tokens,
                      eos_id=identity.eos_id, vocab_size=identity.vocab_size, tokenizer_sha256=identity.sha256)
-    for s in rec.get("shards", []):
-        entry = ShardEntry.from_json(s, "write record")
-        findings, _ = check_shard(str(shards_dir / s["path"]), entry, expect)
+    for s in shards:
+        findings, _ = check_shard(str(directory / s["path"]), ShardEntry.from_json(s, "state record"), expect)
         if findings:
             return False
     return True
 
 
-def _write_job(index: int, key: str, decision: np.ndarray, p1_tokens_sha: str, reuse: dict[str, Any] | None) -> dict[str, Any]:
-    """Phase 3 for one task: write its kept documents into its shards; returns the write record,
-    or ``{"spill_missing": True}`` when the task's token spill is gone or damaged (re-read it)."""
+def _final_name(split: str, index: int, n: int) -> str:
+    return f"{split}/{split}-{index:05d}-{n:03d}.h5"
+
+
+def _finish_job(index: int, key: str, decision: np.ndarray, p1: dict[str, Any], p1_reused: bool,
+                reuse: dict[str, Any] | None) -> dict[str, Any]:
+    """Phase 3 for one task: its final shards. Reuses a completed write record whose shards verify;
+    else, when the task keeps every candidate document, renames the candidate shards into place;
+    else writes a filtered copy of them. Returns the write record, or ``{"candidates_missing": True}``
+    when the candidates are gone or damaged (the task is then read again)."""
     J = _W
     assert J is not None
     state = Path(J.state)
     shards_dir = Path(J.shards_dir)
     dec_sha = hashlib.sha256(decision.tobytes()).hexdigest()
     if reuse is not None and reuse.get("task") == key and reuse.get("decision_sha256") == dec_sha:
-        if _check_reusable_shards(shards_dir, reuse, J.identity, J.chunk_tokens):
+        if _shards_intact(shards_dir, reuse["shards"], J.identity, J.chunk_tokens):
             return dict(reuse, reused=True)
     for p in _task_shard_files(shards_dir, index):
         p.unlink(missing_ok=True)
-    paths = _p1_paths(state, index)
-    kept = np.flatnonzero(decision != 0)
+    cand_dir = _p1_paths(state, index)["cand"]
+    cands = [dict(c, path=c["path"]) for c in p1["candidates"]]
+    present = all((cand_dir / c["path"]).is_file() and (cand_dir / c["path"]).stat().st_size == c["bytes"] for c in cands)
+    if not present or (p1_reused and not _shards_intact(cand_dir, cands, J.identity, J.chunk_tokens)):
+        return {"candidates_missing": True}
     shards: list[dict[str, Any]] = []
-    if kept.size:
-        if not paths["tokens"].exists() or _sha256_file(paths["tokens"]) != p1_tokens_sha:
-            return {"spill_missing": True}
-        dtype = fmt.token_dtype(J.identity.vocab_size)
-        docs = np.fromfile(paths["docs"], dtype=DOC_DTYPE)
-        tokens = np.memmap(paths["tokens"], dtype=dtype, mode="r") if paths["tokens"].stat().st_size else np.zeros(0, dtype)
-        starts = np.concatenate([[0], np.cumsum(docs["tokens"])[:-1]]).astype(np.int64)
-        mdt = J.max_document_tokens
-        for code, split in enumerate(fmt.SPLITS, start=1):
-            sel = np.flatnonzero(decision == code)
-            if not sel.size:
+    if bool((decision != 0).all()):
+        for c in cands:
+            n = int(Path(c["path"]).stem.rsplit("-", 1)[1])
+            rel = _final_name(c["split"], index, n)
+            (shards_dir / c["split"]).mkdir(parents=True, exist_ok=True)
+            os.replace(cand_dir / c["path"], shards_dir / rel)
+            shards.append(dict(c, path=rel))
+            _crash_point("finish-renamed")
+    elif (decision != 0).any():
+        docs = np.fromfile(_p1_paths(state, index)["docs"], dtype=DOC_DTYPE)
+        for s, split in enumerate(fmt.SPLITS):
+            keep = decision[docs["split"] == s] != 0
+            if not keep.any():
                 continue
-            full = docs["tokens"][sel]
-            stored = np.minimum(full, mdt) if mdt else full.copy()
-            flags = np.where(stored < full, fmt.FLAG_TRUNCATED, 0).astype(np.uint8)
-            ids = np.frombuffer(docs["id"][sel].tobytes(), dtype=np.uint8).reshape(-1, fmt.DOC_ID_BYTES)
-            # Shard boundaries: greedy, documents whole, at most shard_tokens unless one document is longer.
-            bounds = [0]
-            acc = 0
-            for i, n in enumerate(stored.tolist()):
-                if acc and acc + n > J.shard_tokens:
-                    bounds.append(i)
-                    acc = 0
-                acc += n
-            bounds.append(sel.size)
-            for n_shard, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-                path = shards_dir / split / f"{split}-{index:05d}-{n_shard:03d}.h5"
-                with ShardWriter(path, split=split, tokenizer=J.identity, chunk_tokens=J.chunk_tokens) as w:
-                    i = a
-                    while i < b:  # gather in blocks of ~8M tokens
-                        cs = np.cumsum(stored[i:b])
-                        j = i + max(1, int(np.searchsorted(cs, 8 << 20, side="right")))
-                        lens = stored[i:j]
-                        rel = np.repeat(starts[sel[i:j]] - (np.cumsum(lens) - lens), lens)
-                        flat = tokens[rel + np.arange(int(lens.sum()), dtype=np.int64)]
-                        w.add_documents(flat, lens, ids[i:j], flags[i:j])
-                        i = j
-                info = w.info
-                assert info is not None
-                shards.append({
-                    "path": Path(os.path.relpath(info.path, shards_dir)).as_posix(), "split": split,
-                    "tokens": info.tokens, "documents": info.documents, "sha256": info.sha256,
-                    "index_sha256": info.index_sha256, "bytes": info.bytes,
-                })
-        del tokens
+            seq = _ShardSeq(shards_dir, (lambda n, sp=split: _final_name(sp, index, n)), split, J.identity,
+                            J.chunk_tokens, J.shard_tokens)
+            at = 0  # position of the current candidate shard's first document among this split's documents
+            try:
+                for c in (c for c in cands if c["split"] == split):
+                    k = keep[at : at + int(c["documents"])]
+                    at += int(c["documents"])
+                    if not k.any():
+                        continue
+                    with h5py.File(cand_dir / c["path"], "r") as f:
+                        offs = f[fmt.DOC_OFFSETS][:]
+                        ids = f[fmt.DOC_IDS][:]
+                        flags = f[fmt.DOC_FLAGS][:]
+                        tokens = f[fmt.TOKENS]
+                        sel = np.flatnonzero(k)
+                        lens = (offs[1:] - offs[:-1])[sel]
+                        # Read in blocks of ~8M tokens; gather the kept documents' tokens.
+                        i = 0
+                        while i < sel.size:
+                            j = i + max(1, int(np.searchsorted(np.cumsum(lens[i:]), 8 << 20, side="right")))
+                            lo, hi = int(offs[sel[i]]), int(offs[sel[j - 1] + 1])
+                            block = tokens[lo:hi]
+                            part = lens[i:j]
+                            rel = np.repeat(offs[sel[i:j]] - lo - (np.cumsum(part) - part), part)
+                            seq.add(block[rel + np.arange(int(part.sum()), dtype=np.int64)], part, ids[sel[i:j]], flags[sel[i:j]])
+                            i = j
+                for info in seq.close():
+                    shards.append(_shard_json(info, Path(os.path.relpath(info.path, shards_dir)).as_posix()))
+                    _crash_point("finish-copied")
+            except BaseException:
+                seq.abort()
+                raise
     record = {"task": key, "index": index, "decision_sha256": dec_sha, "shards": shards}
-    write_json_atomic(_p3_record_path(state, index), record)
-    paths["tokens"].unlink(missing_ok=True)  # the shards hold them now
+    _write_state_json(_p3_record_path(state, index), record)
+    _crash_point("finish-record")
+    shutil.rmtree(cand_dir, ignore_errors=True)
     return dict(record, reused=False)
 
 
@@ -699,7 +810,6 @@ class _Decider:
         self.seen = _SeenIds()
         f = cfg.filters
         self.index = f.near_duplicate_index() if f is not None and callable(getattr(f, "near_duplicate_index", None)) else None
-        self.mdt = cfg.max_document_tokens
         b = cfg.max_tokens or {}
         self.budget = [b.get(s) for s in fmt.SPLITS]
         self.used = [0, 0]
@@ -719,7 +829,7 @@ class _Decider:
         return all((not need) or (b is not None and u >= b) for b, u, need in zip(self.budget, self.used, self.needs))
 
     def feed(self, docs: np.ndarray, sigs: list[Any] | None, rec: Mapping[str, Any]) -> np.ndarray:
-        """Decide one task's documents: 0 = not stored, 1 = train, 2 = validation."""
+        """Decide one task's documents (table order): 0 = not stored, 1 = train, 2 = validation."""
         for split in fmt.SPLITS:
             c = rec["counts"][split]
             st = self.splits[split]
@@ -735,8 +845,7 @@ class _Decider:
             for i in np.flatnonzero(~dup).tolist():
                 if self.index.add(sigs[i]):
                     near[i] = True
-        full = docs["tokens"]
-        stored = np.minimum(full, self.mdt) if self.mdt else full
+        stored = docs["tokens"]
         split = docs["split"]
         keep = ~dup & ~near
         over = np.zeros(ids.size, dtype=bool)
@@ -752,6 +861,7 @@ class _Decider:
             keep[idx[~ok]] = False
             self.used[s] += int(lens[ok].sum())
         decision = np.where(keep, split.astype(np.uint8) + 1, 0).astype(np.uint8)
+        trunc = (docs["flags"] & fmt.FLAG_TRUNCATED) != 0
         for s, name in enumerate(fmt.SPLITS):
             st = self.splits[name]
             m = split == s
@@ -762,7 +872,7 @@ class _Decider:
             st["documents"] += int(k.sum())
             st["tokens"] += int(stored[k].sum())
             st["characters"] += int(docs["chars"][k].sum())
-            st["truncated"] += int((stored[k] < full[k]).sum())
+            st["truncated"] += int((trunc & k).sum())
         return decision
 
 
@@ -781,6 +891,7 @@ class _Pool:
     def __init__(self, n: int, job: _Job) -> None:
         self.q: queue.Queue = queue.Queue()
         self.pool = _mp_context().Pool(n, initializer=_init_worker, initargs=(job,))
+        self.pids = {p.pid for p in getattr(self.pool, "_pool", [])}
         self.outstanding = 0
 
     def submit(self, kind: str, index: int, fn: Any, *args: Any) -> None:
@@ -795,6 +906,15 @@ class _Pool:
         try:
             item = self.q.get(timeout=timeout)
         except queue.Empty:
+            # multiprocessing.Pool silently replaces a dead worker and never returns its job:
+            # notice the death instead of waiting forever.
+            # Workers never exit during a build, so a changed worker set means one died.
+            procs = list(getattr(self.pool, "_pool", []))
+            if {p.pid for p in procs} != self.pids or any(p.exitcode is not None for p in procs):
+                raise BuildError(
+                    "a worker process died (killed, or out of memory?); completed work is kept: "
+                    "re-run the same command to resume"
+                ) from None
             return None
         self.outstanding -= 1
         return item
@@ -827,7 +947,7 @@ def _load_docs(state: Path, task: Task, rec: Mapping[str, Any]) -> tuple[np.ndar
     p = _p1_paths(state, task.index)
     raw = p["docs"].read_bytes()
     if hashlib.sha256(raw).hexdigest() != rec["files"]["docs"]:
-        raise BuildError(f"{p['docs']}: spill table changed during the build")
+        raise BuildConflict(f"{p['docs']}: a build state file changed during the build (is another process writing there?)")
     docs = np.frombuffer(raw, dtype=DOC_DTYPE)
     sigs = pickle.loads(p["sig"].read_bytes()) if rec["files"].get("sig") else None
     return docs, sigs
@@ -985,6 +1105,7 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
         rec = _read_p1(state, t)
         if rec is not None:
             p1[t.index] = rec
+    p1_before = set(p1)  # records from an interrupted run: their candidate shards are re-hashed before use
     p3_old: dict[int, dict[str, Any]] = {}
     for t in tasks:
         try:
@@ -1047,8 +1168,6 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                 encoder = HFEncoder(tok)
                 for i in [i for i, r in p1.items() if not usable(r)]:
                     del p1[i]
-                for p in list((state / "p1").glob("*.tmp*")):
-                    p.unlink(missing_ok=True)
                 to_read = [i for i in order if i not in p1]
                 read_pending.clear()
                 pool = _Pool(workers, make_job(encoder))
@@ -1079,7 +1198,8 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                 docs, sigs = _load_docs(state, tasks[i], rec)
                 decisions[i] = decider.feed(docs, sigs, rec)
                 write_pending.add(i)
-                pool.submit("write", i, _write_job, i, tasks[i].key, decisions[i], rec["files"]["tokens"], p3_old.get(i))
+                pool.submit("finish", i, _finish_job, i, tasks[i].key, decisions[i], rec, i in p1_before, p3_old.get(i))
+                _crash_point("decided")
                 next_decide += 1
                 if decider.can_stop_early and decider.filled:
                     cut = i
@@ -1108,10 +1228,10 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                 if i in reread_then_write:
                     reread_then_write.discard(i)
                     write_pending.add(i)
-                    pool.submit("write", i, _write_job, i, tasks[i].key, decisions[i], res["files"]["tokens"], None)
+                    pool.submit("finish", i, _finish_job, i, tasks[i].key, decisions[i], res, False, None)
             else:
                 write_pending.discard(i)
-                if res.get("spill_missing"):
+                if res.get("candidates_missing"):
                     reread_then_write.add(i)
                     pool.submit("read", i, _read_job, tasks[i])
                     continue
@@ -1172,7 +1292,9 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
         extra["filters"] = {"settings": settings["filters"], "counters": dict(sorted(fcount.items()))}
     m = Manifest(tokenizer=ident, dtype=fmt.dtype_name(fmt.token_dtype(ident.vocab_size)), chunk_tokens=int(cfg.chunk_tokens),
                  shards=entries, splits=splits, extra=extra)
+    _crash_point("manifest-before")
     write_manifest(manifest_path, m)
+    _crash_point("manifest-after")
     listed_paths = {m.shard_path(e) for e in entries}
     for p in _our_shard_files(shards_dir):
         if p.absolute() not in listed_paths:

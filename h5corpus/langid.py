@@ -124,7 +124,7 @@ def feature_ids(data: bytes, keep_positions: bool = False) -> np.ndarray:
     return f if keep_positions else f[f >= 0]
 
 
-def language_scores(text: str, max_chars: int = 1000) -> np.ndarray:
+def language_scores(text: str, max_chars: int = 500) -> np.ndarray:
     """Normalized probability per model column (sums to 1; float32) for the first ``max_chars``
     characters of ``text``, exactly as py3langid's ``LanguageIdentifier(norm_probs=True)``."""
     m = _load_model()
@@ -145,7 +145,7 @@ def language_scores(text: str, max_chars: int = 1000) -> np.ndarray:
     return scores
 
 
-def detect_language(text: str, max_chars: int = 1000) -> tuple[str, float]:
+def detect_language(text: str, max_chars: int = 500) -> tuple[str, float]:
     """``(ISO 639-1 code, probability in [0, 1])`` of the most likely language of the first
     ``max_chars`` characters. Text without any model feature (e.g. empty) gives ``("und", 0.0)``."""
     m = _load_model()
@@ -156,7 +156,7 @@ def detect_language(text: str, max_chars: int = 1000) -> tuple[str, float]:
     return m.classes[i], float(scores[i])
 
 
-def detect_languages(texts: Sequence[str], max_chars: int = 1000) -> list[tuple[str, float]]:
+def detect_languages(texts: Sequence[str], max_chars: int = 500) -> list[tuple[str, float]]:
     """:func:`detect_language` of many texts at once: one vectorized automaton pass over all of
     them (joined by a byte no feature contains, which sends the automaton back to its root), then
     per text a small sort and one BLAS product. Same results as py3langid up to float32 rounding

@@ -88,8 +88,8 @@ class MinHasher:
         return self.signature_of_shingles(shingles_from_word_hashes(word_hashes, self.shingle_size))
 
     def signatures_of_word_hashes(self, word_hashes: Sequence[np.ndarray]) -> np.ndarray:
-        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts in
-        one rensa call (identical rows)."""
+        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts
+        (identical rows) in one rensa call."""
         sh = [shingles_from_word_hashes(h, self.shingle_size) for h in word_hashes]
         offsets = np.zeros(len(sh) + 1, dtype=np.uint64)
         np.cumsum([x.size for x in sh], out=offsets[1:])

@@ -16,7 +16,7 @@ rule                rejects when                                                
                     or whitespace (punctuation, symbols, controls) above limit
 ``symbols``         ("#" + "..." + "…") per word above the limit                  0.1
 ``line_punct``      fraction of non-blank lines ending in terminal punctuation    0.12
-                    below the limit (only for documents of 3+ lines)
+                    below the limit (only for documents of 5+ lines)
 ``dup_lines``       fraction of non-blank lines repeating an earlier line          0.3
 ``dup_line_chars``  fraction of line characters in repeated lines                 0.2
 ``top_ngram``       characters covered by the most frequent word n-gram, as a     2: .20, 3: .18,
@@ -30,8 +30,12 @@ Han) a word of its own, so Chinese and Japanese text has sensible word counts an
 rules are adapted so they are not biased against other scripts: ``mean_word_length`` ignores
 single-character CJK words (and is skipped when they are at least half of the words), and ``uppercase_words``
 and the letter test of ``alpha_words`` look at ASCII letters (any non-ASCII character counts as a
-letter; scripts without case are never "uppercase"). ``special_chars`` is Unicode-aware: marks (the
-vowel signs of Devanagari, Thai, ...) count as letters, not as special characters.
+letter; scripts without case are never "uppercase"). In mostly-CJK text the n-gram rules use
+n-grams of twice as many characters (:data:`CJK_NGRAM_SCALE`). ``special_chars`` is Unicode-aware:
+marks (the vowel signs of Devanagari, Thai, ...) count as letters, CJK punctuation (、。「」) and
+markup such as Aozora ruby brackets (《》) count as special characters. Scripts written without
+spaces outside the CJK blocks (Thai, Lao, Khmer, Myanmar, Ethiopic with its ፡ separator, Yi) look
+like very long words and fail ``mean_word_length``: widen it or leave ``quality`` off for them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .words import CJK, LOWER, NONASCII, UPPER, WordBatch, Words, mix64, ngram_hashes, split_words_batch, window_sums
+
+CJK_NGRAM_SCALE = 2
+"""In texts where single CJK characters are at least half of the words, the n-gram rules look at
+n-grams of ``n * CJK_NGRAM_SCALE`` characters (a Chinese or Japanese word is ~2 characters): on a
+Japanese novel, 5-character repeats cover 45% of the text, 10-character repeats 2%."""
 
 RULES: tuple[str, ...] = (
     "min_words", "max_words", "mean_word_length", "uppercase_words", "alpha_words", "special_chars",
@@ -96,7 +105,10 @@ class QualityThresholds:
     """Largest count of "#", "..." and "…" per word (Gopher: 0.1)."""
     min_line_punct: float = 0.12
     """Smallest fraction of non-blank lines ending in terminal punctuation (FineWeb's C4-style
-    rule: 0.12); applied to documents of 3 or more non-blank lines."""
+    rule: 0.12); applied to documents of at least :attr:`line_punct_min_lines` lines."""
+    line_punct_min_lines: int = 5
+    """Fewest non-blank lines for ``line_punct`` to apply (a title, a byline and one long
+    paragraph say nothing about line endings)."""
     max_dup_lines: float = 0.3
     """Largest fraction of non-blank lines that repeat an earlier line (Gopher: 0.3)."""
     max_dup_line_chars: float = 0.2
@@ -114,7 +126,7 @@ class QualityThresholds:
                 for n, frac in v.items():
                     if int(n) < 1 or not 0.0 <= float(frac) <= 1.0:
                         raise ValueError(f"QualityThresholds.{f.name}[{n}] = {frac}: need n >= 1 and a fraction in [0, 1]")
-            elif f.name in ("min_words", "max_words"):
+            elif f.name in ("min_words", "max_words", "line_punct_min_lines"):
                 if v is not None and int(v) < 0:
                     raise ValueError(f"QualityThresholds.{f.name} = {v}: must be >= 0")
             elif "mean_word_length" in f.name:
@@ -155,16 +167,40 @@ def _quick_word_count_at_least(text: str, k: int) -> bool | None:
 
 def quality_reason(text: str, t: QualityThresholds) -> str | None:
     """Name of the first rule ``text`` fails under thresholds ``t``, or None to keep it."""
-    return quality_batch([text], t)[0][0]
+    return _quality_group([text], t)[0][0]
 
 
-def quality_batch(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str | None], WordBatch]:
-    """First failing rule (or None) of every text, and the words of the batch (texts rejected
-    before segmentation, for having too few words, have no words in it).
+_SUB_BATCH_CHARS = 1 << 21  # texts are evaluated in groups of ~2M characters (cache-sized arrays)
 
-    Vectorized over the batch: one segmentation pass, per-text sums by prefix sums, the n-gram
-    rules by one hash-bucket count and a sort of the few candidate n-grams per n (exact, see
-    :func:`top_ngram_fraction` and :func:`dup_ngram_fraction` for the definitions)."""
+
+def quality_batch(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str | None], list[np.ndarray | None]]:
+    """First failing rule (or None) of every text, and each text's word hashes
+    (:func:`h5corpus.words.split_words`; None for texts rejected before segmentation, for having
+    too few words to be worth segmenting).
+
+    Vectorized over groups of texts: one segmentation pass, per-text sums by prefix sums, the
+    n-gram rules by hash-bucket counts and a sort of the few candidate n-grams (exact; see
+    :func:`top_ngram_fraction` and :func:`dup_ngram_fraction` for the definitions). Results do
+    not depend on how texts are grouped."""
+    reasons: list[str | None] = []
+    hashes: list[np.ndarray | None] = []
+    group: list[str] = []
+    size = 0
+    for x in list(texts) + [None]:  # type: ignore[list-item]
+        if x is None or (group and size + len(x) > _SUB_BATCH_CHARS):
+            if group:
+                r, wb = _quality_group(group, t)
+                reasons.extend(r)
+                hashes.extend(wb.hashes[a:b] if rr != "min_words" or b > a else None
+                              for rr, a, b in zip(r, wb.offsets[:-1].tolist(), wb.offsets[1:].tolist()))
+            group, size = [], 0
+        if x is not None:
+            group.append(x)
+            size += len(x)
+    return reasons, hashes
+
+
+def _quality_group(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str | None], WordBatch]:
     n = len(texts)
     reasons: list[str | None] = [None] * n
     seg: list[str] = list(texts)
@@ -211,15 +247,18 @@ def quality_batch(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str 
         if r is not None:
             reasons[i] = r
             alive[i] = False
-    if t.max_top_ngram and alive.any():
-        fail = _top_ngram_fails(wb, alive, total, t.max_top_ngram)
-        for i in np.flatnonzero(fail).tolist():
-            reasons[i] = "top_ngram"
-        alive &= ~fail
-    if t.max_dup_ngram and alive.any():
-        fail = _dup_ngram_fails(wb, alive, total, t.max_dup_ngram)
-        for i in np.flatnonzero(fail).tolist():
-            reasons[i] = "dup_ngram"
+    # CJK-dominated texts count characters as words: their n-gram rules use n x CJK_NGRAM_SCALE.
+    cjk = 2 * n_cjk >= nw
+    groups = [(~cjk, 1), (cjk, CJK_NGRAM_SCALE)]
+    for name, limits, fails in (("top_ngram", t.max_top_ngram, _top_ngram_fails),
+                                ("dup_ngram", t.max_dup_ngram, _dup_ngram_fails)):
+        for member, scale in groups:
+            sel = alive & member
+            if limits and sel.any():
+                fail = fails(wb, sel, total, {n * scale: lim for n, lim in limits.items()})
+                for i in np.flatnonzero(fail).tolist():
+                    reasons[i] = name
+                alive &= ~fail
     return reasons, wb
 
 
@@ -235,7 +274,7 @@ def _text_rules(text: str, t: QualityThresholds, nw: int) -> str | None:
     if n_symbols > t.max_symbols_per_word * nw:
         return "symbols"
     lines = [ln for ln in map(str.strip, text.splitlines()) if ln]
-    if len(lines) >= 3:
+    if len(lines) >= t.line_punct_min_lines:
         n_punct = sum(map(str.endswith, lines, repeat(TERMINAL_PUNCT)))
         if n_punct < t.min_line_punct * len(lines):
             return "line_punct"

@@ -406,12 +406,17 @@ class Corpus:
     def fingerprint(self) -> str:
         """Hex sha256 naming this token stream: split + every shard's manifest sha256 (for a live
         shard: its path and current token count). Loader checkpoints store it."""
+        key = (self.num_shards, self.num_tokens)
+        hit = self.__dict__.get("_fingerprint")
+        if hit is not None and hit[0] == key:
+            return hit[1]
         h = hashlib.sha256(self.split.encode())
         if self.manifest is not None:
             for e in self.entries:
                 h.update(e.sha256.encode())
         else:
             h.update(f"{self.paths[0]}:{self.num_tokens}".encode())
+        self.__dict__["_fingerprint"] = (key, h.hexdigest())
         return h.hexdigest()
 
     @property

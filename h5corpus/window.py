@@ -211,6 +211,8 @@ class SlidingWindowDataset(IterableDataset):
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self.epoch:
             self._progress = None
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None  # a checkpoint of another epoch no longer applies
         self.epoch = int(epoch)
 
     def _identity(self) -> dict[str, Any]:

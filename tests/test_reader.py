@@ -14,8 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
-from h5corpus import format as fmt
+from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
 from h5corpus.format import FormatError, TokenizerIdentity
 from h5corpus.manifest import Manifest, ShardEntry, read_manifest, write_manifest
 from h5corpus.reader import open_corpus, open_live

@@ -5,6 +5,7 @@ resume (plain, and via torchdata's StatefulDataLoader, three times in a row), fo
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -282,8 +283,6 @@ def test_resume_three_times_in_a_row_equals_uninterrupted(stdlib_manifest, mode)
     ds = make()
     it = iter(ds)
     next(it)
-    import json
-
     st = json.loads(json.dumps(ds.state_dict()))
     assert st["epoch"] == 2 and st["windows_done"] == 7 and st["consumer"] == [0, 1]
 
@@ -302,7 +301,7 @@ def test_resume_refuses_other_corpus_seed_seq_len_or_consumer(stdlib_manifest):
             other.load_state_dict(st)
     ranked = SlidingWindowDataset(c, 512, seed=1, rank=1, world_size=2)
     ranked.load_state_dict(st)
-    with pytest.raises(ValueError, match="consumer 0 of 1.*consumer 2 of 2|consumer 0 of 1.*consumer 1 of 2"):
+    with pytest.raises(ValueError, match="saved by consumer 0 of 1 .* this is consumer 1 of 2"):
         next(iter(ranked))
 
 
@@ -326,8 +325,7 @@ def test_set_epoch_starts_fresh_and_finished_epoch_resumes_empty(stdlib_manifest
 def test_stateful_dataloader_resumes_three_times_exactly(dev_manifest, num_workers):
     """torchdata StatefulDataLoader (0 or 2 workers) checkpointed and rebuilt three times in a row
     yields exactly the uninterrupted sequence of batches (real GPT-2 shards)."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
     c = open_corpus(dev_manifest, "train")
 
     def make():
