@@ -89,6 +89,10 @@ def main() -> None:
     from h5corpus.filters import DocumentFilter, FilterConfig
     from h5corpus.quality import QualityThresholds
 
+    tiktoken_file = a.corpus.parent.parent / "tokenizers" / "gpt2" / "gpt2.tiktoken"
+    if not any(a.corpus.glob("*.jsonl")) or not tiktoken_file.exists():
+        raise SystemExit(f"bench_filters: needs the dev corpus ({a.corpus}/*.jsonl) and {tiktoken_file}; "
+                         "set H5CORPUS_SHARED or pass --corpus")
     texts = load_texts(a.corpus)
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     enc = gpt2_encoding(a.corpus.parent.parent)

@@ -41,6 +41,10 @@ _EXPORTS = {
     "build": "build",
     "BuildConfig": "build",
     "load_tokenizer": "tokenize",
+    # filters (optional extra "filters")
+    "FilterConfig": "filters",
+    "DocumentFilter": "filters",
+    "QualityThresholds": "quality",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

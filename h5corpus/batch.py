@@ -12,11 +12,39 @@ Invariants (checked by :meth:`VarlenBatch.check`):
 * ``targets[i]`` is the token that follows ``input_ids[i]`` in its source document, or
   :data:`IGNORE_INDEX` where there is none to predict inside the same document.
 * ``pack_lengths`` (int32) groups consecutive segments into packs/rows: the sum equals T.
+
+Two representations, one interface
+----------------------------------
+*Eager* batches hold the three int64 arrays (24 bytes per token): ``VarlenBatch(input_ids=...,
+targets=..., position_ids=..., cu_seqlens=..., max_seqlen=..., pack_lengths=...)``, :func:`make_batch`,
+:func:`from_flat`.
+
+*Compact* batches (what the loaders yield) hold the raw token ids of their *rows* in the corpus's
+storage width, 2 bytes per token for uint16 corpora, and compute the int64 fields lazily, with torch
+ops on the device where the compact tensors live, cached per object. A row of ``n`` inputs stores
+``n + 1`` tokens (inputs ``row[:-1]``, targets ``row[1:]``; a sliding window, or a packed segment
+with its one-token lookahead). The compact tensors, all in **one** byte buffer (one shared-memory
+segment per batch through DataLoader workers, one host-to-device copy):
+
+* ``tokens``: (T + R,) the R rows end to end. uint16 ids are kept as their bit pattern in int16,
+  uint32 ids in int32 (widened with ``& 0xFFFF`` / ``& 0xFFFFFFFF``); int64 is taken as is.
+  (``torch.uint16`` tensors cannot be pickled in torch 2.13, so none is ever stored in a batch.)
+* ``row_cu``: (R + 1,) int32 cumulative *inputs* per row; row r occupies
+  ``tokens[row_cu[r] + r : row_cu[r + 1] + r + 1]``.
+* ``cu_seqlens``: (segments + 1,) int32 over inputs: the same array as ``row_cu`` for plain windows
+  and packing, finer with document masking (every row start is a segment start).
+* ``pack_lengths``: (packs,) int32; ``ignore``: (k,) int64 distinct input indices whose target is
+  :data:`IGNORE_INDEX`.
+
+So ``batch.to("cuda", non_blocking=True)`` moves ~2 bytes per token and the widening to int64 runs
+on the GPU; ``pin_memory()`` pins only the compact buffer; pickling (workers, ``torch.save``) sends it
+alone. Materializing needs no host-device synchronization (every size is known on the host). Counts
+(``num_tokens``, ``num_targets``, ``num_segments``) never materialize anything. Assigning a field
+(``batch.input_ids = x``) overrides it on that object (it then travels with ``.to()`` and pickling).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,33 +53,384 @@ import torch
 #: Target value excluded from the loss (PyTorch's cross-entropy default).
 IGNORE_INDEX = -100
 
+#: Public per-token and per-segment fields, in constructor order (``max_seqlen`` is a plain int).
+FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "max_seqlen", "pack_lengths")
+_TENSOR_FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
 
-@dataclass
+#: Corpus token dtype -> (storage dtype in a batch, numpy view the reader writes through).
+_STORAGE = {
+    np.dtype(np.uint16): (torch.int16, np.dtype(np.uint16)),
+    np.dtype(np.uint32): (torch.int32, np.dtype(np.uint32)),
+    np.dtype(np.int64): (torch.int64, np.dtype(np.int64)),
+}
+#: Storage dtype -> (unsigned view for CPU widening, mask for widening elsewhere).
+_WIDEN = {torch.int16: (torch.uint16, 0xFFFF), torch.int32: (torch.uint32, 0xFFFFFFFF)}
+_NP_OF = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+_ITEMSIZE = {torch.int16: 2, torch.int32: 4, torch.int64: 8}
+_NP_VIEW = {torch.int16: np.uint16, torch.int32: np.uint32, torch.int64: np.int64}  # stored -> id dtype
+
+Layout = tuple  # ((name, torch dtype, byte offset, numel), ...): where each compact tensor sits in the buffer
+_LAYOUTS: dict[tuple, tuple[Layout, int]] = {}
+_POS_TEMPLATES: dict[tuple[int, int], np.ndarray] = {}
+
+#: Materialize fields of CPU batches with numpy (faster per call than torch ops at batch sizes);
+#: tests switch it off to run the device path (torch ops) on the CPU.
+_CPU_NUMPY = True
+
+
+def _layout(rows: int, stored: int, storage: torch.dtype, segments: int | None, packs: int, ignored: int) -> tuple[Layout, int]:
+    """Byte layout of a compact buffer (8-byte aligned entries; ``segments=None``: ``cu_seqlens``
+    is ``row_cu`` itself). Returns (layout, total bytes); cached per shape."""
+    key = (rows, stored, storage, segments, packs, ignored)
+    hit = _LAYOUTS.get(key)
+    if hit is not None:
+        return hit
+    entries, off = [], 0
+    for name, dt, n in (("ignore", torch.int64, ignored), ("row_cu", torch.int32, rows + 1),
+                        ("cu_seqlens", torch.int32, None if segments is None else segments + 1),
+                        ("pack_lengths", torch.int32, packs), ("tokens", storage, stored)):
+        if n is None:  # alias of row_cu
+            entries.append((name, dt, entries[-1][2], rows + 1))
+            continue
+        entries.append((name, dt, off, n))
+        off += -(-n * _ITEMSIZE[dt] // 8) * 8
+    if len(_LAYOUTS) > 256:
+        _LAYOUTS.clear()
+    hit = _LAYOUTS[key] = (tuple(entries), off)
+    return hit
+
+
+_SLOT = {"ignore": 0, "row_cu": 1, "cu_seqlens": 2, "pack_lengths": 3, "tokens": 4}  # order in a layout
+
+
+class CompactParts:
+    """A freshly allocated compact buffer with writable numpy views, for loaders to fill in place
+    (:func:`alloc_compact`); :meth:`batch` wraps it as a :class:`VarlenBatch` without copying.
+
+    ``tokens`` is viewed in the corpus's unsigned dtype (uint16/uint32), so
+    ``Corpus.gather(..., out=parts.tokens.reshape(R, n + 1))`` copies straight into the batch."""
+
+    __slots__ = ("buf", "layout", "rows", "num_tokens", "tokens", "row_cu", "cu_seqlens", "pack_lengths", "ignore")
+
+    def __init__(self, nbytes: int, layout: Layout, rows: int, num_tokens: int, token_view: np.dtype) -> None:
+        self.buf = a = np.empty(nbytes, dtype=np.uint8)
+        self.layout, self.rows, self.num_tokens = layout, rows, num_tokens
+        ig, rc, cu, pk, tk = layout
+        self.ignore = a[ig[2] : ig[2] + 8 * ig[3]].view(np.int64)
+        self.row_cu = a[rc[2] : rc[2] + 4 * rc[3]].view(np.int32)
+        self.cu_seqlens = a[cu[2] : cu[2] + 4 * cu[3]].view(np.int32)
+        self.pack_lengths = a[pk[2] : pk[2] + 4 * pk[3]].view(np.int32)
+        self.tokens = a[tk[2] : tk[2] + token_view.itemsize * tk[3]].view(token_view)
+
+    def batch(self, max_seqlen: int, row_len: int = 0) -> "VarlenBatch":
+        """The filled buffer as a compact batch. ``row_len``: the common input count of every row
+        (0 if rows differ; a hint that lets materialization use reshapes instead of an index)."""
+        seg_rows = self.layout[2][2] == self.layout[1][2]  # cu_seqlens aliases row_cu
+        return VarlenBatch._compact(torch.from_numpy(self.buf), self.layout, self.num_tokens, self.rows,
+                                    int(max_seqlen), int(row_len), seg_rows)
+
+
+def alloc_compact(rows: int, num_tokens: int, token_dtype: Any, *, packs: int, segments: int | None = None,
+                  ignored: int = 0) -> CompactParts:
+    """Allocate one compact batch of ``rows`` rows holding ``num_tokens`` inputs in total (so
+    ``num_tokens + rows`` stored tokens), ``packs`` packs, ``segments`` segments (None: the rows are
+    the segments and ``cu_seqlens`` is ``row_cu``) and ``ignored`` ignored targets.
+
+    ``token_dtype``: the corpus's dtype (uint16 or uint32; int64 for ids already widened).
+    Fill every view of the returned :class:`CompactParts`, then call its ``batch()``."""
+    storage, view = _STORAGE[np.dtype(token_dtype)]
+    layout, nbytes = _layout(rows, num_tokens + rows, storage, segments, packs, ignored)
+    return CompactParts(nbytes, layout, rows, num_tokens, view)
+
+
+def _widen(src: torch.Tensor) -> torch.Tensor:
+    """int64 copy of stored ids (never a view of the batch's buffer). int16/int32 hold unsigned
+    bit patterns: on the CPU a same-size unsigned view converts in one pass; elsewhere (CUDA)
+    a cast plus mask, which needs no unsigned-dtype kernels."""
+    w = _WIDEN.get(src.dtype)
+    if w is None:
+        return src.to(torch.int64, copy=True)
+    if src.device.type == "cpu":
+        return src.view(w[0]).to(torch.int64)
+    return src.to(torch.int64).bitwise_and_(w[1])
+
+
+def _as_storage_tensor(x: Any) -> torch.Tensor:
+    """Compact token ids as a tensor in a storable dtype (uint16 -> int16 bits, uint32 -> int32 bits)."""
+    if isinstance(x, np.ndarray):
+        dt = np.dtype(x.dtype)
+        if dt in _STORAGE:
+            storage, _ = _STORAGE[dt]
+            return torch.from_numpy(np.ascontiguousarray(x).view(_NP_OF[storage]))
+        if dt.kind not in "iu":
+            raise TypeError(f"compact tokens must be integer ids, got {dt}")
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+    t = torch.as_tensor(x)
+    if t.dtype == torch.uint16:
+        return t.view(torch.int16)
+    if t.dtype == torch.uint32:
+        return t.view(torch.int32)
+    if t.dtype in (torch.int16, torch.int32, torch.int64):
+        return t
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise TypeError(f"compact tokens must be integer ids, got {t.dtype}")
+    return t.to(torch.int64)
+
+
 class VarlenBatch:
-    """Padding-free batch of flattened segments (see the module docstring for invariants)."""
+    """Padding-free batch of flattened segments (see the module docstring for invariants and the
+    eager/compact representations).
 
-    input_ids: torch.Tensor
-    """(T,) int64 token ids the model reads."""
-    targets: torch.Tensor
-    """(T,) int64 next-token ids, IGNORE_INDEX where no in-document target exists."""
-    position_ids: torch.Tensor
-    """(T,) int64 positions, restarting at 0 per segment."""
-    cu_seqlens: torch.Tensor
-    """(segments + 1,) int32 cumulative segment lengths with a leading 0."""
-    max_seqlen: int
-    """Longest segment, in tokens."""
-    pack_lengths: torch.Tensor
-    """(packs,) int32 real tokens per pack (logical row); unused capacity is not included."""
+    Eager: ``VarlenBatch(input_ids, targets, position_ids, cu_seqlens, max_seqlen, pack_lengths)``.
+    Compact: :meth:`from_compact`, or :func:`alloc_compact` in loaders.
 
-    # -- derived counts ---------------------------------------------------------------------------
+    Fields:
+        input_ids: (T,) int64 token ids the model reads.
+        targets: (T,) int64 next-token ids, IGNORE_INDEX where no in-document target exists.
+        position_ids: (T,) int64 positions, restarting at 0 per segment.
+        cu_seqlens: (segments + 1,) int32 cumulative segment lengths with a leading 0.
+        max_seqlen: longest segment, in tokens (a Python int).
+        pack_lengths: (packs,) int32 real tokens per pack (logical row); unused capacity excluded.
+    """
+
+    __slots__ = ("max_seqlen", "_own", "_lazy", "_buf", "_layout", "_T", "_R", "_row_len", "_seg_rows")
+
+    def __init__(self, input_ids: torch.Tensor, targets: torch.Tensor, position_ids: torch.Tensor,
+                 cu_seqlens: torch.Tensor, max_seqlen: int, pack_lengths: torch.Tensor) -> None:
+        self.max_seqlen = max_seqlen
+        self._own: dict[str, torch.Tensor] = {"input_ids": input_ids, "targets": targets, "position_ids": position_ids,
+                                              "cu_seqlens": cu_seqlens, "pack_lengths": pack_lengths}
+        self._lazy: dict[str, torch.Tensor] = {}
+        self._buf: torch.Tensor | None = None
+        self._layout: Layout = ()
+        self._T = self._R = self._row_len = 0
+        self._seg_rows = False
+
+    # -- compact construction ---------------------------------------------------------------------
+    @classmethod
+    def _compact(cls, buf: torch.Tensor, layout: Layout, T: int, R: int, max_seqlen: int, row_len: int,
+                 seg_rows: bool) -> "VarlenBatch":
+        self = cls.__new__(cls)
+        self.max_seqlen = max_seqlen
+        self._own, self._lazy = {}, {}
+        self._buf, self._layout = buf, layout
+        self._T, self._R, self._row_len, self._seg_rows = T, R, row_len, seg_rows
+        return self
+
+    @classmethod
+    def from_compact(cls, tokens: Any, row_cu: Any, cu_seqlens: Any = None, max_seqlen: int | None = None,
+                     pack_lengths: Any = None, ignore: Any = None) -> "VarlenBatch":
+        """A compact batch from its parts (tensors or numpy arrays; copied into one buffer on the
+        device of ``tokens``). Defaults: ``cu_seqlens = row_cu`` (rows are the segments),
+        ``max_seqlen`` = longest segment, ``pack_lengths`` = one pack per row, ``ignore`` = none.
+        Reads ``row_cu``/``cu_seqlens`` on the host to check them. Raises ValueError on parts that
+        break the layout (see the module docstring)."""
+        tok = _as_storage_tensor(tokens).reshape(-1)
+        dev = tok.device
+        rc = np.asarray(torch.as_tensor(row_cu).cpu(), dtype=np.int64).reshape(-1)
+        R = rc.size - 1
+        if R < 0 or rc[0] != 0 or (np.diff(rc) <= 0).any():
+            raise ValueError("row_cu must start at 0 and strictly increase (every row has >= 1 input)")
+        T = int(rc[-1])
+        if T >= 2**31:
+            raise ValueError(f"batch of {T:,} inputs is too large for int32 row_cu/cu_seqlens")
+        if tok.numel() != T + R:
+            raise ValueError(f"tokens hold {tok.numel():,} ids; {R} rows of {T:,} inputs need {T + R:,} (one lookahead per row)")
+        row_lens = np.diff(rc)
+        row_len = int(row_lens[0]) if R and (row_lens == row_lens[0]).all() else 0
+        seg_rows = cu_seqlens is None
+        cu = rc if seg_rows else np.asarray(torch.as_tensor(cu_seqlens).cpu(), dtype=np.int64).reshape(-1)
+        if not seg_rows:
+            if cu.size < 1 or cu[0] != 0 or cu[-1] != T or (np.diff(cu) <= 0).any():
+                raise ValueError("cu_seqlens must start at 0, strictly increase and end at T")
+            if not np.isin(rc, cu).all():
+                raise ValueError("every row start must be a segment start (segments never span rows)")
+            seg_rows = cu.size == rc.size  # then equal to row_cu
+        if max_seqlen is None:
+            max_seqlen = int(np.diff(cu).max()) if cu.size > 1 else 0
+        pk = torch.as_tensor(row_lens if pack_lengths is None else pack_lengths).reshape(-1).to(dev, torch.int32)
+        ig = torch.zeros(0, dtype=torch.int64) if ignore is None else torch.as_tensor(ignore).reshape(-1)
+        ig = ig.to(dev, torch.int64)
+        return cls._assemble(tok, torch.from_numpy(rc.astype(np.int32)).to(dev),
+                             None if seg_rows else torch.from_numpy(cu.astype(np.int32)).to(dev),
+                             pk, ig, T, R, int(max_seqlen), row_len)
+
+    @classmethod
+    def _assemble(cls, tok: torch.Tensor, row_cu: torch.Tensor, cu: torch.Tensor | None, packs: torch.Tensor,
+                  ignore: torch.Tensor, T: int, R: int, max_seqlen: int, row_len: int) -> "VarlenBatch":
+        """Copy compact parts (tensors on one device, storage dtypes) into one fresh buffer there."""
+        layout, nbytes = _layout(R, T + R, tok.dtype, None if cu is None else cu.numel() - 1, packs.numel(), ignore.numel())
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=tok.device)
+        b = cls._compact(buf, layout, T, R, max_seqlen, row_len, cu is None)
+        for name, src in (("tokens", tok), ("row_cu", row_cu), ("cu_seqlens", cu), ("pack_lengths", packs), ("ignore", ignore)):
+            if src is not None and src.numel():
+                b._view(name).copy_(src.reshape(-1))
+        return b
+
+    # -- representation -----------------------------------------------------------------------------
+    @property
+    def is_compact(self) -> bool:
+        """True if the int64 fields are derived from compact row storage (see the module docstring)."""
+        return self._buf is not None
+
+    def _view(self, name: str) -> torch.Tensor:
+        _, dt, off, k = self._layout[_SLOT[name]]
+        return self._buf[off : off + k * _ITEMSIZE[dt]].view(dt)  # type: ignore[index]
+
+    def _compact_part(self, name: str) -> torch.Tensor | None:
+        if self._buf is None:
+            return None
+        t = self._lazy.get(name)
+        if t is None:
+            t = self._lazy[name] = self._view(name)
+        return t
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """Compact: (T + R,) stored row tokens (int16/int32 bit patterns of unsigned ids, or
+        int64). None for eager batches."""
+        return self._compact_part("tokens")
+
+    @property
+    def row_cu(self) -> torch.Tensor | None:
+        """Compact: (R + 1,) int32 cumulative inputs per row. None for eager batches."""
+        return self._compact_part("row_cu")
+
+    @property
+    def ignore(self) -> torch.Tensor | None:
+        """Compact: (k,) int64 input indices whose target is IGNORE_INDEX. None for eager batches."""
+        return self._compact_part("ignore")
+
+    @property
+    def device(self) -> torch.device:
+        return self._buf.device if self._buf is not None else self._own["input_ids"].device
+
+    def _field(self, name: str) -> torch.Tensor:
+        t = self._own.get(name)
+        if t is not None:
+            return t
+        t = self._lazy.get(name)
+        if t is None:
+            if self._buf is None:
+                raise AttributeError(f"VarlenBatch has no {name}")
+            t = self._lazy[name] = self._materialize(name)
+        return t
+
+    def _set(self, name: str, value: torch.Tensor) -> None:
+        self._own[name] = value
+        self._lazy.clear()  # derived fields may depend on it (positions on cu_seqlens)
+        if name == "cu_seqlens":
+            self._seg_rows = False
+
+    input_ids = property(lambda self: self._field("input_ids"), lambda self, v: self._set("input_ids", v),
+                         doc="(T,) int64 token ids the model reads.")
+    targets = property(lambda self: self._field("targets"), lambda self, v: self._set("targets", v),
+                       doc="(T,) int64 next-token ids, IGNORE_INDEX where no in-document target exists.")
+    position_ids = property(lambda self: self._field("position_ids"), lambda self, v: self._set("position_ids", v),
+                            doc="(T,) int64 positions, restarting at 0 per segment.")
+    cu_seqlens = property(lambda self: self._field("cu_seqlens"), lambda self, v: self._set("cu_seqlens", v),
+                          doc="(segments + 1,) int32 cumulative segment lengths with a leading 0.")
+    pack_lengths = property(lambda self: self._field("pack_lengths"), lambda self, v: self._set("pack_lengths", v),
+                            doc="(packs,) int32 real tokens per pack (logical row).")
+
+    # -- lazy materialization (torch ops on the buffer's device, no host-device sync) ------------------
+    def _materialize(self, name: str) -> torch.Tensor:
+        if name in ("cu_seqlens", "pack_lengths"):
+            return self._view(name)
+        if self._buf.device.type == "cpu" and _CPU_NUMPY:  # type: ignore[union-attr]
+            return torch.from_numpy(self._materialize_np(name))
+        if name == "position_ids":
+            return self._positions()
+        tok = self._compact_part("tokens")
+        assert tok is not None
+        R, T, U = self._R, self._T, self._row_len
+        shift = 1 if name == "targets" else 0
+        if U:  # equal rows: a reshape, no index
+            out = _widen(tok.view(R, U + 1)[:, shift : shift + U]).reshape(-1)
+        else:
+            idx = self._lazy.get("_index")
+            if idx is None:
+                row_cu = self._compact_part("row_cu")
+                assert row_cu is not None
+                dev = tok.device
+                idx = torch.arange(T, device=dev)
+                idx += torch.repeat_interleave(torch.arange(R, device=dev), row_cu.diff(), output_size=T)
+                self._lazy["_index"] = idx
+            out = _widen(tok.index_select(0, idx + 1 if shift else idx))
+        if shift:
+            ig = self._compact_part("ignore")
+            if ig is not None and ig.numel():
+                out.index_fill_(0, ig, IGNORE_INDEX)
+        return out
+
+    def _positions(self) -> torch.Tensor:
+        dev = self._buf.device  # type: ignore[union-attr]
+        U, R = self._row_len, self._R
+        if self._seg_rows and U:
+            return torch.arange(U, device=dev).repeat(R)
+        cu = self.cu_seqlens
+        T = int(cu[-1]) if "cu_seqlens" in self._own else self._T
+        return torch.arange(T, device=dev) - torch.repeat_interleave(cu[:-1].long(), cu.diff(), output_size=T)
+
+    def _materialize_np(self, name: str) -> np.ndarray:
+        """The same fields as :meth:`_materialize`, with numpy on CPU buffers (fewer, cheaper
+        calls than torch's per-op dispatch at these sizes; identical values, tested)."""
+        R, T, U = self._R, self._T, self._row_len
+        if name == "position_ids":
+            if self._seg_rows and U:
+                tpl = _POS_TEMPLATES.get((U, R))
+                if tpl is None:
+                    if len(_POS_TEMPLATES) > 64:
+                        _POS_TEMPLATES.clear()
+                    tpl = _POS_TEMPLATES[(U, R)] = np.tile(np.arange(U, dtype=np.int64), R)
+                return tpl.copy()
+            cu = (self._own["cu_seqlens"].numpy() if "cu_seqlens" in self._own else self._np("cu_seqlens")).astype(np.int64)
+            T = int(cu[-1])
+            return np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], np.diff(cu))
+        tok = self._np("tokens")
+        shift = 1 if name == "targets" else 0
+        out = np.empty(T, dtype=np.int64)
+        if U:
+            np.copyto(out.reshape(R, U), tok.reshape(R, U + 1)[:, shift : shift + U])
+        else:
+            idx = self._lazy.get("_index_np")
+            if idx is None:
+                rc = self._np("row_cu")
+                idx = np.arange(T, dtype=np.int64)
+                idx += np.repeat(np.arange(R, dtype=np.int64), np.diff(rc))
+                self._lazy["_index_np"] = idx  # type: ignore[assignment]
+            out[:] = tok[idx + 1 if shift else idx]
+        if shift:
+            ig = self._np("ignore")
+            if ig.size:
+                out[ig] = IGNORE_INDEX
+        return out
+
+    def _np(self, name: str) -> np.ndarray:
+        """numpy view of a compact part of a CPU buffer (tokens as their unsigned ids)."""
+        _, dt, off, k = self._layout[_SLOT[name]]
+        a = self._buf.numpy()[off : off + k * _ITEMSIZE[dt]]  # type: ignore[union-attr]
+        return a.view(_NP_VIEW[dt] if name == "tokens" else _NP_OF[dt])
+
+    def eager(self) -> "VarlenBatch":
+        """An eager batch with the same fields (materializes them; returns ``self`` if eager)."""
+        if self._buf is None:
+            return self
+        return VarlenBatch(self.input_ids, self.targets, self.position_ids, self.cu_seqlens, self.max_seqlen, self.pack_lengths)
+
+    # -- derived counts (never materialize) -----------------------------------------------------------
     @property
     def num_tokens(self) -> int:
         """Real input tokens T (what the model computes over)."""
-        return int(self.input_ids.numel())
+        t = self._own.get("input_ids")
+        return int(t.numel()) if t is not None else self._T
 
     @property
     def num_targets(self) -> int:
         """Targets that count in the loss (not IGNORE_INDEX)."""
+        if self._buf is not None and "targets" not in self._own:
+            ig = self._compact_part("ignore")
+            return self._T - int(ig.numel())  # type: ignore[union-attr]
         return int((self.targets != IGNORE_INDEX).sum())
 
     @property
@@ -61,6 +440,11 @@ class VarlenBatch:
     @property
     def num_packs(self) -> int:
         return int(self.pack_lengths.numel())
+
+    @property
+    def num_rows(self) -> int:
+        """Compact: stored rows R (windows, or packed segments). Eager: segments."""
+        return self._R if self._buf is not None else self.num_segments
 
     # -- Hugging Face padding-free names ---------------------------------------------------------
     @property
@@ -91,25 +475,44 @@ class VarlenBatch:
             "max_length_k": self.max_seqlen,
         }
 
-    # -- movement ---------------------------------------------------------------------------------
+    # -- movement and pickling ------------------------------------------------------------------------
     def _map(self, fn) -> "VarlenBatch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
-        return VarlenBatch(**kw)
+        """A batch whose tensors are ``fn(tensor)``: the compact buffer and assigned/eager fields;
+        lazily materialized fields are dropped (recomputed where the buffer now lives)."""
+        new = VarlenBatch.__new__(VarlenBatch)
+        new.__setstate__(self.__getstate__())
+        new._own = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self._own.items()}
+        new._buf = None if self._buf is None else fn(self._buf)
+        return new
 
     def pin_memory(self) -> "VarlenBatch":
-        """Page-locked copy (DataLoader's ``pin_memory=True`` calls this)."""
+        """Page-locked copy (DataLoader's ``pin_memory=True`` calls this); compact: the buffer only."""
         return self._map(lambda t: t.pin_memory())
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "VarlenBatch":
-        """Copy to ``device``; the single host-to-device copy site (asynchronous when pinned)."""
+        """Copy to ``device``; the single host-to-device copy site (asynchronous when pinned).
+        Compact: one copy of the buffer (~2 bytes per token); fields materialize there on access."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # never the lazy cache: a worker ships the compact buffer (and assigned fields) only
+        return {"max_seqlen": self.max_seqlen, "own": self._own, "buf": self._buf, "layout": self._layout,
+                "T": self._T, "R": self._R, "row_len": self._row_len, "seg_rows": self._seg_rows}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.max_seqlen = d["max_seqlen"]
+        self._own, self._buf, self._layout = dict(d["own"]), d["buf"], d["layout"]
+        self._T, self._R, self._row_len, self._seg_rows = d["T"], d["R"], d["row_len"], d["seg_rows"]
+        self._lazy = {}
+
+    def __repr__(self) -> str:
+        kind = f"compact {self.tokens.dtype}, rows={self._R}" if self._buf is not None else "eager"  # type: ignore[union-attr]
+        return (f"VarlenBatch({kind}, tokens={self.num_tokens:,}, segments={self.num_segments}, packs={self.num_packs}, "
+                f"max_seqlen={self.max_seqlen}, device={self.device})")
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise AssertionError naming the first broken invariant."""
+        """Raise AssertionError naming the first broken invariant (materializes the fields)."""
         T = self.num_tokens
         for name in ("input_ids", "targets", "position_ids"):
             t = getattr(self, name)
@@ -124,6 +527,15 @@ class VarlenBatch:
         expect_pos = torch.arange(T) - torch.repeat_interleave(cu[:-1].long(), lens.long())
         assert torch.equal(self.position_ids.cpu(), expect_pos), "position_ids must restart at 0 per segment"
         assert int(self.pack_lengths.sum()) == T, "pack_lengths must sum to the number of inputs"
+        if self._buf is not None:
+            rc, tok, ig = (t.cpu() for t in (self.row_cu, self.tokens, self.ignore))  # type: ignore[union-attr]
+            R = rc.numel() - 1
+            assert rc.dtype == torch.int32 and int(rc[0]) == 0 and bool((rc.diff() > 0).all()), "row_cu: int32, 0, strictly increasing"
+            assert int(rc[-1]) == self._T and R == self._R, "row_cu must end at T"
+            assert tok.numel() == self._T + R, "tokens must hold n + 1 ids per row"
+            assert bool(torch.isin(rc, cu).all()), "every row start must be a segment start"
+            assert ig.dtype == torch.int64 and ig.unique().numel() == ig.numel(), "ignore: distinct int64 indices"
+            assert ig.numel() == 0 or (int(ig.min()) >= 0 and int(ig.max()) < self._T), "ignore indices outside [0, T)"
 
 
 def make_batch(
@@ -131,8 +543,8 @@ def make_batch(
     targets: Sequence[np.ndarray],
     pack_lengths: Sequence[int] | np.ndarray,
 ) -> VarlenBatch:
-    """Build a :class:`VarlenBatch` from per-segment input and target arrays (equal lengths, in
-    order). ``pack_lengths`` gives the real tokens of each pack/row, summing to all inputs."""
+    """Build an eager :class:`VarlenBatch` from per-segment input and target arrays (equal lengths,
+    in order). ``pack_lengths`` gives the real tokens of each pack/row, summing to all inputs."""
     seg_lens = np.fromiter((len(a) for a in inputs), dtype=np.int64, count=len(inputs))
     if (seg_lens <= 0).any():
         raise ValueError("segments must be non-empty")
@@ -144,7 +556,7 @@ def make_batch(
 
 
 def from_flat(flat_inputs: np.ndarray, flat_targets: np.ndarray, seg_lens: np.ndarray, pack_lengths: np.ndarray) -> VarlenBatch:
-    """Build a :class:`VarlenBatch` from already flattened int64 arrays and segment lengths."""
+    """Build an eager :class:`VarlenBatch` from already flattened int64 arrays and segment lengths."""
     cu = np.zeros(seg_lens.size + 1, dtype=np.int64)
     np.cumsum(seg_lens, out=cu[1:])
     T = int(cu[-1])
@@ -165,13 +577,19 @@ def from_flat(flat_inputs: np.ndarray, flat_targets: np.ndarray, seg_lens: np.nd
 
 def concat_batches(batches: Sequence[VarlenBatch]) -> VarlenBatch:
     """One :class:`VarlenBatch` holding ``batches`` end to end (segments, packs and every
-    invariant preserved; ``cu_seqlens`` offset by the tokens before each part)."""
+    invariant preserved; ``cu_seqlens`` offset by the tokens before each part). Compact batches
+    with the same storage dtype on one device stay compact (one new buffer); otherwise the
+    result is eager."""
     if not batches:
         raise ValueError("concat_batches needs at least one batch")
     if len(batches) == 1:
         return batches[0]
-    cu = [batches[0].cu_seqlens]
-    total = batches[0].num_tokens
+    b0 = batches[0]
+    if all(b._buf is not None and not b._own and b.tokens.dtype == b0.tokens.dtype and b.device == b0.device  # type: ignore[union-attr]
+           for b in batches):
+        return _concat_compact(batches)
+    cu = [b0.cu_seqlens]
+    total = b0.num_tokens
     for b in batches[1:]:
         cu.append(b.cu_seqlens[1:] + total)
         total += b.num_tokens
@@ -182,6 +600,23 @@ def concat_batches(batches: Sequence[VarlenBatch]) -> VarlenBatch:
         cu_seqlens=torch.cat(cu).to(torch.int32),
         max_seqlen=max(b.max_seqlen for b in batches),
         pack_lengths=torch.cat([b.pack_lengths for b in batches]),
+    )
+
+
+def _concat_compact(batches: Sequence[VarlenBatch]) -> VarlenBatch:
+    row_cu, cu, ign = [batches[0].row_cu[:1]], [batches[0].cu_seqlens[:1]], []  # type: ignore[index]
+    off = 0
+    for b in batches:
+        row_cu.append(b.row_cu[1:] + off)  # type: ignore[index]
+        cu.append(b.cu_seqlens[1:] + off)
+        ign.append(b.ignore + off)  # type: ignore[operator]
+        off += b._T
+    seg_rows = all(b._seg_rows for b in batches)
+    lens = {b._row_len for b in batches}
+    return VarlenBatch._assemble(
+        torch.cat([b.tokens for b in batches]), torch.cat(row_cu), None if seg_rows else torch.cat(cu),  # type: ignore[misc]
+        torch.cat([b.pack_lengths for b in batches]), torch.cat(ign), off, sum(b._R for b in batches),
+        max(b.max_seqlen for b in batches), lens.pop() if len(lens) == 1 else 0,
     )
 
 

@@ -63,9 +63,9 @@ DEFAULT_SHARD_TOKENS = 1 << 27
 MAX_LISTED = 100
 #: Text the build samples from its own input (the first documents of each task, in input order)
 #: to prove a fast encoder equal to ``tokenizers``: at most this many characters in all ...
-PROOF_SAMPLE_CHARS = 128 << 10
+PROOF_SAMPLE_CHARS = 64 << 10
 #: ... and at most this many from one task, so the sample spans the inputs.
-PROOF_SAMPLE_TASK_CHARS = 16 << 10
+PROOF_SAMPLE_TASK_CHARS = 8 << 10
 STATE_DIR = ".build"
 LOCK_FILE = ".build.lock"
 SHARD_NAME = re.compile(r"^(train|validation)-(\d{5})-(\d{3})\.h5$")
@@ -600,7 +600,10 @@ def _read_job(task: Task) -> dict[str, Any]:
                 else:  # cut at max_document_tokens: the first m ids, no EOS
                     flat[pos : pos + m] = a[:m]
                 pos += m
-            seqs[s].add(flat, lens, ids[sel], flags[sel])
+            try:
+                seqs[s].add(flat, lens, ids[sel], flags[sel])
+            except ValueError as e:  # the writer refused the ids (out of range, EOS inside a document)
+                raise BuildError(f"{task.label}: tokenizer output cannot be stored: {e}") from None
         rows = np.empty(n, dtype=DOC_DTYPE)
         rows["id"] = np.frombuffer(b"".join(b_ids), dtype="V32")
         rows["tokens"] = stored
@@ -1056,6 +1059,13 @@ def build(config: BuildConfig) -> BuildReport:
                     raise _tokenizer_conflict(manifest_path, m.tokenizer, ident)
                 b = m.extra.get("build") or {}
                 if b.get("fingerprint") == fingerprint:
+                    gone = [e.path for e in m.shards
+                            if not m.shard_path(e).is_file() or m.shard_path(e).stat().st_size != e.bytes]
+                    if gone:
+                        raise BuildConflict(
+                            f"{manifest_path} describes this build, but {len(gone)} of its shards are missing or "
+                            f"changed ({gone[0]}, ...); pass --overwrite to rebuild"
+                        )
                     return _report_from_manifest(m, shards_dir, time.perf_counter() - t_start)
                 raise BuildConflict(
                     f"{manifest_path} exists and was built from other inputs or settings "
@@ -1089,6 +1099,7 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
          resumed: bool, lock: _Lock, t_start: float) -> BuildReport:
     ident = tok.identity
     T = len(tasks)
+    workers = min(workers, max(T, 1))
     # Encoder: a fast one if the tokenizer allows it; proven on a sample below before any of its
     # output is used. Records made by another encoder than the final one are redone.
     encoder: Encoder = HFEncoder(tok)
@@ -1186,7 +1197,7 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
         write_pending: set[int] = set()
         reread_then_write: set[int] = set()
         next_decide = 0
-        last_docs = last_tok = 0
+        last_tok = 0
         while True:
             # Phase 2 in input order, as far as read records allow.
             while cut is None and next_decide < T and next_decide in p1:
@@ -1212,8 +1223,8 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
             if bar is not None and progress_arr is not None:
                 d, k = progress_arr[0], progress_arr[1]
                 bar.update(k - last_tok)
-                last_docs, last_tok = d, k
-                bar.set_postfix_str(f"docs={d:,} tasks={len(p3)}/{T if cut is None else cut + 1}", refresh=False)
+                last_tok = k
+                bar.set_postfix_str(f"docs={d:,} tasks read={len(p1)}/{T} done={len(p3)}", refresh=False)
             if item is None:
                 continue
             kind, i, res = item

@@ -408,7 +408,10 @@ def _group_max(values: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
     """Max of ``values`` per group id (ids sorted ascending), 0 for absent groups."""
     out = np.zeros(size, dtype=np.int64)
     if values.size:
-        first = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+        new = np.empty(groups.size, dtype=bool)
+        new[0] = True
+        np.not_equal(groups[1:], groups[:-1], out=new[1:])
+        first = np.flatnonzero(new)
         out[groups[first]] = np.maximum.reduceat(values, first)
     return out
 
@@ -432,13 +435,22 @@ def _top_ngram_fails(wb: WordBatch, alive: np.ndarray, total: np.ndarray, limits
     cum = _char_prefix(wb)
     fail = np.zeros(size, dtype=bool)
     top_ub = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)  # bound on the top count
+    has = np.diff(wb.offsets) > 0
+    longest_word = np.zeros(size, dtype=np.int64)
+    if has.any():
+        longest_word[has] = np.maximum.reduceat(wb.chars, wb.offsets[:-1][has])
     for n, limit in sorted(limits.items()):
         select = alive & ~fail & (top_ub >= 2)  # no repeated (n-1)-gram: no repeated n-gram
         if not select.any():
             continue
+        capped = np.minimum(top_ub, 1 << 40)
+        if n > min(limits):  # cheap bound first: an n-gram has at most n x the longest word
+            select &= capped * n * longest_word > limit * total
+            if not select.any():
+                continue
         w = _Windows(wb, n, select, cum)
         longest = _group_max(w.chars, w.text, size)
-        select &= np.minimum(top_ub, 1 << 40) * longest > limit * total
+        select &= capped * longest > limit * total
         if not select.any():
             continue
         keep = select[w.text]
@@ -499,9 +511,14 @@ def _dup_ngram_fails(wb: WordBatch, alive: np.ndarray, total: np.ndarray, limits
 
     base_n: int | None = None
     base_flag: np.ndarray | None = None
+    base_cov = np.zeros(size, dtype=np.int64)  # characters covered by the base repeats
     for n, limit in sorted(limits.items()):
         select = alive & ~fail
         if base_flag is not None:
+            # n-gram repeats lie inside the base repeats' coverage: cheap bound first
+            select &= base_cov > limit * total
+            if not select.any():
+                continue
             k = n - base_n + 1  # consecutive base repeats needed
             runs = np.zeros(0, dtype=np.int64)
             if base_flag.size >= k:
@@ -522,9 +539,10 @@ def _dup_ngram_fails(wb: WordBatch, alive: np.ndarray, total: np.ndarray, limits
             later = np.zeros(cand.size, dtype=bool)
             np.equal(sv[1:], sv[:-1], out=later[1:])
             rep = np.sort(w.pos[cand[order[later]]])
-        fail |= select & (covered_chars(rep, n) > limit * total)
+        cov = covered_chars(rep, n)
+        fail |= select & (cov > limit * total)
         if base_flag is None:
-            base_n = n
+            base_n, base_cov = n, cov
             base_flag = np.zeros(nwords, dtype=np.int64)
             base_flag[rep] = 1
     return fail

@@ -42,10 +42,9 @@ from __future__ import annotations
 from typing import Any, Iterator, Literal
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 
-from .batch import IGNORE_INDEX, VarlenBatch
+from .batch import VarlenBatch, alloc_compact
 from .partition import Consumer, current_consumer
 from .reader import Corpus
 
@@ -59,6 +58,10 @@ STATE_VERSION = 1
 #: Random-mode starts are drawn in blocks of this many windows, each from its own seed, so any
 #: window's start is computable without drawing the ones before it.
 RANDOM_BLOCK = 1 << 16
+
+#: Batches whose window starts are computed in one vectorized call (a per-batch call costs about
+#: as much as a batch's reads at these sizes).
+PLAN_BLOCK_BATCHES = 64
 
 _TAG_EPOCH = 0x45504F43  # "EPOC": separates the two modes' random streams
 _TAG_RANDOM = 0x52414E44  # "RAND"
@@ -123,7 +126,7 @@ class SlidingWindowDataset(IterableDataset):
         self._resume: dict[str, Any] | None = None
         self._progress: dict[str, Any] | None = None
         self._cache: dict[Any, Any] = {}  # this epoch's order or random block (never pickled)
-        self._pos_cache: dict[Any, np.ndarray] = {}  # position_ids templates without document masking
+        self._templates: dict[Any, np.ndarray] = {}  # row_cu per (batch size, seq_len)
         self._layout: tuple[Any, np.ndarray] | None = None
 
     # -- layout -----------------------------------------------------------------------------------
@@ -270,79 +273,74 @@ class SlidingWindowDataset(IterableDataset):
         progress = {"epoch": epoch, "consumer": [consumer.index, consumer.count], "windows_done": min(skip, items.size)}
         self._progress = progress
         B = self.batch_size
-        for lo in range(skip, items.size, B):
-            idx = items[lo : lo + B]
-            batch = self.make_batch(self._starts(epoch, idx))
-            progress["windows_done"] = lo + idx.size
-            yield batch
+        step = B * PLAN_BLOCK_BATCHES  # window starts are computed for this many batches at once
+        for blo in range(skip, items.size, step):
+            block = self._starts(epoch, items[blo : blo + step])
+            for lo in range(0, block.size, B):
+                starts = block[lo : lo + B]
+                batch = self.make_batch(starts)
+                progress["windows_done"] = blo + lo + starts.size
+                yield batch
 
     # -- batches --------------------------------------------------------------------------------------
     def make_batch(self, starts: np.ndarray) -> VarlenBatch:
-        """The batch of windows starting at global token positions ``starts``.
+        """The compact batch of windows starting at global token positions ``starts``.
 
-        All fields live in one int64 storage (inputs | targets | positions | cu_seqlens and
-        pack_lengths as int32), so a DataLoader worker hands a batch over as one shared-memory
-        segment instead of five."""
+        One ``(B, seq_len + 1)`` read straight into the batch's row storage (the corpus's own
+        width, e.g. 2 bytes per uint16 token; no int64 copies): row j is window j, ``row_cu`` =
+        ``[0, L, 2L, ...]``, one pack per window. With document masking, ``cu_seqlens`` adds every
+        document start inside a window and ``ignore`` lists the inputs whose target is the next
+        document's first token. The int64 fields materialize lazily where the batch is used
+        (:class:`~h5corpus.batch.VarlenBatch`)."""
         starts = np.asarray(starts, dtype=np.int64)
         B, L = starts.size, self.seq_len
         T = B * L
-        w = self.corpus.gather(starts, L + 1)
         if self.document_mask:
             cuts, ignore = self._document_cuts(starts)
-            n_cu = cuts.size
+            parts = alloc_compact(B, T, self.corpus.dtype, packs=B, segments=cuts.size - 1, ignored=ignore.size)
+            parts.cu_seqlens[:] = cuts
+            parts.ignore[:] = ignore
+            max_seqlen = int(np.diff(cuts).max()) if B else 0
         else:
-            n_cu = B + 1
-        n32 = n_cu + B
-        flat = torch.empty(3 * T + (n32 + 1) // 2, dtype=torch.int64)
-        a = flat.numpy()
-        np.copyto(a[:T].reshape(B, L), w[:, :-1])
-        np.copyto(a[T : 2 * T].reshape(B, L), w[:, 1:])
-        pos = a[2 * T : 3 * T]
-        i32 = a[3 * T :].view(np.int32)
-        i32[n_cu:n32] = L  # pack_lengths: one pack per window
-        if self.document_mask:
-            a[T : 2 * T][ignore] = IGNORE_INDEX
-            seg = np.diff(cuts)
-            pos[:] = np.arange(T, dtype=np.int64) - np.repeat(cuts[:-1], seg)
-            i32[:n_cu] = cuts
-            max_seqlen = int(seg.max())
-        else:
-            key = (B, L)
-            tpl = self._pos_cache.get(key)
-            if tpl is None:
-                tpl = self._pos_cache[key] = np.tile(np.arange(L, dtype=np.int64), B)
-            pos[:] = tpl
-            i32[:n_cu] = np.arange(0, T + 1, L, dtype=np.int32)
+            parts = alloc_compact(B, T, self.corpus.dtype, packs=B)
             max_seqlen = L
-        rest = flat[3 * T :].view(torch.int32)
-        inputs, targets, positions, cu, packs = flat[:T], flat[T : 2 * T], flat[2 * T : 3 * T], rest[:n_cu], rest[n_cu:n32]
-        return VarlenBatch(input_ids=inputs, targets=targets, position_ids=positions, cu_seqlens=cu,
-                           max_seqlen=max_seqlen, pack_lengths=packs)
+        self.corpus.gather(starts, L + 1, out=parts.tokens.reshape(B, L + 1))
+        parts.row_cu[:] = self._row_starts(B)
+        parts.pack_lengths[:] = L
+        return parts.batch(max_seqlen, row_len=L)
 
     def _document_cuts(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Document masking for windows at ``starts``: (cu_seqlens as int64 — every window start and
         every document start inside a window, then T; flat indices of targets to ignore — the input
         just before each document start in (a, a + L], whose target is the next document's first token)."""
         B, L = starts.size, self.seq_len
-        T = B * L
         offs = self.corpus.doc_offsets
         lo = offs.searchsorted(starts, side="right")  # first document start after the window start
-        hi = offs.searchsorted(starts + L, side="right")  # ... up to the last target's position
-        counts = hi - lo
-        n = int(counts.sum())
-        firsts = np.cumsum(counts) - counts
-        idx = np.arange(n, dtype=np.int64) + np.repeat(lo - firsts, counts)
-        win = np.repeat(np.arange(B, dtype=np.int64), counts)
-        rel = offs[idx] - starts[win]  # in (0, L]: a document starts at input position rel
-        inner = rel < L
-        cuts = np.concatenate([np.arange(B, dtype=np.int64) * L, win[inner] * L + rel[inner], [T]])
+        counts = offs.searchsorted(starts + L, side="right") - lo  # ... up to the last target's position
+        ends = np.cumsum(counts)
+        n = int(ends[-1]) if B else 0
+        row = self._row_starts(B)  # [0, L, ..., B*L]
+        if n == 0:
+            return row.astype(np.int64), np.zeros(0, np.int64)
+        win = np.repeat(np.arange(B), counts)
+        # flat input position of each document start: (start - window start) + row offset, in (row, row + L]
+        at = offs[np.arange(n) + (lo + counts - ends)[win]] - (starts - row[:-1])[win]
+        cuts = np.concatenate([row, at[at % L != 0]])  # a start at rel == L is the next row's start
         cuts.sort()
-        return cuts, win * L + rel - 1
+        return cuts, at - 1
+
+    def _row_starts(self, B: int) -> np.ndarray:
+        """(B + 1,) int32 ``[0, L, 2L, ..., B*L]``: ``row_cu`` of a batch of B windows (cached)."""
+        key = (B, self.seq_len)
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = self._templates[key] = np.arange(0, B * self.seq_len + 1, self.seq_len, dtype=np.int32)
+        return tpl
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_cache"] = {}
-        d["_pos_cache"] = {}
+        d["_templates"] = {}
         d["_layout"] = None
         return d
 

@@ -570,7 +570,7 @@ def test_kill_9_at_random_points_then_resume_gives_identical_bytes(tmp_path, cor
     """kill -9 at random moments (tokenizers path, so the build lasts long enough to be hit in each
     phase), then resume: the manifest and shards equal an uninterrupted build byte for byte."""
     cfg = _cfg_json(tmp_path / "k", core_sources[:2], workers=2, fast_path=False)
-    assert kill_and_resume(cfg, seed=11, points=2) >= 1
+    assert kill_and_resume(cfg, seed=11, points=1) >= 1
 
 
 #: Every stage boundary where a kill leaves a distinct state: candidates written but no record; a
