@@ -1,9 +1,10 @@
 """Build throughput vs the raw tokenizers, on the same documents and cores, in one run.
 
     python bench/bench_build.py [--corpus ../shared/corpora/dev] [--tokenizer ../shared/tokenizers/gpt2/tokenizer.json]
-                                [--rounds 3] [--out bench/results/build.json]
+                                [--rounds 3] [--hf-rounds 1] [--out bench/results/build.json]
 
-Measures, best of ``--rounds`` interleaved rounds (the machine may be shared; best-of filters noise):
+Measures, best of ``--rounds`` interleaved rounds (``--hf-rounds`` for the slow ``tokenizers``
+measurements; the machine may be shared, and best-of filters the noise):
 
 * raw tiktoken (the fast path's encoding, built from the same tokenizer.json): 1 thread, and
   ``encode_ordinary_batch`` on 2 threads -- texts already in memory, no I/O, no EOS, no hashing;
@@ -78,7 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", type=Path, default=shared / "corpora" / "dev")
     ap.add_argument("--tokenizer", type=Path, default=shared / "tokenizers" / "gpt2" / "tokenizer.json")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the tiktoken / fast-path measurements")
+    ap.add_argument("--hf-rounds", type=int, default=1, help="rounds of the (slow) tokenizers measurements")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -99,12 +101,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-build-") as td:
         tmp = Path(td)
-        for _ in range(args.rounds):
-            for threads in (1, 2):
-                keep(f"raw_tiktoken_{threads}", *raw_tiktoken(enc, texts, threads))
-                keep(f"raw_tokenizers_{threads}", *raw_hf(args.tokenizer, files, threads))
-            for workers in (1, 2):
-                for fast in (True, False):
+        for r in range(max(args.rounds, args.hf_rounds)):
+            for fast in (True, False):
+                if r >= (args.rounds if fast else args.hf_rounds):
+                    continue
+                for threads in (1, 2):
+                    if fast:
+                        keep(f"raw_tiktoken_{threads}", *raw_tiktoken(enc, texts, threads))
+                    else:
+                        keep(f"raw_tokenizers_{threads}", *raw_hf(args.tokenizer, files, threads))
+                for workers in (1, 2):
                     name = f"build_{'fast' if fast else 'tokenizers'}_{workers}"
                     n, s, e = run_build(args.corpus, args.tokenizer, workers, fast, tmp)
                     keep(name, n, s)
@@ -115,6 +121,7 @@ def main() -> None:
         "documents": len(texts),
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,
+        "hf_rounds": args.hf_rounds,
         "measurements": {k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s)} for k, (n, s) in best.items()},
         "encoders": encoders,
         "ratios": {

@@ -4,38 +4,35 @@
 run cheapest first and stop at the first failure, so each rejected document is counted under
 exactly one rule. Rule names (counters are ``quality:<name>``), in evaluation order:
 
-==================  ===========================================================  ==============
-rule                rejects when                                                 default
-==================  ===========================================================  ==============
-``min_words``       fewer words than ``min_words``                               50
-``max_words``       more words than ``max_words`` (None = off)                   off
-``mean_word_length`` mean word length (characters) outside [min, max]            [3, 10]
-``uppercase_words`` fraction of all-uppercase words above the limit               0.3
-``alpha_words``     fraction of words with a letter below the limit               0.8
-``special_chars``   fraction of characters that are not letters, marks, digits    0.1
-                    or whitespace (punctuation, symbols, controls) above limit
-``symbols``         ("#" + "..." + "…") per word above the limit                  0.1
-``line_punct``      fraction of non-blank lines ending in terminal punctuation    0.12
-                    below the limit (only for documents of 5+ lines)
-``dup_lines``       fraction of non-blank lines repeating an earlier line          0.3
-``dup_line_chars``  fraction of line characters in repeated lines                 0.2
-``top_ngram``       characters covered by the most frequent word n-gram, as a     2: .20, 3: .18,
-                    fraction of word characters, above the limit for n            4: .16
-``dup_ngram``       characters of words inside repeats of an earlier n-gram, as   5: .15 ... 10: .10
-                    a fraction of word characters, above the limit for n
-==================  ===========================================================  ==============
+- ``min_words``: fewer words than ``min_words`` (default 50).
+- ``max_words``: more words than ``max_words`` (default None = off).
+- ``mean_word_length``: mean word length outside [min, max] characters (default [3, 10]).
+- ``uppercase_words``: fraction of all-uppercase words above the limit (0.3).
+- ``alpha_words``: fraction of words containing a letter below the limit (0.8).
+- ``special_chars``: fraction of characters that are not letters, marks, digits or whitespace
+  (punctuation, symbols, controls) above the limit (0.1).
+- ``symbols``: ("#" + "..." + "…") per word above the limit (0.1).
+- ``line_punct``: fraction of non-blank lines ending in terminal punctuation below the limit
+  (0.12; documents of 5+ lines).
+- ``dup_lines``: fraction of non-blank lines repeating an earlier line above the limit (0.3).
+- ``dup_line_chars``: fraction of line characters in repeated lines above the limit (0.2).
+- ``top_ngram``: characters covered by the most frequent word n-gram, as a fraction of word
+  characters, above the limit for n (2: 0.20, 3: 0.18, 4: 0.16).
+- ``dup_ngram``: characters of words inside repeats of an earlier n-gram, as a fraction of word
+  characters, above the limit for n (5: 0.15, 6: 0.14, ... 10: 0.10).
 
 Words are segmented by :mod:`h5corpus.words`: whitespace runs, with every CJK character (kana,
-Han) a word of its own, so Chinese and Japanese text has sensible word counts and n-grams. Two
-rules are adapted so they are not biased against other scripts: ``mean_word_length`` ignores
-single-character CJK words (and is skipped when they are at least half of the words), and ``uppercase_words``
-and the letter test of ``alpha_words`` look at ASCII letters (any non-ASCII character counts as a
-letter; scripts without case are never "uppercase"). In mostly-CJK text the n-gram rules use
-n-grams of twice as many characters (:data:`CJK_NGRAM_SCALE`). ``special_chars`` is Unicode-aware:
-marks (the vowel signs of Devanagari, Thai, ...) count as letters, CJK punctuation (、。「」) and
-markup such as Aozora ruby brackets (《》) count as special characters. Scripts written without
-spaces outside the CJK blocks (Thai, Lao, Khmer, Myanmar, Ethiopic with its ፡ separator, Yi) look
-like very long words and fail ``mean_word_length``: widen it or leave ``quality`` off for them.
+Han) a word of its own, so Chinese and Japanese text has sensible word counts and n-grams. Rules
+are adapted so they are not biased against other scripts: ``mean_word_length`` ignores
+single-character CJK words (and is skipped when they are at least half of the words);
+``uppercase_words`` and the letter test of ``alpha_words`` look at ASCII letters (any non-ASCII
+character counts as a letter; scripts without case are never "uppercase"). In mostly-CJK text the
+n-gram rules use n-grams of twice as many characters (:data:`CJK_NGRAM_SCALE`).
+``special_chars`` is Unicode-aware: marks (the vowel signs of Devanagari, Thai, ...) count as
+letters; CJK punctuation (、。「」) and markup such as Aozora ruby brackets (《》) count as special
+characters. Scripts written without spaces outside the CJK blocks (Thai, Lao, Khmer, Myanmar,
+Ethiopic with its ፡ separator, Yi) look like very long words and fail ``mean_word_length``: widen
+it or leave ``quality`` off for them.
 """
 
 from __future__ import annotations
