@@ -6,8 +6,9 @@
 Measures, best of ``--rounds`` interleaved rounds (``--hf-rounds`` for the slow ``tokenizers``
 measurements; the machine may be shared, and best-of filters the noise):
 
-* raw tiktoken (the fast path's encoding, built from the same tokenizer.json): 1 thread, and
-  ``encode_ordinary_batch`` on 2 threads -- texts already in memory, no I/O, no EOS, no hashing;
+* raw tiktoken (the fast path's encoding, built from the same tokenizer.json, the same
+  ``encode_to_numpy`` call): 1 process and 2 forked processes on halves of equal characters --
+  texts already in memory, no I/O, no EOS, no hashing, process start-up not timed;
 * raw Hugging Face ``tokenizers`` ``encode_batch_fast`` with ``RAYON_NUM_THREADS`` = 1 and 2 (each in
   a fresh subprocess, since Rayon's pool size is fixed at first use);
 * ``h5corpus.build`` end to end (tokenizer load, planning, fast-path proof, reading JSONL, sha256
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import os
 import subprocess
 import sys
@@ -49,13 +52,33 @@ def load_texts(files: list[Path]) -> list[str]:
     return [json.loads(line)["text"] for p in files for line in open(p, encoding="utf-8")]
 
 
-def raw_tiktoken(enc, texts: list[str], threads: int) -> tuple[int, float]:
-    t0 = time.perf_counter()
-    if threads == 1:
-        n = sum(enc.encode_to_numpy(t, disallowed_special=()).size for t in texts)
-    else:
-        n = sum(len(x) for x in enc.encode_ordinary_batch(texts, num_threads=threads))
-    return n, time.perf_counter() - t0
+_RAW: dict = {}
+
+
+def _raw_chunk(i: int) -> int:
+    enc, chunks = _RAW["enc"], _RAW["chunks"]
+    none: set[str] = set()
+    return sum(enc.encode_to_numpy(t, allowed_special=none, disallowed_special=()).size for t in chunks[i])
+
+
+def raw_tiktoken(enc, texts: list[str], procs: int) -> tuple[int, float]:
+    """Encode every text, split into ``procs`` chunks of equal characters, one process each (tiktoken
+    holds the GIL here, so threads do not scale). Processes are forked before timing; only the
+    encoding is timed."""
+    import multiprocessing as mp
+
+    cuts = np.searchsorted(np.cumsum([len(t) for t in texts]), np.linspace(0, sum(map(len, texts)), procs + 1)[1:-1])
+    bounds = [0, *cuts.tolist(), len(texts)]
+    _RAW.update(enc=enc, chunks=[texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+    if procs == 1:
+        t0 = time.perf_counter()
+        n = _raw_chunk(0)
+        return n, time.perf_counter() - t0
+    with mp.get_context("fork").Pool(procs) as pool:
+        pool.map(abs, range(procs))  # workers are up
+        t0 = time.perf_counter()
+        n = sum(pool.map(_raw_chunk, range(procs), chunksize=1))
+        return n, time.perf_counter() - t0
 
 
 def raw_hf(tokenizer_json: Path, files: list[Path], threads: int) -> tuple[int, float]:
@@ -67,10 +90,13 @@ def raw_hf(tokenizer_json: Path, files: list[Path], threads: int) -> tuple[int, 
 
 
 def run_build(corpus: Path, tokenizer_json: Path, workers: int, fast: bool, tmp: Path) -> tuple[int, float, str]:
+    import shutil
+
     from h5corpus.build import BuildConfig, build
 
+    shutil.rmtree(tmp, ignore_errors=True)  # a fresh build each time (deleting old shards is not timed)
     rep = build(BuildConfig(sources=[str(corpus)], tokenizer=str(tokenizer_json), workers=workers, fast_path=fast,
-                            shards_dir=tmp / "shards", manifest=tmp / "manifests" / "shards.json", overwrite=True))
+                            shards_dir=tmp / "shards", manifest=tmp / "manifests" / "shards.json"))
     return rep.tokens - rep.documents, rep.elapsed_s, rep.encoder  # text tokens (EOS excluded), like the raw runs
 
 
@@ -100,16 +126,16 @@ def main() -> None:
             best[name] = (n, s)
 
     with tempfile.TemporaryDirectory(prefix="bench-build-") as td:
-        tmp = Path(td)
+        tmp = Path(td) / "out"
         for r in range(max(args.rounds, args.hf_rounds)):
             for fast in (True, False):
                 if r >= (args.rounds if fast else args.hf_rounds):
                     continue
-                for threads in (1, 2):
+                for n in (1, 2):
                     if fast:
-                        keep(f"raw_tiktoken_{threads}", *raw_tiktoken(enc, texts, threads))
+                        keep(f"raw_tiktoken_{n}", *raw_tiktoken(enc, texts, n))
                     else:
-                        keep(f"raw_tokenizers_{threads}", *raw_hf(args.tokenizer, files, threads))
+                        keep(f"raw_tokenizers_{n}", *raw_hf(args.tokenizer, files, n))
                 for workers in (1, 2):
                     name = f"build_{'fast' if fast else 'tokenizers'}_{workers}"
                     n, s, e = run_build(args.corpus, args.tokenizer, workers, fast, tmp)

@@ -10,14 +10,18 @@ in the same run on the same windows, hot page cache unless a section says "cold"
   reader's memory map at the chunk offsets HDF5 reports (its path for raw shards).
 * ``batches``: SlidingWindowDataset yielding whole VarlenBatches (8 windows) vs bare memmap copies of
   the same windows into a fresh (8, seq_len + 1) array, and vs nanoGPT's get_batch (int64 x, y);
-  epoch and random mode, seq_len 1024 and 4096, with and without document masking.
-* ``dataloader``: windows/s through ``DataLoader(batch_size=None)`` with 0, 1 and 2 workers.
+  epoch and random mode, seq_len 1024 and 4096, with and without document masking. Two batch rows:
+  ``batch_compact`` (the batch as the loader yields it: compact 2-byte rows, what crosses to a worker's
+  parent and to the GPU) and ``batch_fields_cpu`` (the same plus ``input_ids``, ``targets`` and
+  ``position_ids`` materialized as int64 on the CPU: the cost a CPU consumer pays).
+* ``dataloader``: windows/s through ``DataLoader(batch_size=None)`` with 0, 1 and 2 workers (best of
+  ``--dl-rounds`` runs; compact batches as received, plus bytes per batch that cross processes).
 * ``chunk_size``: the seed's exercise 4, chunks of half, one and two windows (seq_len 1024): hot
   windows/s per read path, and cold-cache windows/s plus bytes the kernel read from storage per window.
 * ``compressed``: gzip and lzf shards (HDF5 path) vs the same windows from memmap.
 
 Data: the dev corpus tokenized with GPT-2 (tiktoken) when ../shared is present, else the standard
-library's sources as byte ids. Usage: python bench/bench_reader.py [--tokens N] [--out FILE] [--quick]
+library's sources as byte ids. Usage: python bench/bench_reader.py [--tokens N] [--out FILE] [--quick] [--sections a,b]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from h5corpus.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.writer import ShardWriter  # noqa: E402
 
 B = 8  # windows per batch throughout
+SECTIONS = ("read_paths", "batches", "dataloader", "chunk_size", "compressed")
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -230,28 +235,35 @@ def bench_batches(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -> d
                 starts = ds.plan()[: K * B]
                 base, ngpt = memmap_copy(mm, L + 1), nanogpt_get_batch(mm, L)
 
-                def ours():
+                def compact():
                     for _ in itertools.islice(iter(ds), K):
                         pass
+
+                def fields_cpu():
+                    for b in itertools.islice(iter(ds), K):
+                        b.input_ids, b.targets, b.position_ids  # noqa: B018 (materializes int64 fields)
 
                 fns = {
                     "memmap_bare_copies": lambda: [base(starts[i : i + B]) for i in range(0, starts.size, B)],
                     "nanogpt_get_batch": lambda: [ngpt(starts[i : i + B]) for i in range(0, starts.size, B)],
-                    "varlen_batches": ours,
+                    "batch_compact": compact,
+                    "batch_fields_cpu": fields_cpu,
                 }
                 t = interleaved(fns, rounds)
-                b0 = t["memmap_bare_copies"]
+                b0, g0 = t["memmap_bare_copies"], t["nanogpt_get_batch"]
                 key = f"seq_len_{L}/{mode}" + ("/document_mask" if dm else "")
                 out[key] = {
-                    k: {"windows_per_s": round(K * B / v), "tokens_per_s": round(K * B * L / v), "vs_memmap": round(b0 / v, 3)}
+                    k: {"windows_per_s": round(K * B / v), "tokens_per_s": round(K * B * L / v), "vs_memmap": round(b0 / v, 3),
+                        "vs_nanogpt": round(g0 / v, 3)}
                     for k, v in t.items()
                 }
     c.close()
     return out
 
 
-def bench_dataloader(manifest: Path, mm: np.ndarray, quick: bool) -> dict:
-    """Windows/s through DataLoader(batch_size=None) with 0, 1, 2 workers (steady state)."""
+def bench_dataloader(manifest: Path, mm: np.ndarray, quick: bool, rounds: int = 3) -> dict:
+    """Windows/s through DataLoader(batch_size=None) with 0, 1, 2 workers (steady state, best of
+    ``rounds`` interleaved runs), and the bytes of one batch that cross from a worker."""
     from torch.utils.data import DataLoader
 
     c = open_corpus(manifest, "train")
@@ -262,20 +274,26 @@ def bench_dataloader(manifest: Path, mm: np.ndarray, quick: bool) -> dict:
         starts = ds.plan()[: K * B]
         base = memmap_copy(mm, L + 1)
         t = interleaved({"m": lambda: [base(starts[i : i + B]) for i in range(0, starts.size, B)]}, 3)["m"]
-        row = {"memmap_bare_copies_in_process": {"windows_per_s": round(K * B / t)}}
-        for nw in (0, 1, 2):
-            loader = DataLoader(ds, batch_size=None, num_workers=nw, prefetch_factor=4 if nw else None)
-            it = iter(loader)
-            for _ in range(10):  # start-up (fork, first opens) is not steady state
-                next(it)
-            t0 = time.perf_counter()
-            n = 0
-            for b in itertools.islice(it, K):
-                n += b.num_packs
-            dt = time.perf_counter() - t0
-            del it
-            row[f"workers_{nw}"] = {"windows_per_s": round(n / dt), "tokens_per_s": round(n * L / dt),
-                                    "vs_memmap": round((n / dt) / (K * B / t), 3)}
+        one = next(iter(ds))
+        row: dict = {"memmap_bare_copies_in_process": {"windows_per_s": round(K * B / t)},
+                     "bytes_per_batch_crossing": int(one._buf.numel()),  # the compact buffer (pickled alone)
+                     "bytes_per_batch_int64_fields": 3 * 8 * one.num_tokens}
+        best = {nw: 0.0 for nw in (0, 1, 2)}
+        for _ in range(rounds):
+            for nw in (0, 1, 2):
+                loader = DataLoader(ds, batch_size=None, num_workers=nw, prefetch_factor=4 if nw else None)
+                it = iter(loader)
+                for _ in range(10):  # start-up (fork, first opens) is not steady state
+                    next(it)
+                t0 = time.perf_counter()
+                n = 0
+                for b in itertools.islice(it, K):
+                    n += b.num_packs
+                best[nw] = max(best[nw], n / (time.perf_counter() - t0))
+                del it, loader
+        for nw, rate in best.items():
+            row[f"workers_{nw}"] = {"windows_per_s": round(rate), "tokens_per_s": round(rate * L),
+                                    "vs_memmap": round(rate / (K * B / t), 3)}
         out[f"seq_len_{L}"] = row
     c.close()
     return out
@@ -369,9 +387,9 @@ def bench_compressed(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIden
             base = memmap_copy(mm, L + 1)
             t = interleaved({
                 "memmap": lambda: [base(starts[i : i + B]) for i in range(0, starts.size, B)],
-                "varlen_batches": lambda: [None for _ in itertools.islice(iter(ds), K)],
+                "batch_compact": lambda: [None for _ in itertools.islice(iter(ds), K)],
             }, 3)
-            row[mode] = {"windows_per_s": round(K * B / t["varlen_batches"]), "vs_memmap": round(t["memmap"] / t["varlen_batches"], 4)}
+            row[mode] = {"windows_per_s": round(K * B / t["batch_compact"]), "vs_memmap": round(t["memmap"] / t["batch_compact"], 4)}
         out[comp] = row
         c.close()
     return out
@@ -384,7 +402,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (best reported)")
     ap.add_argument("--quick", action="store_true", help="small workloads (smoke run, noisy numbers)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        ap.error(f"unknown sections: {sorted(sections - set(SECTIONS))}")
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="h5corpus-bench-reader-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -409,11 +431,16 @@ def main() -> None:
                         "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "torch": torch.__version__},
             "rounds": args.rounds,
         }
-        result["read_paths"] = bench_read_paths(manifest, mm, args.rounds, args.quick)
-        result["batches"] = bench_batches(manifest, mm, args.rounds, args.quick)
-        result["dataloader"] = bench_dataloader(manifest, mm, args.quick)
-        result["chunk_size"] = bench_chunk_sizes(flat, lengths, ident, work, args.quick)
-        result["compressed"] = bench_compressed(flat, lengths, ident, work, args.quick)
+        if "read_paths" in sections:
+            result["read_paths"] = bench_read_paths(manifest, mm, args.rounds, args.quick)
+        if "batches" in sections:
+            result["batches"] = bench_batches(manifest, mm, args.rounds, args.quick)
+        if "dataloader" in sections:
+            result["dataloader"] = bench_dataloader(manifest, mm, args.quick)
+        if "chunk_size" in sections or "compressed" in sections:  # compressed reuses chunk_size's baseline file
+            result["chunk_size"] = bench_chunk_sizes(flat, lengths, ident, work, args.quick)
+        if "compressed" in sections:
+            result["compressed"] = bench_compressed(flat, lengths, ident, work, args.quick)
         result["seconds"] = round(time.perf_counter() - t_start, 1)
     finally:
         if args.workdir is None:

@@ -1078,6 +1078,7 @@ def build(config: BuildConfig) -> BuildReport:
                     f"{shards_dir} already holds {len(stray)} shard files ({stray[0].name}, ...) that no manifest or "
                     "interrupted build here accounts for; pass --overwrite to delete them, or choose another --shards-dir"
                 )
+            shutil.rmtree(state, ignore_errors=True)  # a state folder without its plan cannot be trusted
             for sub in ("p1", "p3"):
                 (state / sub).mkdir(parents=True, exist_ok=True)
             write_json_atomic(state / "plan.json", {"run": run_id})

@@ -22,11 +22,11 @@ The data flow, one stage per block below:
      smallest remaining space that still fits it, else into a new pack. The bin choice is
      O(log L) in the capacity ``L`` (a 64-ary occupancy tree over remaining capacities), so
      blocks of 10^4-10^5 chunks stay fast. Each block's packs are shuffled with the seeded RNG.
-3. **Batches** (:class:`BestFitDataset`). Reads the tokens of each microbatch's chunks (about a
-   dozen :meth:`Corpus.gather` calls per microbatch, one per power-of-two length class) and yields a
-   :class:`~h5corpus.batch.VarlenBatch` of real tokens only: ``cu_seqlens`` over every segment,
-   positions restarting per segment, ``pack_lengths`` per pack. Unused capacity is never
-   materialized.
+3. **Batches** (:class:`BestFitDataset`). Reads the tokens of each microbatch's chunks (one
+   :meth:`Corpus.gather_ranges` call per microbatch, each chunk's inputs plus its lookahead token)
+   into a compact :class:`~h5corpus.batch.VarlenBatch` of real tokens only: ``cu_seqlens`` over
+   every segment, positions restarting per segment, ``pack_lengths`` per pack. Unused capacity is
+   never materialized.
 
 Units: every length and capacity is in tokens; a chunk's length is its number of *inputs* (= its
 number of next-token pairs).
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from .batch import VarlenBatch
+from .batch import VarlenBatch, alloc_compact
 from .partition import Consumer, current_consumer
 
 MODES = ("buffer", "bfd")
@@ -54,9 +54,6 @@ MODES = ("buffer", "bfd")
 PLAN_VERSION = 1
 
 DEFAULT_BFD_BUFFER = 16384
-
-#: Narrowest window the loader reads per segment, in tokens (see ``BestFitDataset._read``).
-READ_MIN_WIDTH = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,55 +622,28 @@ class BestFitDataset(IterableDataset):
             yield out
 
     def _read(self, plan: _Plan, mb: list[list[int]]) -> Any:
-        """Tokens of one microbatch's segments -> VarlenBatch.
+        """Tokens of one microbatch's segments -> compact VarlenBatch.
 
-        Each segment needs ``n + 1`` tokens (inputs plus the one-token lookahead). Segments are
-        grouped by that need rounded up to a power of two (at least :data:`READ_MIN_WIDTH`) and
-        every group is read with one :meth:`Corpus.gather` call of equal-width windows, so a
-        microbatch costs about a dozen reader calls whatever its number of documents; the
-        over-read (< 2x, tokens after a segment's end) is never used. Inputs and targets are then
-        two vectorized gathers out of the staging buffer.
+        Each segment is one row of the batch's row storage: its ``n`` inputs plus the one-token
+        lookahead, ``n + 1`` consecutive tokens of its document, copied by one
+        :meth:`Corpus.gather_ranges` call straight into the batch (the corpus's own width, no
+        int64 copies). ``row_cu`` = ``cu_seqlens`` = cumulative inputs per segment, ``pack_lengths``
+        per pack, nothing ignored (a chunk's lookahead is still inside its document). The int64
+        fields materialize lazily where the batch is used (:class:`~h5corpus.batch.VarlenBatch`).
         """
         corpus = self.corpus
         seg = np.fromiter((i for p in mb for i in p), dtype=np.int64)
         per_pack = np.fromiter((len(p) for p in mb), dtype=np.int64, count=len(mb))
         doc, start, n = plan.chunk_doc[seg], plan.chunk_start[seg], plan.chunk_len[seg]
-        g0 = corpus.doc_offsets[doc] + start  # global position of each segment's first input
-        total = corpus.num_tokens
-        width = np.left_shift(1, np.ceil(np.log2(n + 1)).astype(np.int64))
-        width = np.minimum(np.maximum(width, READ_MIN_WIDTH), total)
-        first = np.minimum(g0, total - width)  # a window never runs past the split's last token
-        at = np.empty(seg.size, dtype=np.int64)  # where each segment's first input sits in `stage`
-        parts, base = [], 0
-        for w in np.unique(width).tolist():
-            sel = np.flatnonzero(width == w)
-            block = corpus.gather(first[sel], w)
-            at[sel] = base + np.arange(sel.size, dtype=np.int64) * w + (g0[sel] - first[sel])
-            parts.append(block.reshape(-1))
-            base += block.size
-        stage = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        cu = np.zeros(seg.size + 1, dtype=np.int64)
-        np.cumsum(n, out=cu[1:])
-        T = int(cu[-1])
+        T = int(n.sum())
         if T >= 2**31:
             raise ValueError(f"microbatch of {T:,} tokens is too large for int32 cu_seqlens")
-        flat = np.empty(3 * T, dtype=np.int64)  # inputs | targets | positions: one storage to share
-        inputs, targets, pos = flat[:T], flat[T : 2 * T], flat[2 * T :]
-        pos[:] = np.arange(T, dtype=np.int64)
-        pos -= np.repeat(cu[:-1], n)  # position ids: 0 .. n-1 per segment
-        idx = np.repeat(at, n)
-        idx += pos
-        inputs[:] = stage[idx]
-        targets[:-1] = inputs[1:]  # inside a segment the target is the next input ...
-        targets[cu[1:] - 1] = stage[at + n]  # ... and at its end the one-token lookahead
-        batch = VarlenBatch(
-            input_ids=torch.from_numpy(inputs),
-            targets=torch.from_numpy(targets),
-            position_ids=torch.from_numpy(pos),
-            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-            max_seqlen=int(n.max()),
-            pack_lengths=torch.from_numpy(np.add.reduceat(n, np.cumsum(per_pack) - per_pack).astype(np.int32)),
-        )
+        parts = alloc_compact(seg.size, T, corpus.dtype, packs=len(mb))
+        corpus.gather_ranges(corpus.doc_offsets[doc] + start, n + 1, out=parts.tokens)
+        parts.row_cu[0] = 0
+        np.cumsum(n, out=parts.row_cu[1:])
+        parts.pack_lengths[:] = np.add.reduceat(n, np.cumsum(per_pack) - per_pack)
+        batch = parts.batch(int(n.max()))
         if self.with_segments:
             return batch, torch.from_numpy(np.stack([doc, start, n], axis=1))
         return batch

@@ -489,6 +489,7 @@ class Corpus:
         d = self.__dict__.copy()
         d["_readers"] = {}
         d.pop("_sts_list", None)
+        d.pop("_rtab", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -658,38 +659,62 @@ class Corpus:
         if bad.any():
             j = int(np.argmax(bad))
             raise IndexError(f"token range [{int(starts[j]):,}, {int(starts[j] + lengths[j]):,}) outside [0, {self.num_tokens:,})")
+        if total == 0:
+            return out
         self._check_pid()
         sts = self.shard_token_starts
-        shard = sts.searchsorted(starts, side="right") - 1
+        shard = np.minimum(sts.searchsorted(starts, side="right") - 1, self.num_shards - 1)
         local = starts - sts[shard]
-        run_of = np.full(starts.size, -1, dtype=np.int64)  # index into `runs`, -1: slow path
-        pos = np.zeros(starts.size, dtype=np.int64)
+        tab = self._range_table()
         runs: list[np.ndarray] = []
-        inside = local + lengths <= (sts[1:] - sts[:-1])[shard]
-        for s in np.unique(shard[inside]).tolist():
-            r = self._reader(s)
-            if r.kind != "mmap":
-                continue
-            sel = np.flatnonzero(inside & (shard == s))
-            k, o = np.divmod(local[sel], r.chunk_tokens)  # type: ignore[union-attr]
-            k = np.minimum(k, r.chunk_run_index.size - 1)  # an empty range at the shard's end  # type: ignore[union-attr]
-            rid = r.chunk_run_index[k]  # type: ignore[union-attr]
-            p = r.chunk_pos_array[k] + o  # type: ignore[union-attr]
-            ok = p + lengths[sel] <= r.run_sizes[rid]  # type: ignore[union-attr]
-            run_of[sel[ok]] = rid[ok] + len(runs)
-            pos[sel[ok]] = p[ok]
-            runs.extend(r.runs)  # type: ignore[union-attr]
+        if tab is None:  # some shard is read through HDF5: every range takes the slow path
+            run_of = np.full(starts.size, -1, dtype=np.int64)
+            pos = run_of
+        else:
+            base, run_index, chunk_pos, run_sizes, runs, C = tab
+            k, o = np.divmod(local, C)
+            k = np.minimum(k + base[shard], base[shard + 1] - 1)  # (an empty range may sit at a shard's end)
+            run_of = run_index[k]
+            pos = chunk_pos[k] + o
+            ok = (local + lengths <= sts[shard + 1] - sts[shard]) & (pos + lengths <= run_sizes[run_of])
+            if not ok.all():
+                run_of = np.where(ok, run_of, -1)
         if (run_of >= 0).all():
             parts = [runs[i][a:b] for i, a, b in zip(run_of.tolist(), pos.tolist(), (pos + lengths).tolist())]
             np.concatenate(parts, out=out, casting="unsafe")
             return out
         lo = (ends - lengths).tolist()
-        for j, (i, a, n, g, o) in enumerate(zip(run_of.tolist(), pos.tolist(), lengths.tolist(), starts.tolist(), lo)):
+        for i, a, n, g, o in zip(run_of.tolist(), pos.tolist(), lengths.tolist(), starts.tolist(), lo):
             if i >= 0:
                 out[o : o + n] = runs[i][a : a + n]
             else:
                 self.tokens(g, g + n, out[o : o + n])
         return out
+
+    def _range_table(self) -> tuple | None:
+        """Lookup arrays over every shard's memory-mapped chunk runs, for :meth:`gather_ranges`:
+        (first global chunk of each shard (shards + 1,), run of each chunk, position of each chunk
+        in its run, run sizes, the runs, chunk_tokens). None if a shard is read through HDF5 or
+        shards differ in chunk size. Built once per process (opens every shard) and corpus size."""
+        hit = self.__dict__.get("_rtab")
+        key = (self.num_shards, self.num_tokens)
+        if hit is not None and hit[0] is self._readers and hit[1] == key and hit[2] == len(self._readers):
+            return hit[3]
+        tab = None
+        readers = [self._reader(s) for s in range(self.num_shards)]
+        if readers and all(r.kind == "mmap" for r in readers) and len({r.chunk_tokens for r in readers}) == 1:
+            runs: list[np.ndarray] = []
+            base, run_index, chunk_pos, sizes = [0], [], [], []
+            for r in readers:
+                run_index.append(r.chunk_run_index + len(runs))  # type: ignore[union-attr]
+                chunk_pos.append(r.chunk_pos_array)  # type: ignore[union-attr]
+                sizes.append(r.run_sizes)  # type: ignore[union-attr]
+                runs.extend(r.runs)  # type: ignore[union-attr]
+                base.append(base[-1] + r.chunk_run_index.size)  # type: ignore[union-attr]
+            tab = (np.asarray(base, np.int64), np.concatenate(run_index), np.concatenate(chunk_pos),
+                   np.concatenate(sizes), runs, readers[0].chunk_tokens)
+        self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
+        return tab
 
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i`` (EOS included unless it was truncated at build time)."""

@@ -49,6 +49,9 @@ _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 #: Rows per parquet read batch.
 PARQUET_BATCH_ROWS = 1024
+#: JSON lines are parsed leniently about raw control characters inside strings (unambiguous in
+#: line-delimited JSON); one decoder for all lines (``json.loads(..., strict=False)`` builds one per call).
+_JSON = json.JSONDecoder(strict=False)
 
 
 class SourceError(ValueError):
@@ -423,7 +426,7 @@ class TaskReader:
         except UnicodeDecodeError as e:
             return BadRecord(where(), f"invalid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start} of the line)", "invalid_utf8")
         try:
-            obj = json.loads(s, strict=False)
+            obj = _JSON.decode(s)
         except ValueError as e:
             return BadRecord(where(), f"malformed JSON ({e})", "malformed_json")
         if not isinstance(obj, dict):
