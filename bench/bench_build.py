@@ -7,7 +7,7 @@ Measures, best of ``--rounds`` interleaved rounds (``--hf-rounds`` for the slow 
 measurements; the machine may be shared, and best-of filters the noise):
 
 * raw tiktoken (the fast path's encoding, built from the same tokenizer.json, the same
-  ``encode_to_numpy`` call): 1 process and 2 forked processes on halves of equal characters --
+  ``encode_to_numpy`` call): 1 process and 2 forked processes on chunks balanced by characters --
   texts already in memory, no I/O, no EOS, no hashing, process start-up not timed;
 * raw Hugging Face ``tokenizers`` ``encode_batch_fast`` with ``RAYON_NUM_THREADS`` = 1 and 2 (each in
   a fresh subprocess, since Rayon's pool size is fixed at first use);
@@ -62,14 +62,18 @@ def _raw_chunk(i: int) -> int:
 
 
 def raw_tiktoken(enc, texts: list[str], procs: int) -> tuple[int, float]:
-    """Encode every text, split into ``procs`` chunks of equal characters, one process each (tiktoken
+    """Encode every text, in ``procs`` chunks balanced by characters, one process each (tiktoken
     holds the GIL here, so threads do not scale). Processes are forked before timing; only the
     encoding is timed."""
     import multiprocessing as mp
 
-    cuts = np.searchsorted(np.cumsum([len(t) for t in texts]), np.linspace(0, sum(map(len, texts)), procs + 1)[1:-1])
-    bounds = [0, *cuts.tolist(), len(texts)]
-    _RAW.update(enc=enc, chunks=[texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+    chunks: list[list[str]] = [[] for _ in range(procs)]
+    load = np.zeros(procs)
+    for t in sorted(texts, key=len, reverse=True):  # longest first onto the lightest chunk
+        k = int(np.argmin(load))
+        chunks[k].append(t)
+        load[k] += len(t)
+    _RAW.update(enc=enc, chunks=chunks)
     if procs == 1:
         t0 = time.perf_counter()
         n = _raw_chunk(0)

@@ -15,10 +15,11 @@ sources as byte ids):
   O(n x buffer) / O(n x packs) scans of the same algorithms (measured on a prefix); BFD chunks/s on
   10^4 and 10^5 synthetic chunks (a ratio near 1 = per-chunk cost independent of the buffer size).
 * ``loader``: BestFitDataset tokens/s as a ratio to SlidingWindowDataset over the same corpus at
-  seq_len 4,096 and 35 windows per batch (without and with ``document_mask``), measured two ways:
-  ``in_process`` (whole epochs iterated in this process: the loaders' own CPU cost per token) and
-  ``dataloader_2_workers`` (torch DataLoader, 2 worker processes, after the first batch: what a
-  training loop receives). Target: best-fit >= 0.5x the window loader.
+  seq_len 4,096 and 35 windows per batch (without and with ``document_mask``), measured three ways:
+  ``in_process`` (whole epochs iterated in this process: the loaders' own CPU cost per token, compact
+  batches as yielded), ``in_process_fields_cpu`` (the same with the int64 fields materialized on the
+  CPU) and ``dataloader_2_workers`` (torch DataLoader, 2 worker processes, after the first batch:
+  what a training loop receives). Target: best-fit >= 0.5x the window loader.
 
 Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE]
 """
@@ -197,6 +198,15 @@ def main() -> None:
                 n += b.num_tokens
             return n / (time.perf_counter() - t)
 
+        def fields_cpu(ds):
+            """Tokens/s of one whole epoch with input_ids, targets and position_ids materialized
+            as int64 on the CPU (what a CPU consumer pays; a GPU consumer widens on the device)."""
+            t, n = time.perf_counter(), 0
+            for b in ds:
+                b.input_ids, b.targets, b.position_ids  # noqa: B018
+                n += b.num_tokens
+            return n / (time.perf_counter() - t)
+
         def with_workers(ds, workers=2):
             """Tokens/s through a DataLoader with ``workers`` processes, after the first batch
             (steady state: worker start-up excluded)."""
@@ -208,7 +218,8 @@ def main() -> None:
             return n / (time.perf_counter() - t)
 
         ld: dict = {}
-        for how, fn, reps in (("in_process", in_process, 7), ("dataloader_2_workers", with_workers, 3)):
+        for how, fn, reps in (("in_process", in_process, 7), ("in_process_fields_cpu", fields_cpu, 5),
+                              ("dataloader_2_workers", with_workers, 3)):
             rate = {k: 0.0 for k in loaders}
             for _ in range(reps):  # interleaved, best of reps: all loaders see the same machine load
                 for k, ds in loaders.items():

@@ -55,7 +55,6 @@ IGNORE_INDEX = -100
 
 #: Public per-token and per-segment fields, in constructor order (``max_seqlen`` is a plain int).
 FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "max_seqlen", "pack_lengths")
-_TENSOR_FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
 
 #: Corpus token dtype -> (storage dtype in a batch, numpy view the reader writes through).
 _STORAGE = {
@@ -225,8 +224,8 @@ class VarlenBatch:
         """A compact batch from its parts (tensors or numpy arrays; copied into one buffer on the
         device of ``tokens``). Defaults: ``cu_seqlens = row_cu`` (rows are the segments),
         ``max_seqlen`` = longest segment, ``pack_lengths`` = one pack per row, ``ignore`` = none.
-        Reads ``row_cu``/``cu_seqlens`` on the host to check them. Raises ValueError on parts that
-        break the layout (see the module docstring)."""
+        Reads ``row_cu``/``cu_seqlens``/``ignore`` on the host to check them. Raises ValueError on
+        parts that break the layout (see the module docstring)."""
         tok = _as_storage_tensor(tokens).reshape(-1)
         dev = tok.device
         rc = np.asarray(torch.as_tensor(row_cu).cpu(), dtype=np.int64).reshape(-1)
@@ -252,6 +251,9 @@ class VarlenBatch:
             max_seqlen = int(np.diff(cu).max()) if cu.size > 1 else 0
         pk = torch.as_tensor(row_lens if pack_lengths is None else pack_lengths).reshape(-1).to(dev, torch.int32)
         ig = torch.zeros(0, dtype=torch.int64) if ignore is None else torch.as_tensor(ignore).reshape(-1)
+        ig_host = ig.cpu().numpy()
+        if ig_host.size and (ig_host.min() < 0 or ig_host.max() >= T or np.unique(ig_host).size != ig_host.size):
+            raise ValueError(f"ignore must hold distinct input indices in [0, {T:,})")
         ig = ig.to(dev, torch.int64)
         return cls._assemble(tok, torch.from_numpy(rc.astype(np.int32)).to(dev),
                              None if seg_rows else torch.from_numpy(cu.astype(np.int32)).to(dev),
@@ -394,14 +396,14 @@ class VarlenBatch:
         out = np.empty(T, dtype=np.int64)
         if U:
             np.copyto(out.reshape(R, U), tok.reshape(R, U + 1)[:, shift : shift + U])
+        elif R and T >= 16 * R:  # long rows: one copy of per-row views (no per-token index)
+            lo = (self._np("row_cu")[:-1] + np.arange(R) + shift).tolist()
+            hi = (self._np("row_cu")[1:] + np.arange(R) + shift).tolist()
+            np.concatenate([tok[a:b] for a, b in zip(lo, hi)], out=out)
         else:
-            idx = self._lazy.get("_index_np")
-            if idx is None:
-                rc = self._np("row_cu")
-                idx = np.arange(T, dtype=np.int64)
-                idx += np.repeat(np.arange(R, dtype=np.int64), np.diff(rc))
-                self._lazy["_index_np"] = idx  # type: ignore[assignment]
-            out[:] = tok[idx + 1 if shift else idx]
+            idx = np.arange(T, dtype=np.int64)
+            idx += np.repeat(np.arange(R, dtype=np.int64) + shift, np.diff(self._np("row_cu")))
+            out[:] = tok[idx]
         if shift:
             ig = self._np("ignore")
             if ig.size:

@@ -395,6 +395,7 @@ class _Job:
     chunk_tokens: int
     shard_tokens: int
     max_document_tokens: int | None
+    want_signatures: bool = False
     progress: Any = None
     lock_fd: int | None = None
     parent_pid: int = 0
@@ -545,7 +546,9 @@ def _read_job(task: Task) -> dict[str, Any]:
     prefix = _split_prefix(J.seed)
     threshold = _split_threshold(J.fraction)
     filters = J.filters
-    sig_fn = getattr(filters, "signature", None) if filters is not None else None
+    # Signatures are only computed when phase 2 has a near-duplicate index to feed them to.
+    sig_fn = getattr(filters, "signature", None) if J.want_signatures else None
+    batch_fn = getattr(filters, "process_batch", None) if filters is not None else None
     has_counters = filters is not None and callable(getattr(filters, "counters", None))
     counters0 = dict(filters.counters()) if has_counters else {}
     progress = _Progress(J.progress)
@@ -620,6 +623,47 @@ def _read_job(task: Task) -> dict[str, Any]:
         b_size = 0
 
     try:
+        def keep(text: str, data: bytes, sig: Any = None) -> None:
+            """A document past the filters: id, split, empty/duplicate checks, encode batch."""
+            nonlocal b_size
+            doc_id = sha256(data).digest()
+            s = split_of(doc_id)
+            if not text:
+                counts[s]["skipped"] += 1
+                skip_codes["empty"] = skip_codes.get("empty", 0) + 1
+                return
+            if doc_id in seen:
+                counts[s]["duplicates"] += 1
+                return
+            seen.add(doc_id)
+            if sig_fn is not None:
+                sigs.append(sig if sig is not None else sig_fn(text))
+            b_texts.append(text)
+            b_ids.append(doc_id)
+            b_chars.append(len(text))
+            b_split.append(s)
+            b_size += len(text)
+            if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
+                flush()
+
+        def filtered(text: str, data: bytes, new: str | None, reason: str | None, sig: Any = None) -> None:
+            if new is None:
+                c = counts[split_of(sha256(data).digest())]
+                c["dropped"] += 1
+                r = str(reason or "filtered")
+                c["dropped_reasons"][r] = c["dropped_reasons"].get(r, 0) + 1
+                return
+            keep(new, data if new is text else new.encode("utf-8"), sig)
+
+        pending: list[tuple[str, bytes]] = []  # documents waiting for a filters.process_batch call
+
+        def drain() -> None:
+            if pending:
+                results = batch_fn([t for t, _ in pending], signatures=sig_fn is not None)
+                for (text, data), r in zip(pending, results):
+                    filtered(text, data, r.text, r.reason, getattr(r, "signature", None))
+                pending.clear()
+
         for rec in TaskReader(task, J.text_field):
             if isinstance(rec, BadRecord):
                 if J.on_error == "fail":
@@ -632,36 +676,16 @@ def _read_job(task: Task) -> dict[str, Any]:
                     listed.append(str(rec))
                 continue
             text, data = rec
-            if filters is not None:
+            if batch_fn is not None:
+                pending.append(rec)
+                if len(pending) >= _ENCODE_BATCH_DOCS:
+                    drain()
+            elif filters is not None:
                 new, reason = filters.process(text)
-                if new is None:
-                    c = counts[split_of(sha256(data).digest())]
-                    c["dropped"] += 1
-                    r = str(reason or "filtered")
-                    c["dropped_reasons"][r] = c["dropped_reasons"].get(r, 0) + 1
-                    continue
-                if new is not text:
-                    text = new
-                    data = text.encode("utf-8")
-            doc_id = sha256(data).digest()
-            s = split_of(doc_id)
-            if not text:
-                counts[s]["skipped"] += 1
-                skip_codes["empty"] = skip_codes.get("empty", 0) + 1
-                continue
-            if doc_id in seen:
-                counts[s]["duplicates"] += 1
-                continue
-            seen.add(doc_id)
-            if sig_fn is not None:
-                sigs.append(sig_fn(text))
-            b_texts.append(text)
-            b_ids.append(doc_id)
-            b_chars.append(len(text))
-            b_split.append(s)
-            b_size += len(text)
-            if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
-                flush()
+                filtered(text, data, new, reason)
+            else:
+                keep(text, data)
+        drain()
         flush()
         cands = [_shard_json(info, info.path.name) for seq in seqs for info in seq.close()]
         _crash_point("read-candidates")
@@ -812,6 +836,7 @@ class _Decider:
     def __init__(self, cfg: BuildConfig) -> None:
         self.seen = _SeenIds()
         f = cfg.filters
+        # A filters object may return None here: near-dedup is off.
         self.index = f.near_duplicate_index() if f is not None and callable(getattr(f, "near_duplicate_index", None)) else None
         b = cfg.max_tokens or {}
         self.budget = [b.get(s) for s in fmt.SPLITS]
@@ -1138,7 +1163,8 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                     seed=int(cfg.split_seed), fraction=float(cfg.validation_fraction), on_error=cfg.on_error,
                     filters=cfg.filters, chunk_tokens=int(cfg.chunk_tokens), shard_tokens=int(cfg.shard_tokens),
                     max_document_tokens=cfg.max_document_tokens, progress=progress_arr, lock_fd=lock.fd,
-                    parent_pid=os.getpid())
+                    parent_pid=os.getpid(),
+                    want_signatures=decider.index is not None and callable(getattr(cfg.filters, "signature", None)))
 
     def usable(rec: Mapping[str, Any]) -> bool:
         return rec["encoder"] in ("tokenizers", encoder.name)

@@ -38,6 +38,7 @@ import hashlib
 from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -632,8 +633,8 @@ class BestFitDataset(IterableDataset):
         fields materialize lazily where the batch is used (:class:`~h5corpus.batch.VarlenBatch`).
         """
         corpus = self.corpus
-        seg = np.fromiter((i for p in mb for i in p), dtype=np.int64)
-        per_pack = np.fromiter((len(p) for p in mb), dtype=np.int64, count=len(mb))
+        seg = np.fromiter(chain.from_iterable(mb), dtype=np.int64)
+        per_pack = np.fromiter(map(len, mb), dtype=np.int64, count=len(mb))
         doc, start, n = plan.chunk_doc[seg], plan.chunk_start[seg], plan.chunk_len[seg]
         T = int(n.sum())
         if T >= 2**31:

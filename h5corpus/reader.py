@@ -637,10 +637,10 @@ class Corpus:
         ``tokens(starts[j], starts[j] + lengths[j])`` over j, 1-D of ``sum(lengths)`` tokens, any
         integer dtype (the best-fit loader's hot path: one range per packed segment).
 
-        Vectorized for ranges inside one memory-mapped run of chunks (nearly all of them): the
-        shard, chunk run and position of every range come from array lookups, and the copy is one
-        ``np.concatenate`` of views into ``out``; any other range (crossing a shard or a gap between
-        runs, or in a shard read through HDF5) is read like :meth:`tokens`."""
+        When every shard is memory-mapped, the shard, chunk run and position of every range come
+        from array lookups and the copy is one ``np.concatenate`` of views into ``out`` (a range
+        that crosses a shard or a gap between runs is read like :meth:`tokens` first). With a shard
+        read through HDF5, every range is read like :meth:`tokens`."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if starts.shape != lengths.shape:
@@ -666,11 +666,7 @@ class Corpus:
         shard = np.minimum(sts.searchsorted(starts, side="right") - 1, self.num_shards - 1)
         local = starts - sts[shard]
         tab = self._range_table()
-        runs: list[np.ndarray] = []
-        if tab is None:  # some shard is read through HDF5: every range takes the slow path
-            run_of = np.full(starts.size, -1, dtype=np.int64)
-            pos = run_of
-        else:
+        if tab is not None:
             base, run_index, chunk_pos, run_sizes, runs, C = tab
             k, o = np.divmod(local, C)
             k = np.minimum(k + base[shard], base[shard + 1] - 1)  # (an empty range may sit at a shard's end)
@@ -679,16 +675,16 @@ class Corpus:
             ok = (local + lengths <= sts[shard + 1] - sts[shard]) & (pos + lengths <= run_sizes[run_of])
             if not ok.all():
                 run_of = np.where(ok, run_of, -1)
-        if (run_of >= 0).all():
-            parts = [runs[i][a:b] for i, a, b in zip(run_of.tolist(), pos.tolist(), (pos + lengths).tolist())]
+        if tab is not None:  # views into the maps (a range that crosses a gap is read apart), one copy
+            if run_of.min() >= 0:
+                parts = [runs[i][a:b] for i, a, b in zip(run_of.tolist(), pos.tolist(), (pos + lengths).tolist())]
+            else:
+                parts = [runs[i][a : a + n] if i >= 0 else self.tokens(g, g + n)
+                         for i, a, n, g in zip(run_of.tolist(), pos.tolist(), lengths.tolist(), starts.tolist())]
             np.concatenate(parts, out=out, casting="unsafe")
             return out
-        lo = (ends - lengths).tolist()
-        for i, a, n, g, o in zip(run_of.tolist(), pos.tolist(), lengths.tolist(), starts.tolist(), lo):
-            if i >= 0:
-                out[o : o + n] = runs[i][a : a + n]
-            else:
-                self.tokens(g, g + n, out[o : o + n])
+        for g, n, o in zip(starts.tolist(), lengths.tolist(), (ends - lengths).tolist()):
+            self.tokens(g, g + n, out[o : o + n])
         return out
 
     def _range_table(self) -> tuple | None:

@@ -276,9 +276,10 @@ class SlidingWindowDataset(IterableDataset):
         step = B * PLAN_BLOCK_BATCHES  # window starts are computed for this many batches at once
         for blo in range(skip, items.size, step):
             block = self._starts(epoch, items[blo : blo + step])
+            mask = self._mask_plan(block) if self.document_mask else None
             for lo in range(0, block.size, B):
                 starts = block[lo : lo + B]
-                batch = self.make_batch(starts)
+                batch = self._batch(starts, mask, lo)
                 progress["windows_done"] = blo + lo + starts.size
                 yield batch
 
@@ -293,14 +294,21 @@ class SlidingWindowDataset(IterableDataset):
         document's first token. The int64 fields materialize lazily where the batch is used
         (:class:`~h5corpus.batch.VarlenBatch`)."""
         starts = np.asarray(starts, dtype=np.int64)
+        return self._batch(starts, self._mask_plan(starts) if self.document_mask else None, 0)
+
+    def _batch(self, starts: np.ndarray, mask: tuple | None, j0: int) -> VarlenBatch:
+        """make_batch for windows ``j0 .. j0 + len(starts)`` of a block whose document masking
+        was planned at once (:meth:`_mask_plan`; None without masking)."""
         B, L = starts.size, self.seq_len
         T = B * L
-        if self.document_mask:
-            cuts, ignore = self._document_cuts(starts)
-            parts = alloc_compact(B, T, self.corpus.dtype, packs=B, segments=cuts.size - 1, ignored=ignore.size)
-            parts.cu_seqlens[:] = cuts
-            parts.ignore[:] = ignore
-            max_seqlen = int(np.diff(cuts).max()) if B else 0
+        if mask is not None:
+            cut_flat, cut_ptr, ign_flat, ign_ptr, seg_max = mask
+            p0, p1, q0, q1 = cut_ptr[j0], cut_ptr[j0 + B], ign_ptr[j0], ign_ptr[j0 + B]
+            parts = alloc_compact(B, T, self.corpus.dtype, packs=B, segments=p1 - p0, ignored=q1 - q0)
+            np.subtract(cut_flat[p0:p1], j0 * L, out=parts.cu_seqlens[:-1])
+            parts.cu_seqlens[-1] = T
+            np.subtract(ign_flat[q0:q1], j0 * L, out=parts.ignore)
+            max_seqlen = int(seg_max[j0 : j0 + B].max()) if B else 0
         else:
             parts = alloc_compact(B, T, self.corpus.dtype, packs=B)
             max_seqlen = L
@@ -309,25 +317,35 @@ class SlidingWindowDataset(IterableDataset):
         parts.pack_lengths[:] = L
         return parts.batch(max_seqlen, row_len=L)
 
-    def _document_cuts(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Document masking for windows at ``starts``: (cu_seqlens as int64 — every window start and
-        every document start inside a window, then T; flat indices of targets to ignore — the input
-        just before each document start in (a, a + L], whose target is the next document's first token)."""
+    def _mask_plan(self, starts: np.ndarray) -> tuple:
+        """Document masking for the windows at ``starts``, all at once (a block of batches costs
+        about as much as one batch would): positions in the block's flat input axis (window k
+        owns ``[k*L, (k+1)*L)``) of
+
+        * every segment start (``cut_flat``: each window's start, then every document start
+          strictly inside it), with ``cut_ptr[k]`` = where window k's entries begin;
+        * every input whose target is ignored (``ign_flat``: the input just before a document
+          start in ``(a, a + L]``, its target being the next document's first token), ``ign_ptr``;
+        * ``seg_max[k]``, window k's longest segment.
+        """
         B, L = starts.size, self.seq_len
         offs = self.corpus.doc_offsets
         lo = offs.searchsorted(starts, side="right")  # first document start after the window start
         counts = offs.searchsorted(starts + L, side="right") - lo  # ... up to the last target's position
         ends = np.cumsum(counts)
         n = int(ends[-1]) if B else 0
-        row = self._row_starts(B)  # [0, L, ..., B*L]
-        if n == 0:
-            return row.astype(np.int64), np.zeros(0, np.int64)
-        win = np.repeat(np.arange(B), counts)
-        # flat input position of each document start: (start - window start) + row offset, in (row, row + L]
-        at = offs[np.arange(n) + (lo + counts - ends)[win]] - (starts - row[:-1])[win]
-        cuts = np.concatenate([row, at[at % L != 0]])  # a start at rel == L is the next row's start
-        cuts.sort()
-        return cuts, at - 1
+        win = np.repeat(np.arange(B, dtype=np.int64), counts)
+        rel = offs[np.arange(n, dtype=np.int64) + (lo + counts - ends)[win]] - starts[win]  # in (0, L]
+        at = win * L + rel
+        inner = rel < L  # a document starting at rel == L starts the next window's row
+        cut_flat = np.concatenate([np.arange(B, dtype=np.int64) * L, at[inner]])
+        cut_flat.sort()  # window k's start, then its inner document starts, then window k + 1 ...
+        cut_ptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(1 + np.bincount(win[inner], minlength=B), out=cut_ptr[1:])
+        seg_lens = np.diff(cut_flat, append=B * L)
+        seg_max = np.maximum.reduceat(seg_lens, cut_ptr[:-1]) if B else seg_lens
+        ign_ptr = np.concatenate([[0], ends])
+        return cut_flat, cut_ptr.tolist(), at - 1, ign_ptr.tolist(), seg_max
 
     def _row_starts(self, B: int) -> np.ndarray:
         """(B + 1,) int32 ``[0, L, 2L, ..., B*L]``: ``row_cu`` of a batch of B windows (cached)."""

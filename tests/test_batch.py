@@ -156,7 +156,9 @@ def test_from_compact_widens_unsigned_bit_patterns_and_rejects_bad_layouts(mater
     for kw, msg in ((dict(tokens=np.arange(5), row_cu=[0, 2, 2]), "strictly increase"),
                     (dict(tokens=np.arange(5), row_cu=[0, 3]), "need 4"),
                     (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 3, 4]), "row start"),
-                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 2, 5]), "end at T")):
+                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 2, 5]), "end at T"),
+                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], ignore=[1, 1]), "distinct"),
+                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], ignore=[4]), "distinct")):
         with pytest.raises(ValueError, match=msg):
             VarlenBatch.from_compact(**kw)
 
