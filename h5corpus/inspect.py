@@ -177,15 +177,16 @@ def _check_batches(corpus, seq_len, batch_size, packing_buffer, seed, mode, n_ba
 
 
 def _decode_top(manifest: Manifest, ids: Sequence[int]) -> list[str] | None:
+    """Texts of ``ids`` when the manifest's tokenizer can be loaded offline and is the same one
+    (sha256 of its JSON); None otherwise (the table then shows ids)."""
     try:
         from .tokenize import load_tokenizer
 
         tok = load_tokenizer(manifest.tokenizer.name)
-        dec = getattr(tok, "decode", None)
-        if dec is None:
+        if tok.identity.sha256 != manifest.tokenizer.sha256:
             return None
-        return [dec([int(i)]) for i in ids]
-    except Exception:
+        return [tok.hf.decode([int(i)]) for i in ids]
+    except Exception:  # tokenizer not available here: figures stay numeric
         return None
 
 
