@@ -75,6 +75,8 @@ DOC_DTYPE = np.dtype([("id", "V32"), ("tokens", "<i8"), ("chars", "<i8"), ("spli
 of the text, split index (0 train, 1 validation), FLAG_* bits."""
 _ENCODE_BATCH_DOCS = 256
 _ENCODE_BATCH_CHARS = 1 << 20
+#: Version of the state files (read records, tables, meta): records of another version are redone.
+_STATE_VERSION = 2
 
 
 class BuildError(Exception):
@@ -159,6 +161,10 @@ class BuildConfig:
     """Hugging Face hub cache (default: ``$HF_HUB_CACHE`` or ``~/.cache/huggingface/hub``)."""
     eos_token: str | None = None
     """End-of-document token text (default: the first of ``<|endoftext|>``, ``</s>``, ... present)."""
+    explain_drops: str | os.PathLike[str] | None = None
+    """Write one JSON line per document that was read but not stored (id of the text as read,
+    source, line/row, reason), in input order, atomically. Not part of the build's settings: it
+    never changes a shard or the manifest."""
 
     def check(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -246,14 +252,24 @@ def document_split(doc_id: bytes, *, seed: int = DEFAULT_SPLIT_SEED, validation_
 
 
 # -- report -------------------------------------------------------------------------------------
-_SPLIT_KEYS = ("documents", "tokens", "pairs", "characters", "duplicates", "near_duplicates", "dropped",
+_SPLIT_KEYS = ("documents", "tokens", "pairs", "characters", "duplicates", "near_duplicates",
                "over_budget", "truncated", "skipped", "shards")
+#: Drop reasons of the build's own dedup stages (the rest of ``splits.<split>.dropped`` are the filters').
+DEDUP_REASONS = ("exact_dup", "near_dup")
 
 
 def _empty_split() -> dict[str, Any]:
     d: dict[str, Any] = {k: 0 for k in _SPLIT_KEYS}
-    d["dropped_reasons"] = {}
+    d["dropped"] = {}
     return d
+
+
+def filtered_total(split: Mapping[str, Any]) -> int:
+    """Documents of a split that the filter stages dropped (``dropped`` without the dedup stages)."""
+    d = split.get("dropped")
+    if isinstance(d, int):  # a manifest written before per-rule counts
+        return d
+    return sum(int(v) for k, v in (split.get("dropped") or {}).items() if k not in DEDUP_REASONS)
 
 
 @dataclass
@@ -279,6 +295,15 @@ class BuildReport:
     skipped_records: list[str] = field(default_factory=list)
     """``file:line: reason`` of skipped records (the first :data:`MAX_LISTED`)."""
     filter_counters: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Worker seconds per phase-1 step, summed over the tasks read: ``read`` (parse, hash, split,
+    dedup), ``filter`` (all filter stages; ``filter:<stage>`` each), ``encode`` (tokenization),
+    ``write`` (shards and tables), ``total``. Wall clock inside each worker; this run's tasks
+    only (tasks reused from an interrupted run are not counted). Not in the manifest."""
+    explain_drops: str | None = None
+    """Path of the ``--explain-drops`` file written, if any."""
+    explained: int = 0
+    """Lines written to it."""
     tokens_encoded: int = 0
     """Tokens this run tokenized (EOS included; duplicates within a task are not tokenized)."""
     elapsed_s: float = 0.0
@@ -299,8 +324,46 @@ class BuildReport:
         """Corpus tokens per second of this run's wall time."""
         return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    def dropped(self) -> dict[str, int]:
+        """Per-rule drops over all splits (``splits.<split>.dropped`` added up), sorted by rule."""
+        out: dict[str, int] = {}
+        for st in self.splits.values():
+            d = st.get("dropped")
+            for k, v in (d.items() if isinstance(d, Mapping) else ()):
+                out[k] = out.get(k, 0) + int(v)
+        return dict(sorted(out.items()))
+
+    def filter_summary(self) -> dict[str, Any]:
+        """What each stage removed or changed: ``dropped`` per rule (dedup included), ``changed``
+        (documents extracted from HTML, repaired by ftfy, whitespace-normalized, PII-scrubbed),
+        ``pii`` replacements per kind, ``languages`` of the stored documents, and the seconds the
+        filters and the tokenizer took in the workers (``x_tokenize`` = filter / encode time)."""
+        c = self.filter_counters
+        out: dict[str, Any] = {"dropped": self.dropped()}
+        changed = {name: int(c[key]) for name, key in (("html_extracted", "clean:html"), ("unicode_repaired", "clean:unicode"),
+                                                       ("whitespace_normalized", "clean:whitespace"), ("pii_scrubbed", "pii:docs"))
+                   if c.get(key)}
+        if changed:
+            out["changed"] = changed
+        pii = {k[4:]: int(v) for k, v in c.items() if k.startswith("pii:") and k != "pii:docs" and v}
+        if pii:
+            out["pii"] = pii
+        langs: dict[str, int] = {}
+        for st in self.splits.values():
+            for k, v in (st.get("languages") or {}).items():
+                langs[k] = langs.get(k, 0) + int(v)
+        if langs:
+            out["languages"] = dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0])))
+        sec = self.seconds
+        if sec.get("filter") and sec.get("encode"):
+            out["seconds"] = {k: round(v, 3) for k, v in sec.items() if k == "filter" or k.startswith("filter:") or k == "encode"}
+            out["x_tokenize"] = round(sec["filter"] / sec["encode"], 3)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d["seconds"] = {k: round(v, 3) for k, v in self.seconds.items()}
+        d["filters"] = self.filter_summary()
         d["tokens_per_s"] = round(self.tokens_per_s, 1)
         d["elapsed_s"] = round(self.elapsed_s, 3)
         d["tokens"] = self.tokens
@@ -396,6 +459,12 @@ class _Job:
     shard_tokens: int
     max_document_tokens: int | None
     want_signatures: bool = False
+    explain: bool = False
+    """Record what ``--explain-drops`` needs (locations, ids as read) in each task's meta file."""
+    newlines_before: dict[int, int] | None = None
+    """Task index -> line breaks before the task's first byte (JSONL tasks inside a file; explain only)."""
+    record_lang: bool = False
+    """Record each stored document's detected language (the filters' ``info["lang"]``)."""
     progress: Any = None
     lock_fd: int | None = None
     parent_pid: int = 0
@@ -460,7 +529,7 @@ class _Progress:
 def _p1_paths(state: Path, index: int) -> dict[str, Path]:
     stem = state / "p1" / f"{index:05d}"
     return {"record": stem.with_suffix(".json"), "docs": stem.with_suffix(".docs"), "sig": stem.with_suffix(".sig"),
-            "cand": stem}
+            "meta": stem.with_suffix(".meta"), "cand": stem}
 
 
 def _p3_record_path(state: Path, index: int) -> Path:
@@ -528,6 +597,83 @@ class _ShardSeq:
             self.w = None
 
 
+class _LocatingReader(TaskReader):
+    """A :class:`TaskReader` that also names where each record came from, for ``--explain-drops``:
+    ``(file, "line", n)`` for JSONL (1-based line), ``(file, "row", n)`` for parquet (0-based row),
+    ``(file, None, None)`` for ``.txt``. Call :meth:`location` right after a record is yielded.
+
+    JSONL line numbers come from the reader's own ``where`` (the line it just parsed); the count of
+    lines before the task's byte range is given (``newlines_before``, counted once per file by the
+    main process) instead of re-reading the file prefix for every task."""
+
+    def __init__(self, task: Task, text_field: str, newlines_before: int) -> None:
+        super().__init__(task, text_field)
+        self._newlines_before = int(newlines_before)
+        self._where: Any = None
+
+    def _line_base(self, path: str, first: int) -> int:  # type: ignore[override]
+        t = self.task
+        extra = 0
+        if first > t.start:  # the partial line skipped at the start of the range
+            with open(path, "rb") as fh:
+                fh.seek(t.start)
+                extra = fh.read(first - t.start).count(b"\n")
+        return self._newlines_before + extra + 1
+
+    def _jsonl_record(self, line: bytes, where: Any) -> Any:
+        self._where = where
+        return super()._jsonl_record(line, where)
+
+    def location(self, ordinal: int) -> tuple[str, str | None, int | None]:
+        """Where record number ``ordinal`` (0-based, bad records included) of the task is."""
+        t = self.task
+        if t.kind == "parquet":
+            return t.files[0].name, "row", t.first_row + ordinal
+        if t.kind == "text":
+            return t.files[ordinal].name, None, None
+        name, _, line = self._where().rpartition(":")
+        return name, "line", int(line)
+
+
+def _newlines_before(tasks: Sequence[Task]) -> dict[int, int]:
+    """For every uncompressed-JSONL task that starts inside its file: the number of line breaks
+    before its first byte (one sequential pass per file)."""
+    out: dict[int, int] = {}
+    by_file: dict[str, list[Task]] = {}
+    for t in tasks:
+        if t.kind == "jsonl" and t.start > 0:
+            by_file.setdefault(t.files[0].path, []).append(t)
+    for path, ts in by_file.items():
+        ts.sort(key=lambda t: t.start)
+        n = pos = 0
+        with open(path, "rb") as fh:
+            for t in ts:
+                while pos < t.start:
+                    b = fh.read(min(t.start - pos, 1 << 24))
+                    if not b:
+                        break
+                    n += b.count(b"\n")
+                    pos += len(b)
+                out[t.index] = n
+    return out
+
+
+def _explain_line(doc_id: str, loc: tuple[str, str | None, int | None], reason: str,
+                  info: Mapping[str, Any] | None = None, dup_of: str | None = None) -> dict[str, Any]:
+    """One ``--explain-drops`` record: id (sha256 hex of the text as read), source, line/row,
+    reason, and what is known and cheap: the detected language, the stored copy of an exact duplicate."""
+    d: dict[str, Any] = {"id": doc_id, "source": loc[0]}
+    if loc[1] is not None:
+        d[loc[1]] = loc[2]
+    d["reason"] = reason
+    if info and "lang" in info:
+        d["lang"] = info["lang"]
+        d["lang_prob"] = round(float(info["lang_prob"]), 4)
+    if dup_of is not None:
+        d["duplicate_of"] = dup_of
+    return d
+
+
 def _read_job(task: Task) -> dict[str, Any]:
     """Phase 1 for one task: read, filter, hash, dedup within the task, tokenize, and write every
     kept document into the task's *candidate* shards (in the state folder) plus a per-document
@@ -551,18 +697,26 @@ def _read_job(task: Task) -> dict[str, Any]:
     batch_fn = getattr(filters, "process_batch", None) if filters is not None else None
     has_counters = filters is not None and callable(getattr(filters, "counters", None))
     counters0 = dict(filters.counters()) if has_counters else {}
+    has_timings = filters is not None and callable(getattr(filters, "timings", None))
+    timings0 = dict(filters.timings()) if has_timings else {}
     progress = _Progress(J.progress)
     sha256 = hashlib.sha256
+    clock = time.perf_counter
+    secs = {"filter": 0.0, "encode": 0.0, "write": 0.0}
 
     def split_of(doc_id: bytes) -> int:
         return 1 if int.from_bytes(sha256(prefix + doc_id).digest()[:8], "big") < threshold else 0
 
-    counts = [{"duplicates": 0, "skipped": 0, "dropped": 0, "dropped_reasons": {}} for _ in fmt.SPLITS]
+    counts = [{"duplicates": 0, "skipped": 0, "filtered": {}} for _ in fmt.SPLITS]
     skip_codes: dict[str, int] = {}
     listed: list[str] = []
     skipped_total = 0
     seen: set[bytes] = set()
     sigs: list[Any] = []
+    explain = J.explain
+    ex_drops: list[tuple[int, dict[str, Any]]] = []  # (record ordinal, explain line) of drops here
+    ex_rows: list[list[Any]] = []  # per table row: [ordinal, id as read, source, "line"/"row", n, lang, prob]
+    row_lang: list[str | None] | None = [] if J.record_lang else None
     n_docs = 0
     n_tokens = 0
     doc_hash = sha256()
@@ -580,7 +734,10 @@ def _read_job(task: Task) -> dict[str, Any]:
         nonlocal n_docs, n_tokens, b_size
         if not b_texts:
             return
+        c0 = clock()
         arrs = J.encoder.encode_batch(b_texts)
+        c1 = clock()
+        secs["encode"] += c1 - c0
         n = len(arrs)
         full = np.fromiter((a.size + 1 for a in arrs), dtype=np.int64, count=n)
         stored = np.minimum(full, mdt) if mdt else full
@@ -621,23 +778,37 @@ def _read_job(task: Task) -> dict[str, Any]:
         progress.add(n, int(stored.sum()))
         b_texts.clear(), b_ids.clear(), b_chars.clear(), b_split.clear()
         b_size = 0
+        secs["write"] += clock() - c1
 
     try:
-        def keep(text: str, data: bytes, sig: Any = None) -> None:
-            """A document past the filters: id, split, empty/duplicate checks, encode batch."""
+        def keep(text: str, data: bytes, sig: Any = None, info: Mapping[str, Any] | None = None,
+                 ordinal: int = 0, loc: Any = None, read_id: bytes | None = None) -> None:
+            """A document past the filters: id, split, empty/duplicate checks, encode batch.
+            ``read_id``: id of the text as read, when the filters changed it."""
             nonlocal b_size
             doc_id = sha256(data).digest()
             s = split_of(doc_id)
             if not text:
                 counts[s]["skipped"] += 1
                 skip_codes["empty"] = skip_codes.get("empty", 0) + 1
+                if explain:
+                    ex_drops.append((ordinal, _explain_line((read_id or doc_id).hex(), loc, "empty", info)))
                 return
             if doc_id in seen:
                 counts[s]["duplicates"] += 1
+                if explain:
+                    ex_drops.append((ordinal, _explain_line((read_id or doc_id).hex(), loc, "exact_dup", info,
+                                                            dup_of=doc_id.hex())))
                 return
             seen.add(doc_id)
             if sig_fn is not None:
                 sigs.append(sig if sig is not None else sig_fn(text))
+            if row_lang is not None:
+                row_lang.append(info.get("lang") if info else None)
+            if explain:
+                lang = info.get("lang") if info else None
+                ex_rows.append([ordinal, (read_id or doc_id).hex(), loc[0], loc[1], loc[2], lang,
+                                None if lang is None else round(float(info["lang_prob"]), 4)])  # type: ignore[index]
             b_texts.append(text)
             b_ids.append(doc_id)
             b_chars.append(len(text))
@@ -646,25 +817,41 @@ def _read_job(task: Task) -> dict[str, Any]:
             if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
                 flush()
 
-        def filtered(text: str, data: bytes, new: str | None, reason: str | None, sig: Any = None) -> None:
+        def filtered(text: str, data: bytes, new: str | None, reason: str | None, sig: Any = None,
+                     info: Mapping[str, Any] | None = None, ordinal: int = 0, loc: Any = None) -> None:
             if new is None:
-                c = counts[split_of(sha256(data).digest())]
-                c["dropped"] += 1
+                read_id = sha256(data).digest()
+                c = counts[split_of(read_id)]["filtered"]
                 r = str(reason or "filtered")
-                c["dropped_reasons"][r] = c["dropped_reasons"].get(r, 0) + 1
+                c[r] = c.get(r, 0) + 1
+                if explain:
+                    ex_drops.append((ordinal, _explain_line(read_id.hex(), loc, r, info)))
                 return
-            keep(new, data if new is text else new.encode("utf-8"), sig)
+            if new is text:
+                keep(new, data, sig, info, ordinal, loc)
+            else:
+                keep(new, new.encode("utf-8"), sig, info, ordinal, loc,
+                     read_id=sha256(data).digest() if explain else None)
 
-        pending: list[tuple[str, bytes]] = []  # documents waiting for a filters.process_batch call
+        # documents waiting for a filters.process_batch call: (text, data, ordinal, location)
+        pending: list[tuple[str, bytes, int, Any]] = []
+        pending_chars = 0
 
         def drain() -> None:
+            nonlocal pending_chars
             if pending:
-                results = batch_fn([t for t, _ in pending], signatures=sig_fn is not None)
-                for (text, data), r in zip(pending, results):
-                    filtered(text, data, r.text, r.reason, getattr(r, "signature", None))
+                c0 = clock()
+                results = batch_fn([p[0] for p in pending], signatures=sig_fn is not None)
+                secs["filter"] += clock() - c0
+                for (text, data, k, loc), r in zip(pending, results):
+                    filtered(text, data, r.text, r.reason, getattr(r, "signature", None), getattr(r, "info", None), k, loc)
                 pending.clear()
+                pending_chars = 0
 
-        for rec in TaskReader(task, J.text_field):
+        reader = _LocatingReader(task, J.text_field, (J.newlines_before or {}).get(task.index, 0)) if explain \
+            else TaskReader(task, J.text_field)
+        loc: Any = None
+        for k, rec in enumerate(reader):
             if isinstance(rec, BadRecord):
                 if J.on_error == "fail":
                     raise BuildError(f"{rec} (pass --on-error skip to skip and count bad records)")
@@ -676,15 +863,21 @@ def _read_job(task: Task) -> dict[str, Any]:
                     listed.append(str(rec))
                 continue
             text, data = rec
+            if explain:
+                loc = reader.location(k)  # type: ignore[attr-defined]
             if batch_fn is not None:
-                pending.append(rec)
-                if len(pending) >= _ENCODE_BATCH_DOCS:
+                pending.append((text, data, k, loc))
+                pending_chars += len(text)
+                if len(pending) >= _ENCODE_BATCH_DOCS or pending_chars >= _ENCODE_BATCH_CHARS:
                     drain()
             elif filters is not None:
+                c0 = clock()
                 new, reason = filters.process(text)
-                filtered(text, data, new, reason)
+                info = getattr(filters, "last_info", None)
+                secs["filter"] += clock() - c0
+                filtered(text, data, new, reason, None, info, k, loc)
             else:
-                keep(text, data)
+                keep(text, data, None, None, k, loc)
         drain()
         flush()
         cands = [_shard_json(info, info.path.name) for seq in seqs for info in seq.close()]
@@ -698,6 +891,14 @@ def _read_job(task: Task) -> dict[str, Any]:
             sig_tmp.write_bytes(blob)
             os.replace(sig_tmp, paths["sig"])
             sig_sha = hashlib.sha256(blob).hexdigest()
+        meta_sha = None
+        if row_lang is not None or explain:
+            meta = {"lang": row_lang, "explain": {"drops": ex_drops, "rows": ex_rows} if explain else None}
+            blob = json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            meta_tmp = paths["meta"].with_name(paths["meta"].name + tmp)
+            meta_tmp.write_bytes(blob)
+            os.replace(meta_tmp, paths["meta"])
+            meta_sha = hashlib.sha256(blob).hexdigest()
     except BaseException:
         for seq in seqs:
             seq.abort()
@@ -708,20 +909,27 @@ def _read_job(task: Task) -> dict[str, Any]:
     if has_counters:
         after = dict(filters.counters())
         fc = {k: int(v) - int(counters0.get(k, 0)) for k, v in after.items()}
+    total = time.perf_counter() - t0
+    seconds = {"total": total, "read": total - sum(secs.values()), **secs}
+    if has_timings:
+        for k2, v in filters.timings().items():
+            seconds[f"filter:{k2}"] = float(v) - float(timings0.get(k2, 0.0))
     record = {
+        "state_version": _STATE_VERSION,
         "task": task.key,
         "index": task.index,
         "encoder": J.encoder.name,
+        "explain": explain,
         "documents": n_docs,
         "tokens": n_tokens,
-        "files": {"docs": doc_hash.hexdigest(), "sig": sig_sha},
+        "files": {"docs": doc_hash.hexdigest(), "sig": sig_sha, "meta": meta_sha},
         "candidates": cands,
         "counts": {split: counts[i] for i, split in enumerate(fmt.SPLITS)},
         "skipped_total": skipped_total,
         "skip_codes": skip_codes,
         "skipped_records": listed,
         "filter_counters": fc,
-        "seconds": round(time.perf_counter() - t0, 3),
+        "seconds": {k2: round(v, 4) for k2, v in seconds.items()},
     }
     _write_state_json(paths["record"], record)
     _crash_point("read-record")
@@ -846,6 +1054,12 @@ class _Decider:
         # split that can receive documents has a budget and it is filled.
         self.needs = [frac < 1.0, frac > 0.0]
         self.splits = {s: _empty_split() for s in fmt.SPLITS}
+        self.languages = _filters_detect_language(f)
+        """Count stored documents per detected language (``splits.<split>.languages``)."""
+        if self.languages:
+            for st in self.splits.values():
+                st["languages"] = {}
+        self.explain = cfg.explain_drops is not None
 
     @property
     def can_stop_early(self) -> bool:
@@ -856,15 +1070,17 @@ class _Decider:
     def filled(self) -> bool:
         return all((not need) or (b is not None and u >= b) for b, u, need in zip(self.budget, self.used, self.needs))
 
-    def feed(self, docs: np.ndarray, sigs: list[Any] | None, rec: Mapping[str, Any]) -> np.ndarray:
-        """Decide one task's documents (table order): 0 = not stored, 1 = train, 2 = validation."""
+    def feed(self, docs: np.ndarray, sigs: list[Any] | None, rec: Mapping[str, Any],
+             meta: Mapping[str, Any] | None = None) -> tuple[np.ndarray, list[dict[str, Any]]]:
+        """Decide one task's documents (table order): 0 = not stored, 1 = train, 2 = validation.
+        Also returns the task's ``--explain-drops`` lines in input order (when asked for)."""
         for split in fmt.SPLITS:
             c = rec["counts"][split]
             st = self.splits[split]
-            for k in ("duplicates", "skipped", "dropped"):
+            for k in ("duplicates", "skipped"):
                 st[k] += int(c[k])
-            for r, n in c["dropped_reasons"].items():
-                st["dropped_reasons"][r] = st["dropped_reasons"].get(r, 0) + int(n)
+            for r, n in c["filtered"].items():
+                st["dropped"][r] = st["dropped"].get(r, 0) + int(n)
         ids = docs["id"]
         dup = self.seen.contains(ids) if ids.size else np.zeros(0, bool)
         self.seen.add(ids[~dup])
@@ -890,6 +1106,7 @@ class _Decider:
             self.used[s] += int(lens[ok].sum())
         decision = np.where(keep, split.astype(np.uint8) + 1, 0).astype(np.uint8)
         trunc = (docs["flags"] & fmt.FLAG_TRUNCATED) != 0
+        langs = (meta or {}).get("lang") if self.languages else None
         for s, name in enumerate(fmt.SPLITS):
             st = self.splits[name]
             m = split == s
@@ -901,7 +1118,43 @@ class _Decider:
             st["tokens"] += int(stored[k].sum())
             st["characters"] += int(docs["chars"][k].sum())
             st["truncated"] += int((trunc & k).sum())
-        return decision
+            if langs is not None:
+                hist = st["languages"]
+                for i in np.flatnonzero(k).tolist():
+                    code = langs[i] or "none"
+                    hist[code] = hist.get(code, 0) + 1
+        lines: list[dict[str, Any]] = []
+        if self.explain:
+            ex = (meta or {}).get("explain") or {}
+            rows = ex.get("rows") or []
+            mine: list[tuple[int, dict[str, Any]]] = []
+            for i in np.flatnonzero(dup | near | over).tolist():
+                o, read_id, src, lk, lv, lang, prob = rows[i]
+                reason = "exact_dup" if dup[i] else "near_dup" if near[i] else "over_budget"
+                info = {"lang": lang, "lang_prob": prob} if lang is not None else None
+                mine.append((o, _explain_line(read_id, (src, lk, lv), reason, info,
+                                              dup_of=bytes(ids[i]).hex() if dup[i] else None)))
+            merged = sorted([tuple(x) for x in ex.get("drops") or []] + mine, key=lambda x: x[0])
+            lines = [d for _, d in merged]
+        return decision, lines
+
+    def finish(self) -> None:
+        """Fold the dedup stages into ``dropped`` and sort the per-split mappings."""
+        for st in self.splits.values():
+            d = st["dropped"]
+            if st["duplicates"]:
+                d["exact_dup"] = int(st["duplicates"])
+            if st["near_duplicates"]:
+                d["near_dup"] = int(st["near_duplicates"])
+            st["dropped"] = dict(sorted(d.items()))
+            if "languages" in st:
+                st["languages"] = dict(sorted(st["languages"].items()))
+
+
+def _filters_detect_language(f: Any) -> bool:
+    """True when the filters run language ID (a :class:`h5corpus.filters.DocumentFilter` with
+    ``lang``, or any object whose ``config.lang`` is set)."""
+    return bool(getattr(getattr(f, "config", None), "lang", None))
 
 
 # -- the build ----------------------------------------------------------------------------------
@@ -962,23 +1215,31 @@ def _read_p1(state: Path, task: Task) -> dict[str, Any] | None:
         rec = json.loads(p["record"].read_text())
     except (OSError, ValueError):
         return None
-    if rec.get("task") != task.key or not p["docs"].exists():
+    if rec.get("state_version") != _STATE_VERSION or rec.get("task") != task.key or not p["docs"].exists():
         return None
     if _sha256_file(p["docs"]) != rec["files"]["docs"]:
         return None
-    if rec["files"].get("sig") and (not p["sig"].exists() or _sha256_file(p["sig"]) != rec["files"]["sig"]):
-        return None
+    for k in ("sig", "meta"):
+        if rec["files"].get(k) and (not p[k].exists() or _sha256_file(p[k]) != rec["files"][k]):
+            return None
     return rec
 
 
-def _load_docs(state: Path, task: Task, rec: Mapping[str, Any]) -> tuple[np.ndarray, list[Any] | None]:
+def _load_docs(state: Path, task: Task, rec: Mapping[str, Any]) -> tuple[np.ndarray, list[Any] | None, dict[str, Any] | None]:
+    """A read task's table, signatures and meta (languages, explain data), hash-checked."""
     p = _p1_paths(state, task.index)
     raw = p["docs"].read_bytes()
     if hashlib.sha256(raw).hexdigest() != rec["files"]["docs"]:
         raise BuildConflict(f"{p['docs']}: a build state file changed during the build (is another process writing there?)")
     docs = np.frombuffer(raw, dtype=DOC_DTYPE)
     sigs = pickle.loads(p["sig"].read_bytes()) if rec["files"].get("sig") else None
-    return docs, sigs
+    meta = None
+    if rec["files"].get("meta"):
+        mraw = p["meta"].read_bytes()
+        if hashlib.sha256(mraw).hexdigest() != rec["files"]["meta"]:
+            raise BuildConflict(f"{p['meta']}: a build state file changed during the build (is another process writing there?)")
+        meta = json.loads(mraw)
+    return docs, sigs, meta
 
 
 def _sample_texts(tasks: Sequence[Task], text_field: str, limit_chars: int, per_task: int) -> list[str]:
@@ -1155,6 +1416,11 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
     progress_arr = _mp_context().Array("q", 2) if cfg.progress else None
     decider = _Decider(cfg)
     in_order = decider.can_stop_early
+    explain = cfg.explain_drops is not None
+    newlines = _newlines_before(tasks) if explain else None
+    warm_up = getattr(cfg.filters, "warm_up", None)
+    if callable(warm_up):
+        warm_up()  # load models once, before forking: the workers share them
     report = BuildReport(manifest=str(manifest_path), shards_dir=str(shards_dir), tokenizer=ident.to_json(),
                          splits={}, tasks=T, resumed=resumed)
 
@@ -1164,10 +1430,12 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                     filters=cfg.filters, chunk_tokens=int(cfg.chunk_tokens), shard_tokens=int(cfg.shard_tokens),
                     max_document_tokens=cfg.max_document_tokens, progress=progress_arr, lock_fd=lock.fd,
                     parent_pid=os.getpid(),
-                    want_signatures=decider.index is not None and callable(getattr(cfg.filters, "signature", None)))
+                    want_signatures=decider.index is not None and callable(getattr(cfg.filters, "signature", None)),
+                    explain=explain, newlines_before=newlines, record_lang=decider.languages)
 
     def usable(rec: Mapping[str, Any]) -> bool:
-        return rec["encoder"] in ("tokenizers", encoder.name)
+        # A record from an interrupted run without --explain-drops lacks the locations: read again.
+        return rec["encoder"] in ("tokenizers", encoder.name) and (rec.get("explain") or not explain)
 
     bar = None
     if cfg.progress:
@@ -1175,6 +1443,9 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
 
         bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", file=sys.stderr, dynamic_ncols=True,
                    mininterval=0.25)
+    explain_path = Path(cfg.explain_drops).absolute() if cfg.explain_drops is not None else None
+    explain_tmp = explain_path.with_name(f".{explain_path.name}.tmp{os.getpid()}") if explain_path else None
+    explain_fh = None  # opened at the first decision (after every fork of the pool)
     pool = _Pool(workers, make_job(encoder))
     proof_done = fast is None or encoder is not fast
     try:
@@ -1233,8 +1504,15 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                 if cfg.on_error == "fail" and rec["skipped_total"]:
                     raise BuildError(f"{rec['skipped_records'][0]} (recorded by an earlier run with --on-error skip; "
                                      "pass --on-error skip, or fix the input)")
-                docs, sigs = _load_docs(state, tasks[i], rec)
-                decisions[i] = decider.feed(docs, sigs, rec)
+                docs, sigs, meta = _load_docs(state, tasks[i], rec)
+                decisions[i], lines = decider.feed(docs, sigs, rec, meta)
+                if explain_tmp is not None:
+                    if explain_fh is None:
+                        explain_tmp.parent.mkdir(parents=True, exist_ok=True)
+                        explain_fh = open(explain_tmp, "w", encoding="utf-8")
+                    for d in lines:
+                        explain_fh.write(json.dumps(d, ensure_ascii=False) + "\n")
+                    report.explained += len(lines)
                 write_pending.add(i)
                 pool.submit("finish", i, _finish_job, i, tasks[i].key, decisions[i], rec, i in p1_before, p3_old.get(i))
                 _crash_point("decided")
@@ -1283,6 +1561,10 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
         pool.close(wait=False)
         if bar is not None:
             bar.close()
+        if explain_fh is not None:
+            explain_fh.close()
+        if explain_tmp is not None:
+            explain_tmp.unlink(missing_ok=True)
         raise
     if bar is not None:
         bar.close()
@@ -1298,11 +1580,11 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                 if s["split"] == split:
                     d = dict(s, path=Path(os.path.relpath(shards_dir / s["path"], manifest_path.parent)).as_posix())
                     entries.append(ShardEntry.from_json(d, "write record"))
+    decider.finish()
     splits = decider.splits
     for name, st in splits.items():
         st["pairs"] = st["tokens"] - st["documents"]
         st["shards"] = sum(1 for e in entries if e.split == name)
-        st["dropped_reasons"] = dict(sorted(st["dropped_reasons"].items()))
     listed: list[str] = []
     skip_codes: dict[str, int] = {}
     fcount: dict[str, int] = {}
@@ -1314,6 +1596,12 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
         for k, v in rec["filter_counters"].items():
             fcount[k] = fcount.get(k, 0) + int(v)
     skipped_total = sum(int(p1[i]["skipped_total"]) for i in kept_tasks)
+    seconds: dict[str, float] = {}
+    for i in kept_tasks:
+        if i in p1_before:
+            continue  # timed by an earlier run
+        for k, v in p1[i].get("seconds", {}).items():
+            seconds[k] = seconds.get(k, 0.0) + float(v)
     build_info = {
         "fingerprint": fingerprint,
         "settings": settings,
@@ -1330,6 +1618,14 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
         extra["filters"] = {"settings": settings["filters"], "counters": dict(sorted(fcount.items()))}
     m = Manifest(tokenizer=ident, dtype=fmt.dtype_name(fmt.token_dtype(ident.vocab_size)), chunk_tokens=int(cfg.chunk_tokens),
                  shards=entries, splits=splits, extra=extra)
+    if explain_tmp is not None and explain_path is not None:
+        if explain_fh is None:  # no task was decided
+            explain_fh = open(explain_tmp, "w", encoding="utf-8")
+        explain_fh.flush()
+        os.fsync(explain_fh.fileno())
+        explain_fh.close()
+        os.replace(explain_tmp, explain_path)
+        report.explain_drops = str(cfg.explain_drops)
     _crash_point("manifest-before")
     write_manifest(manifest_path, m)
     _crash_point("manifest-after")
@@ -1343,6 +1639,7 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
     report.skipped_total = skipped_total
     report.skipped_records = listed
     report.filter_counters = dict(sorted(fcount.items()))
+    report.seconds = dict(sorted(seconds.items()))
     report.elapsed_s = time.perf_counter() - t_start
     return report
 

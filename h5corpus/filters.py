@@ -407,8 +407,9 @@ class DocumentFilter:
                               threshold=c.near_dedup_threshold, verify=c.verify)
 
     def near_duplicate_index(self):
-        """Alias of :meth:`new_near_dedup_index` (the name h5corpus.build's seam looks for)."""
-        return self.new_near_dedup_index()
+        """The build's seam: a fresh :meth:`new_near_dedup_index` when ``near_dedup`` is on, else
+        None (the build then computes no signatures and runs no index)."""
+        return self.new_near_dedup_index() if self.config.near_dedup else None
 
     # -- counters, settings, warm-up ---------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -419,6 +420,11 @@ class DocumentFilter:
     def counters(self) -> dict[str, int]:
         """Alias of :meth:`stats` (the name h5corpus.build's seam looks for)."""
         return self.stats()
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent per stage in this process so far (``clean``, ``lang``, ``quality``,
+        ``pii``, ``signature``; only growing, like :meth:`stats`). Not part of any output file."""
+        return dict(sorted(self.seconds.items()))
 
     def describe(self) -> dict[str, Any]:
         """JSON-able settings (:meth:`FilterConfig.to_json`): the manifest's ``filters`` key."""

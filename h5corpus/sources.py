@@ -52,6 +52,10 @@ PARQUET_BATCH_ROWS = 1024
 #: JSON lines are parsed leniently about raw control characters inside strings (unambiguous in
 #: line-delimited JSON); one decoder for all lines (``json.loads(..., strict=False)`` builds one per call).
 _JSON = json.JSONDecoder(strict=False)
+try:  # ~2x faster than the json module on the dev corpus; strict RFC 8259 (see _jsonl_record)
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - orjson is a dependency; the json module gives the same records
+    _fast_loads = None
 
 
 class SourceError(ValueError):
@@ -421,6 +425,23 @@ class TaskReader:
         return n + 1
 
     def _jsonl_record(self, line: bytes, where) -> Doc | BadRecord:
+        # Fast path: orjson accepts a subset of what json(strict=False) accepts (RFC 8259: valid
+        # UTF-8, no raw control characters in strings, no lone surrogate escapes, no NaN) and parses
+        # that subset to the same objects. Its result is used only for the common case, an object
+        # whose text field is a string; everything else (errors included) goes through the json
+        # module below, so every BadRecord and every document is exactly what it gives.
+        if _fast_loads is not None:
+            try:
+                obj = _fast_loads(line)
+            except ValueError:
+                obj = None
+            if type(obj) is dict:
+                v = obj.get(self.text_field)
+                if type(v) is str:
+                    return v, v.encode("utf-8")  # no lone surrogates: orjson rejects them
+        return self._jsonl_record_slow(line, where)
+
+    def _jsonl_record_slow(self, line: bytes, where) -> Doc | BadRecord:
         try:
             s = line.decode("utf-8")
         except UnicodeDecodeError as e:

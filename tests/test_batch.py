@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import h5corpus.batch as hb
-from corpus_util import BYTE_IDENTITY, byte_encode, stdlib_texts, write_corpus
+from corpus_util import byte_encode, stdlib_texts, write_corpus
 from h5corpus.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches, make_batch
 from h5corpus.format import TokenizerIdentity
 from h5corpus.packing import BestFitDataset
