@@ -203,7 +203,7 @@ def _live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) 
     return r
 
 
-def _chunk_map(ds: h5py.Dataset, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
+def chunk_byte_offsets(ds: h5py.Dataset, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
     """Byte offset of every chunk of an unfiltered 1-D ``/tokens`` dataset, or (None, why not)."""
     if ds.chunks is None or len(ds.chunks) != 1:
         return None, "tokens are not chunked in 1-D"
@@ -463,7 +463,7 @@ class Corpus:
                 filtered = ds.id.get_create_plist().get_nfilters() != 0
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
-                    offsets, why = _chunk_map(ds, n, os.path.getsize(path))
+                    offsets, why = chunk_byte_offsets(ds, n, os.path.getsize(path))
         except OSError as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:

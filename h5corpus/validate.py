@@ -84,39 +84,37 @@ class _Expect:
 def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int):
     """Yield (start, array) blocks covering ``ds[0:n_tokens]`` in order.
 
-    Uncompressed chunks are viewed straight from a read-only memory map of the file at the byte
-    offsets HDF5 reports (no copy through the chunk cache); compressed ones are read through h5py.
+    Uncompressed shards are viewed straight from a read-only memory map of the file at the chunk
+    byte offsets HDF5 reports (:func:`h5corpus.reader.chunk_byte_offsets`), runs of chunks that are
+    contiguous in the file merged into one block; anything else (compressed, or an odd layout a
+    corrupt file may have) is read through h5py.
     """
-    chunk = ds.chunks[0] if ds.chunks else n_tokens or 1
-    if ds.chunks and not ds._filters and n_tokens:
+    from .reader import chunk_byte_offsets
+
+    if not n_tokens:
+        return
+    offsets, _ = chunk_byte_offsets(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
+    if offsets is not None:
         import mmap
 
+        chunk, itemsize = ds.chunks[0], ds.dtype.itemsize
         with open(path, "rb") as fh:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            size = mm.size()
-            itemsize = ds.dtype.itemsize
-            run_start, run_offset, run_count = 0, -1, 0  # a run of chunks contiguous in the file
-            for a in range(0, n_tokens, chunk):
-                info = ds.id.get_chunk_info_by_coord((a,))
-                count = min(chunk, n_tokens - a)
-                if info.byte_offset is None or info.byte_offset + count * itemsize > size:
-                    raise OSError(f"chunk at token {a:,} lies outside the file ({size:,} bytes)")
-                contiguous = run_count and info.byte_offset == run_offset + run_count * itemsize
-                if contiguous and run_count + count <= HASH_BLOCK_TOKENS:
-                    run_count += count
-                    continue
-                if run_count:
-                    yield run_start, np.frombuffer(mm, dtype=ds.dtype, count=run_count, offset=run_offset)
-                run_start, run_offset, run_count = a, info.byte_offset, count
-            if run_count:
-                yield run_start, np.frombuffer(mm, dtype=ds.dtype, count=run_count, offset=run_offset)
+            # a new run starts where a chunk does not follow the previous one in the file
+            breaks = np.flatnonzero(np.diff(offsets) != chunk * itemsize) + 1
+            for lo, hi in zip(np.r_[0, breaks].tolist(), np.r_[breaks, offsets.size].tolist()):
+                for k in range(lo, hi, max(HASH_BLOCK_TOKENS // chunk, 1)):
+                    k_end = min(hi, k + max(HASH_BLOCK_TOKENS // chunk, 1))
+                    a, b = k * chunk, min(k_end * chunk, n_tokens)
+                    yield a, np.frombuffer(mm, dtype=ds.dtype, count=b - a, offset=int(offsets[k]))
         finally:
             try:
                 mm.close()
             except BufferError:  # views still alive; the map closes when they are collected
                 pass
         return
+    chunk = ds.chunks[0] if ds.chunks else n_tokens
     block = max(HASH_BLOCK_TOKENS // chunk, 1) * chunk
     for a in range(0, n_tokens, block):
         b = min(a + block, n_tokens)
