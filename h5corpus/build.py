@@ -12,7 +12,8 @@ row groups of a parquet file, a compressed file, a run of ``.txt`` files), numbe
 2. **decide** (main process, sequential in input order, cheap): global exact dedup across tasks
    (first occurrence wins), near-duplicate index (filters' signatures), ``--max-tokens`` budgets
    (whole documents in input order until a budget is filled; the last one is kept whole). Reading
-   stops at the task where every budget is filled.
+   stops at the task where every budget is filled. With ``explain_drops``, every document read
+   but not stored gets a JSON line here, in input order.
 3. **finish** (parallel, one job per task): a task that keeps all its candidates has them renamed
    into place as ``shards/<split>/<split>-<task:05d>-<n:03d>.h5``; otherwise its kept documents are
    copied into new shards of those names (at most ``shard_tokens`` tokens each, documents whole).
@@ -104,13 +105,22 @@ class DocumentFilters(Protocol):
 
     Optional:
 
+    * ``process_batch(texts, *, signatures) -> [result]``: the fast path, called instead of
+      ``process`` with up to 256 documents (or ~1 M characters) at a time. Each result has
+      ``.text``/``.reason`` as ``process`` would give, and may carry ``.signature`` and ``.info``
+      (a mapping; ``info["lang"]``/``info["lang_prob"]`` are recorded per document).
     * ``signature(text) -> object``: a picklable near-duplicate signature (e.g. a MinHash) of a kept
-      text, computed in phase 1.
-    * ``near_duplicate_index() -> index`` where ``index.add(signature) -> bool`` (True = a near
-      duplicate of something added before): phase 2 creates one index per build and feeds it the
-      signatures of exact-dedup survivors, in global input order.
+      text, computed in phase 1 when a batch result carries none.
+    * ``near_duplicate_index() -> index | None`` where ``index.add(signature) -> bool`` (True = a
+      near duplicate of something added before): phase 2 creates one index per build and feeds it
+      the signatures of exact-dedup survivors, in global input order. None = near-dedup off (no
+      signature is computed).
     * ``describe() -> Mapping``: JSON-able settings, recorded in the manifest and part of the
       build fingerprint (changing them invalidates an interrupted build).
+    * ``timings() -> Mapping[str, float]``: growing seconds per stage (build report only).
+    * ``warm_up()``: load models; called once in the main process before the workers fork.
+    * ``config.lang`` (truthy): the filters detect languages; the manifest then counts stored
+      documents per language (``splits.<split>.languages``).
     """
 
     def process(self, text: str) -> tuple[str | None, str | None]: ...
@@ -1352,6 +1362,11 @@ def build(config: BuildConfig) -> BuildReport:
                             f"{manifest_path} describes this build, but {len(gone)} of its shards are missing or "
                             f"changed ({gone[0]}, ...); pass --overwrite to rebuild"
                         )
+                    if cfg.explain_drops is not None:
+                        raise BuildConflict(
+                            f"{manifest_path} is already built and up to date; the drop list is written while the "
+                            "documents are read: pass --overwrite to rebuild with --explain-drops"
+                        )
                     return _report_from_manifest(m, shards_dir, time.perf_counter() - t_start)
                 raise BuildConflict(
                     f"{manifest_path} exists and was built from other inputs or settings "
@@ -1445,6 +1460,10 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                    mininterval=0.25)
     explain_path = Path(cfg.explain_drops).absolute() if cfg.explain_drops is not None else None
     explain_tmp = explain_path.with_name(f".{explain_path.name}.tmp{os.getpid()}") if explain_path else None
+    if explain_path is not None and explain_path.parent.is_dir():
+        for p in explain_path.parent.glob(f".{explain_path.name}.tmp*"):
+            if p.name[len(explain_path.name) + 5:].isdigit():
+                p.unlink(missing_ok=True)  # left by a killed build
     explain_fh = None  # opened at the first decision (after every fork of the pool)
     pool = _Pool(workers, make_job(encoder))
     proof_done = fast is None or encoder is not fast
@@ -1655,7 +1674,9 @@ def _report_from_manifest(m: Manifest, shards_dir: Path, elapsed: float) -> Buil
 
 
 def format_report(report: BuildReport) -> str:
-    """The human summary the CLI prints: one row per split, then totals, speed and skipped records."""
+    """The human summary the CLI prints: one row per split, then totals, speed, what each filter
+    stage removed or changed, and skipped records. The ``dropped`` column counts the filter
+    stages' drops; exact and near duplicates have their own columns."""
     cols = ["documents", "tokens", "pairs", "duplicates", "dropped", "truncated", "skipped"]
     for extra in ("near_duplicates", "over_budget"):
         if any(int(s.get(extra, 0)) for s in report.splits.values()):
@@ -1667,9 +1688,13 @@ def format_report(report: BuildReport) -> str:
     if report.encoder_note:
         lines.append(f"  note: {report.encoder_note}")
     width = {c: max(len(c), 12) for c in cols}
+
+    def cell(st: Mapping[str, Any], c: str) -> int:
+        return filtered_total(st) if c == "dropped" else int(st.get(c, 0))
+
     lines.append("  " + "split".ljust(12) + "".join(c.replace("_", " ").rjust(width[c] + 2) for c in cols))
     for name, st in report.splits.items():
-        lines.append("  " + name.ljust(12) + "".join(f"{int(st.get(c, 0)):,}".rjust(width[c] + 2) for c in cols))
+        lines.append("  " + name.ljust(12) + "".join(f"{cell(st, c):,}".rjust(width[c] + 2) for c in cols))
     shards = sum(int(s.get("shards", 0)) for s in report.splits.values())
     lines.append(
         f"  {report.tokens:,} tokens in {shards} shards from {report.tasks_read}/{report.tasks} tasks"
@@ -1677,7 +1702,35 @@ def format_report(report: BuildReport) -> str:
         + f"; elapsed {report.elapsed_s:.2f} s, {report.tokens_per_s / 1e6:.2f} M tokens/s"
     )
     if report.filter_counters:
-        lines.append("  filters: " + ", ".join(f"{k}={v:,}" for k, v in report.filter_counters.items()))
+        fs = report.filter_summary()
+        dropped = {k: v for k, v in fs["dropped"].items() if k not in DEDUP_REASONS}
+        lang = {k[5:]: v for k, v in dropped.items() if k.startswith("lang:")}
+        parts = [f"{k} {v:,}" for k, v in dropped.items() if not k.startswith("lang:")]
+        if lang:
+            top = sorted(lang.items(), key=lambda kv: (-kv[1], kv[0]))
+            shown = ", ".join(f"{k} {v:,}" for k, v in top[:6]) + (f", {len(top) - 6} more" if len(top) > 6 else "")
+            parts.append(f"lang {sum(lang.values()):,} ({shown})")
+        c = report.filter_counters
+        lines.append(f"  filters: {int(c.get('docs', 0)):,} documents in, {int(c.get('kept', 0)):,} out; "
+                     f"dropped: {', '.join(parts) or 'none'}")
+        changed = fs.get("changed", {})
+        if changed:
+            txt = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in changed.items())
+            pii = fs.get("pii")
+            if pii:
+                txt += " (" + ", ".join(f"{k} {v:,}" for k, v in pii.items()) + " replaced)"
+            lines.append(f"  filters changed documents: {txt}")
+        if fs.get("languages"):
+            top = list(fs["languages"].items())
+            lines.append("  languages stored: " + ", ".join(f"{k} {v:,}" for k, v in top[:8])
+                         + (f", {len(top) - 8} more" if len(top) > 8 else ""))
+        if "x_tokenize" in fs:
+            sec = fs["seconds"]
+            stages = ", ".join(f"{k[7:]} {v:.2f}" for k, v in sec.items() if k.startswith("filter:"))
+            lines.append(f"  filter time {sec['filter']:.2f} s ({stages}) = {fs['x_tokenize']:.2f}x "
+                         f"tokenization {sec['encode']:.2f} s (worker seconds)")
+    if report.explain_drops:
+        lines.append(f"  explained {report.explained:,} dropped documents in {report.explain_drops}")
     if report.skipped_total:
         lines.append(f"  skipped {report.skipped_total:,} bad records" + (
             f" (first {len(report.skipped_records)} listed)" if len(report.skipped_records) < report.skipped_total else "") + ":")

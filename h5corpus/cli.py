@@ -130,11 +130,23 @@ def build_cli(
     validate: bool = typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete the manifest, shards and interrupted state first."),
+    clean: bool = typer.Option(False, "--clean", help="Filters: documents that are HTML -> their main text (trafilatura); plain text unchanged."),
+    fix_unicode: bool = typer.Option(False, "--fix-unicode", help="Filters: repair mojibake, strip control characters (ftfy, conservative)."),
+    normalize_whitespace: bool = typer.Option(False, "--normalize-whitespace", help="Filters: unify line breaks, collapse spaces, at most one blank line."),
+    quality_filter: bool = typer.Option(False, "--quality-filter", help="Filters: drop documents failing the heuristic quality rules (docs/FILTERS.md)."),
+    lang: Optional[str] = typer.Option(None, "--lang", help="Filters: keep documents whose detected language is one of these ISO 639-1 codes, e.g. en,de (py3langid)."),
+    lang_threshold: Optional[float] = typer.Option(None, "--lang-threshold", help="Filters: smallest language probability kept, in [0, 1] (default 0.5; needs --lang)."),
+    scrub_pii: bool = typer.Option(False, "--scrub-pii", help="Filters: replace e-mails, phone numbers, IP addresses with <EMAIL>/<PHONE>/<IP>."),
+    near_dedup: bool = typer.Option(False, "--near-dedup", help="Filters: drop near duplicates (MinHash LSH, 5-word shingles, 128 permutations); the first in input order stays."),
+    near_dedup_threshold: Optional[float] = typer.Option(None, "--near-dedup-threshold", help="Jaccard similarity from which documents are near duplicates, in (0, 1) (default 0.8; implies --near-dedup)."),
+    explain_drops: Optional[Path] = typer.Option(None, "--explain-drops", help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order."),
 ) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
-    (re-run the same command after a crash). Exit 1 on bad input, 2 on usage errors.
+    (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
+    Exit 1 on bad input, 2 on usage errors.
 
-    CREATES: the shard files, the manifest, and (while running) shards/.build/ and shards/.build.lock.
+    CREATES: the shard files, the manifest, --explain-drops FILE when given, and (while running)
+    shards/.build/ and shards/.build.lock.
     """
     from .build import BuildConfig, BuildConflict, BuildError, build, format_report, parse_max_tokens
     from .format import FormatError
@@ -145,12 +157,18 @@ def build_cli(
     if tokenizer is None:
         tokenizer = "bytes" if all(s == "stdlib" for s in srcs) else "gpt2"
     try:
+        filters = _build_filters(clean=clean, fix_unicode=fix_unicode, normalize_whitespace=normalize_whitespace,
+                                 quality=quality_filter, lang=lang, lang_threshold=lang_threshold, scrub_pii=scrub_pii,
+                                 near_dedup=near_dedup, near_dedup_threshold=near_dedup_threshold)
+    except (ValueError, ImportError) as e:
+        raise fail(str(e), EXIT_USAGE)
+    try:
         cfg = BuildConfig(
             sources=srcs, tokenizer=tokenizer, shards_dir=shards_dir, manifest=manifest, workers=workers,
             text_field=text_field, split_seed=split_seed, validation_fraction=validation_fraction,
             max_tokens=parse_max_tokens(max_tokens) if max_tokens else None,
             max_document_tokens=max_document_tokens, on_error=on_error, overwrite=overwrite,
-            progress=sys.stderr.isatty() and not as_json,
+            progress=sys.stderr.isatty() and not as_json, filters=filters, explain_drops=explain_drops,
         )
         if shard_tokens is not None:
             cfg.shard_tokens = shard_tokens
@@ -179,6 +197,29 @@ def build_cli(
     if as_json:
         typer.echo(json.dumps(out, indent=2, sort_keys=True))
     raise typer.Exit(code)
+
+
+def _build_filters(*, clean: bool, fix_unicode: bool, normalize_whitespace: bool, quality: bool, lang: Optional[str],
+                   lang_threshold: Optional[float], scrub_pii: bool, near_dedup: bool,
+                   near_dedup_threshold: Optional[float]):
+    """The build's filter flags -> a DocumentFilter, or None when every stage is off (the build is
+    then exactly the filter-free one). Raises ValueError for bad values (exit 2)."""
+    from .filters import DocumentFilter, FilterConfig, parse_lang_codes
+
+    codes = parse_lang_codes(lang) if lang is not None else ()
+    if lang is not None and not codes:
+        raise ValueError("--lang: give ISO 639-1 codes, e.g. --lang en,de")
+    if lang_threshold is not None and not codes:
+        raise ValueError("--lang-threshold needs --lang")
+    cfg = FilterConfig(clean=clean, fix_unicode=fix_unicode, normalize_whitespace=normalize_whitespace, quality=quality,
+                       lang=codes, scrub_pii=scrub_pii, near_dedup=near_dedup or near_dedup_threshold is not None)
+    if lang_threshold is not None:
+        cfg.lang_threshold = lang_threshold
+    if near_dedup_threshold is not None:
+        cfg.near_dedup_threshold = near_dedup_threshold
+    if not cfg.enabled:
+        return None
+    return DocumentFilter(cfg)  # validates (ValueError naming the field)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Document filters for the build: cleaning, language ID, quality, PII scrubbing, near-dedup.
 
 :class:`FilterConfig` says which stages run (all off by default); :class:`DocumentFilter` runs
-them on one document at a time, in worker processes, in this order:
+them in the build's worker processes, on the batches the build groups (:meth:`DocumentFilter.process_batch`,
+each stage vectorized over the batch; :meth:`DocumentFilter.process` is one document), in this order:
 
 1. ``clean``: HTML documents -> main text (:mod:`h5corpus.clean`); then, if asked, Unicode repair
    (``fix_unicode``) and whitespace normalization (``normalize_whitespace``).
@@ -11,9 +12,10 @@ them on one document at a time, in worker processes, in this order:
 4. ``scrub_pii``: e-mails, phone numbers, IP addresses -> placeholders (:mod:`h5corpus.pii`).
 
 :meth:`DocumentFilter.process` returns ``(text, None)`` for a kept document (the text to hash into
-the document id and tokenize) or ``(None, reason)``. Near-dedup runs afterwards: the build computes
-:meth:`DocumentFilter.signature` of every kept text (parallel), then feeds them in global input
-order, after exact dedup, to :meth:`DocumentFilter.new_near_dedup_index` ``.add`` (sequential).
+the document id and tokenize) or ``(None, reason)``. Near-dedup runs afterwards: ``process_batch(...,
+signatures=True)`` gives the MinHash of every kept text (parallel), and the build feeds them in
+global input order, after exact dedup, to :meth:`DocumentFilter.near_duplicate_index` ``.add``
+(sequential; None when near-dedup is off).
 
 Drop reasons (``--explain-drops``): ``clean:no_main_text``, ``clean:empty``, ``lang:<code>``
 (detected language not wanted), ``lang:low_confidence`` (wanted language below the threshold),
@@ -24,8 +26,9 @@ Counters (:meth:`DocumentFilter.stats`, a ``dict[str, int]``; add them up across
 ``drop:clean:empty``, ``drop:lang``, ``drop:quality:<rule>``), ``clean:html`` (documents extracted
 from HTML), ``clean:unicode`` / ``clean:whitespace`` (documents changed), ``lang:<code>`` (documents
 detected per language), ``pii:docs`` (documents changed), ``pii:email`` / ``pii:phone`` /
-``pii:ip`` (replacements). :func:`dropped_counts` turns them into the manifest's
-``splits.<split>.dropped`` mapping.
+``pii:ip`` (replacements). The build's manifest has the drops per exact reason under
+``splits.<split>.dropped`` (with ``exact_dup`` and ``near_dup``); :func:`dropped_counts` gives the
+compact per-rule form (all ``lang:*`` as ``lang``).
 
 Every stage's dependency (trafilatura, ftfy, py3langid, rensa) is imported only when the stage is
 on, so ``import h5corpus`` works without the ``filters`` extra.
@@ -42,8 +45,10 @@ import numpy as np
 
 from .quality import QualityThresholds
 
-FILTERS_VERSION = 1
-"""Version of the filter semantics; bump when a stage changes what it keeps or emits."""
+FILTERS_VERSION = 2
+"""Version of the filter semantics; bump when a stage changes what it keeps or emits.
+2: language ID scores through one sparse product per batch (float32 sums in another order:
+probabilities may differ by ~1e-6, so a document exactly at a threshold could flip)."""
 
 
 @dataclass(kw_only=True)
@@ -204,8 +209,8 @@ def merge_stats(*stats: Mapping[str, int]) -> dict[str, int]:
 
 def dropped_counts(stats: Mapping[str, int]) -> dict[str, int]:
     """``{"drop:quality:min_words": 12, "drop:lang": 40, ...}`` -> ``{"quality:min_words": 12,
-    "lang": 40}``: the manifest's ``splits.<split>.dropped`` (the build adds ``exact_dup`` and
-    ``near_dup``)."""
+    "lang": 40}``: the compact per-rule drops (the manifest's ``splits.<split>.dropped`` keeps each
+    exact reason, e.g. ``lang:de``, and adds the build's ``exact_dup`` and ``near_dup``)."""
     return {k[5:]: int(v) for k, v in sorted(stats.items()) if k.startswith("drop:") and v}
 
 

@@ -68,6 +68,61 @@ _NUMBERISH = re.compile(r"\d[\d .()/-]{5,}\d")
 _PLACEHOLDER = {"email": EMAIL, "phone": PHONE, "ip": IP}
 
 
+# ASCII text: the same spans as _NUMBERISH from a bytes regex over a class map (digit -> "0",
+# separator -> ".", other -> "x"), ~4x faster; for ASCII, \d is [0-9] and byte = character offsets.
+_NUMBERISH_CLASS = bytes(ord("0") if 48 <= c <= 57 else ord(".") if chr(c) in " .()/-" else ord("x") for c in range(256))
+_NUMBERISH_BYTES = re.compile(rb"0[0.]{5,}0")
+
+
+_DIGIT_PREFIXES: "re.Pattern[bytes] | None" = None
+
+
+def _digit_prefixes() -> "re.Pattern[bytes]":
+    """A bytes regex matching the first two UTF-8 bytes of every non-ASCII decimal digit (what
+    ``\\d`` matches besides 0-9: ``str.isdecimal``, Unicode category Nd), e.g. ``b"\\xd9\\xa0"``
+    for U+0660. Built once per process from the running Python's Unicode tables (~0.05 s)."""
+    global _DIGIT_PREFIXES
+    if _DIGIT_PREFIXES is None:
+        global _NUMBERISH_CLASS_U
+        prefixes = sorted({chr(c).encode("utf-8")[:2] for c in range(0x80, 0x110000) if chr(c).isdecimal()})
+        _DIGIT_PREFIXES = re.compile(b"|".join(re.escape(p) for p in prefixes))
+        # the class map, with the lead bytes of those digits as "d" (a non-digit, like "x")
+        table = bytearray(_NUMBERISH_CLASS)
+        for p in prefixes:
+            table[p[0]] = ord("d")
+        _NUMBERISH_CLASS_U = bytes(table)
+    return _DIGIT_PREFIXES
+
+
+_NUMBERISH_CLASS_U = b""
+
+
+def _numberish_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of the :data:`_NUMBERISH` matches of ``text`` (the candidate phone regions).
+
+    Fast path, exact: when the text holds no non-ASCII decimal digit, ``\\d`` can only match 0-9,
+    so the spans are those of a bytes regex over a class map of the UTF-8 bytes (every non-ASCII
+    byte maps to "x", like any other non-digit, non-separator character), converted from byte to
+    character offsets."""
+    if text.isascii():
+        return [m.span() for m in _NUMBERISH_BYTES.finditer(text.encode("ascii").translate(_NUMBERISH_CLASS))]
+    data = text.encode("utf-8", errors="surrogatepass")
+    digits = _digit_prefixes()
+    classes = data.translate(_NUMBERISH_CLASS_U)
+    if b"d" in classes and digits.search(data) is not None:
+        return [m.span() for m in _NUMBERISH.finditer(text)]
+    spans = [m.span() for m in _NUMBERISH_BYTES.finditer(classes)]
+    if not spans:
+        return spans
+    import numpy as np
+
+    # characters before byte offset b = bytes before b that start a character (not 10xxxxxx)
+    starts = np.zeros(len(data) + 1, dtype=np.int64)
+    np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80, out=starts[1:])
+    flat = starts[np.asarray(spans, dtype=np.int64).ravel()].tolist()
+    return list(zip(flat[::2], flat[1::2]))
+
+
 def _digits(s: str) -> int:
     return sum(c.isdigit() for c in s)
 
@@ -87,9 +142,8 @@ def pii_spans(text: str) -> list[tuple[int, int, str]]:
             if s not in _KEEP_IPS and _VERSION_CONTEXT.search(text, max(0, m.start() - 16), m.start()) is None:
                 found.append((m.start(), m.end(), "ip"))
     n = len(text)
-    for region in _NUMBERISH.finditer(text):
-        a, b = region.span()
-        if b - a < 7 or _digits(region.group(0)) < 7:  # every phone pattern has 7+ digits
+    for a, b in _numberish_spans(text):
+        if b - a < 7 or _digits(text[a:b]) < 7:  # every phone pattern has 7+ digits
             continue
         lo, hi = max(0, a - 48), min(n, b + 3)  # room for "+", "(", a keyword, and lookaheads
         if "+" in text[lo:a]:

@@ -167,7 +167,7 @@ def quality_reason(text: str, t: QualityThresholds) -> str | None:
     return _quality_group([text], t)[0][0]
 
 
-_SUB_BATCH_CHARS = 1 << 21  # texts are evaluated in groups of ~2M characters (cache-sized arrays)
+_SUB_BATCH_CHARS = 1 << 19  # texts are evaluated in groups of ~512K characters (cache-sized arrays; 1.1x faster than 2M)
 
 
 def quality_batch(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str | None], list[np.ndarray | None]]:
@@ -379,11 +379,21 @@ class _Windows:
         if self._g is None:
             h, pos = self._hashes, self.pos
             with np.errstate(over="ignore"):
-                g = h[pos]
-                for j in range(1, self.n):  # same polynomial as ngram_hashes(mix=False)
-                    g *= _P
-                    g += h[pos + j]
-            g ^= _SALT(self.text)
+                if pos.size and int(pos[-1]) - int(pos[0]) < 2 * pos.size:
+                    # dense selection: the polynomial over contiguous slices, then one gather
+                    lo, m = int(pos[0]), int(pos[-1]) - int(pos[0]) + 1
+                    g = h[lo:lo + m].copy()
+                    for j in range(1, self.n):  # same polynomial as ngram_hashes(mix=False)
+                        g *= _P
+                        g += h[lo + j:lo + j + m]
+                    g = g[pos - lo]
+                else:
+                    g = h[pos]
+                    for j in range(1, self.n):
+                        g *= _P
+                        g += h[pos + j]
+            if self.text.size:  # per-text salts, gathered (same values as _SALT(self.text))
+                g ^= _SALT(np.arange(int(self.text[-1]) + 1))[self.text]
             self._g = g
         return self._g
 

@@ -450,6 +450,8 @@ class TaskReader:
             obj = _JSON.decode(s)
         except ValueError as e:
             return BadRecord(where(), f"malformed JSON ({e})", "malformed_json")
+        except RecursionError:
+            return BadRecord(where(), "malformed JSON (nested too deeply to parse)", "malformed_json")
         if not isinstance(obj, dict):
             return BadRecord(where(), f"not a JSON object (a {_type_name(obj)})", "not_object")
         if self.text_field not in obj:

@@ -31,6 +31,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _h5corpus_cache_dir(tmp_path_factory):
+    """Keep h5corpus's proof/ranks cache (``h5corpus.tokenize.cache_dir``) inside the test session,
+    never in the user's ~/.cache (an explicit H5CORPUS_CACHE_DIR from the caller is kept)."""
+    import os
+
+    if os.environ.get("H5CORPUS_CACHE_DIR"):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("H5CORPUS_CACHE_DIR", str(tmp_path_factory.mktemp("h5corpus-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def shared() -> Path:
     return shared_dir()

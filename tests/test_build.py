@@ -26,7 +26,7 @@ import pytest
 
 from h5corpus import format as fmt
 from h5corpus.build import (
-    BuildConfig, BuildConflict, BuildError, build, document_split, format_report, parse_max_tokens,
+    BuildConfig, BuildConflict, BuildError, build, document_split, filtered_total, format_report, parse_max_tokens,
 )
 from h5corpus.sources import BadRecord, TaskReader, plan_tasks, resolve_sources
 from h5corpus.validate import validate_corpus
@@ -461,15 +461,18 @@ def test_filters_plug_into_the_build_deterministically(tmp_path, core_sources):
     ex = model(records(core_sources, 60_000), encode=byte_encode, filters=TrimDropSign())
     check_content(tmp_path / "f2" / "manifests" / "shards.json", ex, byte_encode, eos=256)
     for s in fmt.SPLITS:
-        for k in ("dropped", "near_duplicates", "duplicates"):
+        for k in ("near_duplicates", "duplicates"):
             assert r2.splits[s][k] == ex.stats[s][k], (s, k)
-    assert sum(r2.splits[s]["dropped"] for s in fmt.SPLITS) > 0
+        assert filtered_total(r2.splits[s]) == ex.stats[s]["dropped"], s
+    assert sum(filtered_total(r2.splits[s]) for s in fmt.SPLITS) > 0
     assert sum(r2.splits[s]["near_duplicates"] for s in fmt.SPLITS) > 0
     assert r1.filter_counters == r2.filter_counters
     assert r2.filter_counters["seen"] == sum(len(x) for x in records(core_sources, 60_000))
     m = json.loads((tmp_path / "f2" / "manifests" / "shards.json").read_text())
     assert m["filters"]["settings"] == {"name": "trim-drop-sign", "version": 1}
-    assert m["splits"]["train"]["dropped_reasons"] == {"imports_os": m["splits"]["train"]["dropped"]}
+    train = m["splits"]["train"]
+    assert train["dropped"] == {"imports_os": filtered_total(train), "exact_dup": train["duplicates"],
+                                "near_dup": train["near_duplicates"]}
 
 
 def test_hf_source_fineweb_schema_from_local_cache(tmp_path, stdlib_corpus_texts, monkeypatch):

@@ -219,3 +219,67 @@ def test_stdlib_source_is_the_standard_library_without_tests():
     assert not any("/test/" in n or "/tests/" in n or "site-packages" in n for n in names)
     [inp] = resolve_sources(["stdlib"])
     assert inp.kind == "stdlib" and len(inp.files) == len(files)
+
+
+# Lines where the json module (strict=False) and orjson (RFC 8259) disagree or that are easy to get
+# wrong: every one must give the record the json module gives.
+_TRICKY_JSONL_LINES = [
+    b'{"text": "plain"}',
+    b'{"text": "first", "text": "last wins", "x": 1}',
+    b'{"text": 1, "text": "string last"}',
+    b'{"text": "string first", "text": 2}',
+    b'{"text": "lone \\ud800 high"}', b'{"text": "lone \\udc00 low"}', b'{"text": "\\udc00\\ud800 reversed"}',
+    b'{"text": "pair \\ud83d\\ude00 ok"}',
+    b'{"text": "raw\ttab and \x01 and \x1f"}', b'{"text": "nul\\u0000escape"}',
+    b'{"text": "del\x7f and c1 \xc2\x85"}',
+    b'{"text": NaN}', b'{"text": Infinity}', b'{"text": -Infinity}', b'{"text": 1e999}',
+    b'{"text": 123456789012345678901234567890}', b'{"text": 18446744073709551616}', b'{"text": -9223372036854775809}',
+    b'{"text": "ok", "n": 123456789012345678901234567890}', b'{"text": "ok", "f": NaN}',
+    b'\xef\xbb\xbf{"text": "bom"}', b'{"text": "bad \xff byte"}', b'{"text": "surrogate \xed\xa0\x80 bytes"}',
+    b'{"text": "overlong \xc0\xaf"}', b'{"text": "beyond \xf4\x90\x80\x80"}', b'{"other": "\xff", "text": "ok"}',
+    b'{"text": "x"} trailing', b'{"text": "x"}\x00', b'{"text": "x",}', b"{'text': 'single'}", b'{"text": "x" /* c */}',
+    b'{"text": 01}', b'[{"text": "in a list"}]', b'"just a string"', b'null', b'42',
+    b'{"text": null}', b'{"text": true}', b'{"text": ["a"]}', b'{"text": {"a": 1}}', b'{"body": "no text field"}',
+    b'{"text": "escapes \\" \\\\ \\/ \\b \\f \\n \\r \\t \\u00e9 \\u65e5"}', b'{"text": "<|endoftext|>"}', b'{"text": ""}',
+    b' \t {"text": "padded"} \t ', b'{"text": "crlf"}\r', b'\x0c{"text": "form feed before"}',
+    b'{"text": "' + "ünïcödé 日本語 👍🏽".encode() + b'"}',
+    b'{"a": ' * 2000 + b'1' + b'}' * 2000,  # deeper than orjson's limit; the json module takes it
+]
+
+
+def _records_both_ways(monkeypatch, specs, *, task_bytes=1 << 30) -> tuple[list, list]:
+    """Every record, (text, utf8) or BadRecord, read with orjson and with the json module alone."""
+    import h5corpus.sources as src
+
+    def records() -> list:
+        tasks = plan_tasks(resolve_sources(specs), task_bytes=task_bytes)
+        return [r for t in tasks for r in TaskReader(t, "text")]
+
+    assert src._fast_loads is not None, "orjson is a dependency (pyproject.toml)"
+    fast = records()
+    with monkeypatch.context() as m:
+        m.setattr(src, "_fast_loads", None)
+        slow = records()
+    return fast, slow
+
+
+def test_fast_json_parsing_gives_exactly_the_json_modules_records(tmp_path, monkeypatch, texts):
+    """orjson is only a faster route: on tricky lines (lone surrogates, control characters, NaN,
+    huge ints, duplicate keys, invalid UTF-8, BOM, deep nesting) and on real text, every document
+    and every BadRecord (file:line, reason, code) equals what the json module gives."""
+    p = tmp_path / "tricky.jsonl"
+    p.write_bytes(b"\n".join(_TRICKY_JSONL_LINES) + b"\n")
+    fast, slow = _records_both_ways(monkeypatch, [str(p)])
+    assert len(fast) == len(_TRICKY_JSONL_LINES)
+    assert fast == slow
+    assert sum(isinstance(r, BadRecord) for r in fast) >= 20  # the bad lines are really bad
+    assert ("last wins", b"last wins") in fast and ("string last", b"string last") in fast
+    q = write_jsonl(tmp_path / "real.jsonl", texts)
+    fast, slow = _records_both_ways(monkeypatch, [str(q)], task_bytes=50_000)
+    assert fast == slow and fast == [(t, t.encode()) for t in texts]
+
+
+def test_fast_json_parsing_matches_on_the_whole_dev_corpus(monkeypatch, dev_dir):
+    """The same equality on the 10.6k real documents of the dev corpus (every script it holds)."""
+    fast, slow = _records_both_ways(monkeypatch, [str(dev_dir)])
+    assert len(fast) > 10_000 and fast == slow

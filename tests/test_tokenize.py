@@ -147,3 +147,100 @@ def test_proof_catches_a_plausible_fast_path_that_differs(tmp_path):
     assert prove_same_ids(tok.reference_encoder(), fast, ["plain text"]) is None
     diff = prove_same_ids(tok.reference_encoder(), fast, ["the abc song"])
     assert diff is not None and "differs at token" in diff
+
+
+def _abc_tokenizer(tmp_path):
+    p = tmp_path / "abc" / "tokenizer.json"
+    p.parent.mkdir(exist_ok=True)
+    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("a", "bc")])))
+    return p
+
+
+def test_a_passed_proof_is_cached_and_a_failed_one_never(tmp_path, monkeypatch):
+    """Re-proving the same texts with the same tokenizer is answered from the cache without loading
+    `tokenizers`; other texts, a difference, a damaged cache entry or H5CORPUS_NO_CACHE prove again."""
+    monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
+    p = _abc_tokenizer(tmp_path)
+
+    def prove(texts, **kw):
+        tok = load_tokenizer(str(p))  # a fresh Tokenizer: `tokenizers` not loaded yet
+        fast, why = fast_encoder(tok)
+        assert isinstance(fast, TiktokenEncoder), why
+        return prove_same_ids(tok.reference_encoder(), fast, texts, **kw), tok._hf is not None
+
+    assert prove(["plain text"]) == (None, True)  # first time: proven with tokenizers
+    assert prove(["plain text"]) == (None, False)  # from the cache
+    assert prove(["plain text", "more"]) == (None, True)  # another sample proves again
+    assert prove(["plain text"], cache=False) == (None, True)
+    for _ in range(2):  # a difference is found every time, never remembered
+        diff, loaded = prove(["the abc song"])
+        assert diff is not None and "differs at token" in diff and loaded
+    entries = list((tmp_path / "cache" / "proofs").glob("*.json"))
+    assert len(entries) == 2
+    for e in entries:  # damaged entries are ignored, and rewritten by the proof that follows
+        e.write_text(e.read_text().replace("same ids", "same idz"))
+    assert prove(["plain text"]) == (None, True)
+    assert prove(["plain text"]) == (None, False)
+    monkeypatch.setenv("H5CORPUS_NO_CACHE", "1")
+    assert prove(["plain text"]) == (None, True)
+
+
+def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch):
+    """A verdict for one tokenizer is not reused for another one (here merges the fast path gets
+    wrong), nor for a fast encoder built from another JSON than the reference."""
+    monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
+    good = tmp_path / "good" / "tokenizer.json"
+    good.parent.mkdir()
+    good.write_text(json.dumps(_bpe_json([("b", "c"), ("a", "b")])))  # "abc" -> [a, bc] in both encoders
+    bad = _abc_tokenizer(tmp_path)
+    texts = ["the abc song"]
+    tg, tb = load_tokenizer(str(good)), load_tokenizer(str(bad))
+    assert prove_same_ids(tg.reference_encoder(), fast_encoder(tg)[0], texts) is None
+    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tb)[0], texts) is not None
+    # reference = the bad tokenizer, candidate = the good tokenizer's (proven) encoder: not reused
+    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tg)[0], texts) is not None
+
+
+def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, stdlib_corpus_texts):
+    """The ranks cache (keyed by the JSON's sha256 and this module's source, payload hashed) gives
+    the ranks the conversion gives; a damaged file is ignored and rewritten."""
+    from h5corpus import tokenize as tk
+
+    monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
+    tok = load_tokenizer(str(p))
+    sha = hashlib.sha256(p.read_bytes()).hexdigest()
+    assert tk._load_ranks(sha) is None
+    reference, _ = tk.tiktoken_from_json(tok.json)  # no sha: no cache
+    assert not (tmp_path / "cache").exists()
+    first, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)  # converts and stores
+    (f,) = (tmp_path / "cache" / "tiktoken").glob("*.ranks")
+    cached = tk._load_ranks(sha)
+    assert cached == reference._mergeable_ranks == first._mergeable_ranks
+    second, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)
+    assert second._mergeable_ranks == reference._mergeable_ranks
+    text = "\n".join(stdlib_corpus_texts[:20]) + " the ab abc bc er"
+    assert second.encode_ordinary(text) == reference.encode_ordinary(text)
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1  # flip a bit of the last token's bytes
+    f.write_bytes(bytes(raw))
+    assert tk._load_ranks(sha) is None
+    third, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)
+    assert third._mergeable_ranks == reference._mergeable_ranks and tk._load_ranks(sha) == cached
+
+
+def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
+    """GPT-2's 50,257-entry vocabulary round-trips through the ranks cache exactly."""
+    from h5corpus import tokenize as tk
+
+    monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
+    tok = load_tokenizer(str(gpt2_json))
+    fresh, _ = tk.tiktoken_from_json(tok.json)
+    fast_encoder(tok)  # stores
+    assert tk._load_ranks(tok.identity.sha256) == fresh._mergeable_ranks
+    assert len(fresh._mergeable_ranks) == 50_256

@@ -1,0 +1,55 @@
+"""ShardWriter(fsync=False): the same shard bytes, no fsync, still renamed into place atomically."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from corpus_util import BYTE_IDENTITY, byte_encode, doc_id
+from h5corpus.validate import validate_corpus
+from h5corpus.writer import PARTIAL_SUFFIX, ShardWriter, fsync_files
+
+
+def _write(path, texts, monkeypatch, **kw) -> tuple[object, int]:
+    """Write ``texts`` into one shard; returns (ShardInfo, number of os.fsync calls)."""
+    calls = []
+    real = os.fsync
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+        with ShardWriter(path, split="train", tokenizer=BYTE_IDENTITY, chunk_tokens=4096, **kw) as w:
+            for t, a in zip(texts, byte_encode(texts)):
+                w.add_document(np.append(a, BYTE_IDENTITY.eos_id), doc_id(t))
+                assert path.with_name(path.name + PARTIAL_SUFFIX).exists() and not path.exists()
+    return w.info, len(calls)
+
+
+def test_fsync_false_writes_the_same_bytes_without_fsync(tmp_path, monkeypatch, stdlib_corpus_texts):
+    """Only durability changes: file bytes and ShardInfo hashes are identical, the file appears
+    under its name only at close, and no fsync is issued (the default issues two: file, folder)."""
+    texts = stdlib_corpus_texts[:40]
+    a, n_default = _write(tmp_path / "a" / "train-00000.h5", texts, monkeypatch)
+    b, n_off = _write(tmp_path / "b" / "train-00000.h5", texts, monkeypatch, fsync=False)
+    assert n_default == 2 and n_off == 0
+    assert (a.path.read_bytes() == b.path.read_bytes()) and a.tokens > 100_000
+    assert (a.sha256, a.index_sha256, a.bytes, a.documents) == (b.sha256, b.index_sha256, b.bytes, b.documents)
+    assert not list(tmp_path.rglob("*" + PARTIAL_SUFFIX))
+
+
+def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib_corpus_texts):
+    """fsync_files: one fsync per file, then one per distinct folder (for files written with
+    fsync=False, e.g. before a manifest lists them); the shards stay valid."""
+    from h5corpus.manifest import Manifest, ShardEntry, write_manifest
+
+    infos = [_write(tmp_path / "s" / split / f"{split}-{i:05d}.h5", stdlib_corpus_texts[i * 5:(i + 1) * 5], monkeypatch,
+                    fsync=False)[0] for i, split in enumerate(["train", "train", "validation"])]
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    fsync_files(i.path for i in infos)
+    monkeypatch.undo()
+    assert len(calls) == 3 + 2
+    m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096,
+                 shards=[ShardEntry.from_info(i, tmp_path) for i in infos])
+    write_manifest(tmp_path / "shards.json", m)
+    assert validate_corpus(tmp_path / "shards.json").ok
