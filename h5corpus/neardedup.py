@@ -89,16 +89,17 @@ class MinHasher:
         return self.signature_of_shingles(shingles_from_word_hashes(word_hashes, self.shingle_size))
 
     def signatures_of_word_hashes(self, word_hashes: Sequence[np.ndarray]) -> np.ndarray:
-        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts
-        (identical rows) in one rensa call."""
-        sh = [shingles_from_word_hashes(h, self.shingle_size) for h in word_hashes]
-        offsets = np.zeros(len(sh) + 1, dtype=np.uint64)
-        np.cumsum([x.size for x in sh], out=offsets[1:])
-        flat = np.concatenate(sh) if sh else np.zeros(0, dtype=np.uint64)
-        m = _rensa().RMinHash.digest_matrix_from_flat_token_hashes(flat, offsets, self.num_perm, self.seed)
-        sigs = np.asarray(m.to_rows(), dtype=np.uint32).reshape(len(sh), self.num_perm)
-        sigs[offsets[1:] == offsets[:-1]] = EMPTY_VALUE  # texts without words
-        return sigs
+        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts.
+
+        One single-row rensa call per text, on purpose: rensa computes multi-row matrices (more
+        than ~128 rows) on a Rayon thread pool, and that pool does not survive ``fork`` -- a forked
+        build worker whose parent process had used it hangs forever in its first large call.
+        Single-row calls never use the pool, give identical rows, and cost less CPU time here
+        (~9 us per text of call overhead; the build's workers are single-threaded anyway)."""
+        out = np.empty((len(word_hashes), self.num_perm), dtype=np.uint32)
+        for i, h in enumerate(word_hashes):
+            out[i] = self.signature_of_shingles(shingles_from_word_hashes(h, self.shingle_size))
+        return out
 
     def signature_of_shingles(self, shingles: np.ndarray) -> np.ndarray:
         if shingles.size == 0:

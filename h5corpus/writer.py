@@ -65,10 +65,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_files(paths: Iterable[str | os.PathLike[str]]) -> None:
-    """Make files durable, and their names: fsync each file, then each distinct parent folder once.
-    For files written with ``ShardWriter(..., fsync=False)`` (and possibly renamed since), before a
-    manifest that lists them is written."""
+def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True) -> list[Path]:
+    """Make files durable: fsync each file, then (``dirs``) each distinct parent folder once, which
+    makes their names (renames) durable too. For files written with ``ShardWriter(..., fsync=False)``
+    and possibly renamed since, before a manifest that lists them is written. Returns the distinct
+    parent folders (with ``dirs=False``, the caller fsyncs them later, e.g. once per build)."""
     parents: dict[Path, None] = {}
     for p in paths:
         p = Path(p)
@@ -78,8 +79,10 @@ def fsync_files(paths: Iterable[str | os.PathLike[str]]) -> None:
         finally:
             os.close(fd)
         parents[p.absolute().parent] = None
-    for d in parents:
-        fsync_dir(d)
+    if dirs:
+        for d in parents:
+            fsync_dir(d)
+    return list(parents)
 
 
 class ShardWriter:

@@ -568,7 +568,9 @@ def test_dev_cli_lang_keeps_korean_wikipedia_and_drops_other_languages(tmp_path,
     assert [(Path(d["source"]).name, d["line"]) for d in lines] == (
         [("multi-udhr.jsonl", i) for i in range(1, len(udhr) + 1) if i != kor_line]
         + [("story-tinystories.jsonl", i) for i in range(1, len(stories) + 1)])
-    assert all(d["reason"] == f"lang:{d['lang']}" and d["lang"] != "ko" for d in lines)
+    for d in lines:  # another language, or Korean below the probability threshold
+        assert (d["reason"] == f"lang:{d['lang']}" and d["lang"] != "ko") or (
+            d["reason"] == "lang:low_confidence" and d["lang"] == "ko" and d["lang_prob"] < 0.5), d
     assert {d["lang"] for d in lines[-len(stories):]} == {"en"}
     check_explain_locations(lines)
     m = json.loads((tmp_path / "manifests" / "shards.json").read_text())
@@ -576,3 +578,25 @@ def test_dev_cli_lang_keeps_korean_wikipedia_and_drops_other_languages(tmp_path,
     assert sum(filtered_total(m["splits"][s]) for s in fmt.SPLITS) == len(lines) == 133
     assert sum(v for k, v in out["filters"]["dropped"].items() if k.startswith("lang:")) == 133
     assert m["filters"]["settings"]["lang"] == ["ko"]
+
+
+def test_build_does_not_hang_when_the_parent_used_the_minhash_thread_pool(tmp_path, stdlib_corpus_texts):
+    """rensa computes multi-row MinHash matrices on a Rayon pool that does not survive fork: a
+    process that used it and then forks build workers must still finish (workers compute one row
+    per call). Run in a subprocess with a timeout, so a hang fails instead of blocking the suite."""
+    paras = [p for t in stdlib_corpus_texts for p in t.split("\n\n") if len(p) > 200][:3000]
+    src = write_jsonl(tmp_path / "in.jsonl", paras)  # short documents: batches of 256 (multi-row calls hung)
+    script = (
+        "import sys, numpy as np, rensa\n"
+        "from h5corpus.build import BuildConfig, build\n"
+        "from h5corpus.filters import DocumentFilter, FilterConfig\n"
+        "flat = np.arange(2_000_000, dtype=np.uint64)\n"
+        "rensa.RMinHash.digest_matrix_from_flat_token_hashes(flat, (np.arange(1001) * 2000).astype(np.uint64), 128, 1)\n"
+        "r = build(BuildConfig(sources=[sys.argv[1]], tokenizer='bytes', workers=2, shards_dir=sys.argv[2] + '/s',\n"
+        "                      manifest=sys.argv[2] + '/m.json', filters=DocumentFilter(FilterConfig(near_dedup=True))))\n"
+        "print(r.documents)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script, str(src), str(tmp_path / "o")], env=_env(), capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert 0.9 * len(set(paras)) < int(p.stdout.split()[-1]) <= len(set(paras))

@@ -37,8 +37,8 @@ def test_fsync_false_writes_the_same_bytes_without_fsync(tmp_path, monkeypatch, 
 
 
 def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib_corpus_texts):
-    """fsync_files: one fsync per file, then one per distinct folder (for files written with
-    fsync=False, e.g. before a manifest lists them); the shards stay valid."""
+    """fsync_files: one fsync per file, then one per distinct folder unless dirs=False (for files
+    written with fsync=False, e.g. before a manifest lists them); the shards stay valid."""
     from h5corpus.manifest import Manifest, ShardEntry, write_manifest
 
     infos = [_write(tmp_path / "s" / split / f"{split}-{i:05d}.h5", stdlib_corpus_texts[i * 5:(i + 1) * 5], monkeypatch,
@@ -46,9 +46,11 @@ def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib
     calls = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
-    fsync_files(i.path for i in infos)
+    folders = fsync_files(i.path for i in infos)
+    assert len(calls) == 3 + 2 and sorted(folders) == sorted({i.path.parent for i in infos})
+    calls.clear()
+    assert len(fsync_files((i.path for i in infos), dirs=False)) == 2 and len(calls) == 3
     monkeypatch.undo()
-    assert len(calls) == 3 + 2
     m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096,
                  shards=[ShardEntry.from_info(i, tmp_path) for i in infos])
     write_manifest(tmp_path / "shards.json", m)
