@@ -253,7 +253,7 @@ def bench_build(corpus: Path, cfg, rounds: int, workers: int) -> dict:
     out["wall_ratio_on_vs_off"] = round(best["on"][0] / best["off"][0], 3)
     out["filters_vs_tokenize_kept"] = round(filt_s / fs["encode"], 3) if fs.get("encode") else None
     out["filters_vs_tokenize_all"] = round(filt_s / off.seconds["encode"], 3) if off.seconds.get("encode") else None
-    out["note"] = ("worker_seconds are wall seconds inside the workers (filter = all stages incl. batching; "
+    out["note"] = ("worker_seconds are CPU seconds of the workers from the build report (filter = all stages; "
                    "encode = tiktoken of the kept documents); filters_vs_tokenize_all divides by the encode "
                    "seconds of the filter-free build, i.e. tokenizing every input document")
     return out

@@ -306,10 +306,10 @@ class BuildReport:
     """``file:line: reason`` of skipped records (the first :data:`MAX_LISTED`)."""
     filter_counters: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-    """Worker seconds per phase-1 step, summed over the tasks read: ``read`` (parse, hash, split,
-    dedup), ``filter`` (all filter stages; ``filter:<stage>`` each), ``encode`` (tokenization),
-    ``write`` (shards and tables), ``total``. Wall clock inside each worker; this run's tasks
-    only (tasks reused from an interrupted run are not counted). Not in the manifest."""
+    """Worker CPU seconds per phase-1 step, summed over the tasks read: ``read`` (parse, hash,
+    split, dedup), ``filter`` (all filter stages; ``filter:<stage>`` each), ``encode``
+    (tokenization), ``write`` (shards and tables), ``total``. This run's tasks only (tasks reused
+    from an interrupted run are not counted). Not in the manifest."""
     explain_drops: str | None = None
     """Path of the ``--explain-drops`` file written, if any."""
     explained: int = 0
@@ -690,7 +690,7 @@ def _read_job(task: Task) -> dict[str, Any]:
     table. Returns the completion record (also written to the state folder, last)."""
     J = _W
     assert J is not None
-    t0 = time.perf_counter()
+    c_start = time.process_time()  # per-step timings are CPU seconds of this (single-threaded) worker
     state = Path(J.state)
     paths = _p1_paths(state, task.index)
     shutil.rmtree(paths["cand"], ignore_errors=True)  # leftovers of a killed attempt
@@ -711,7 +711,7 @@ def _read_job(task: Task) -> dict[str, Any]:
     timings0 = dict(filters.timings()) if has_timings else {}
     progress = _Progress(J.progress)
     sha256 = hashlib.sha256
-    clock = time.perf_counter
+    clock = time.process_time
     secs = {"filter": 0.0, "encode": 0.0, "write": 0.0}
 
     def split_of(doc_id: bytes) -> int:
@@ -919,7 +919,7 @@ def _read_job(task: Task) -> dict[str, Any]:
     if has_counters:
         after = dict(filters.counters())
         fc = {k: int(v) - int(counters0.get(k, 0)) for k, v in after.items()}
-    total = time.perf_counter() - t0
+    total = time.process_time() - c_start
     seconds = {"total": total, "read": total - sum(secs.values()), **secs}
     if has_timings:
         for k2, v in filters.timings().items():
@@ -1728,7 +1728,7 @@ def format_report(report: BuildReport) -> str:
             sec = fs["seconds"]
             stages = ", ".join(f"{k[7:]} {v:.2f}" for k, v in sec.items() if k.startswith("filter:"))
             lines.append(f"  filter time {sec['filter']:.2f} s ({stages}) = {fs['x_tokenize']:.2f}x "
-                         f"tokenization {sec['encode']:.2f} s (worker seconds)")
+                         f"tokenization {sec['encode']:.2f} s (worker CPU seconds)")
     if report.explain_drops:
         lines.append(f"  explained {report.explained:,} dropped documents in {report.explain_drops}")
     if report.skipped_total:

@@ -246,8 +246,8 @@ class DocumentFilter:
         self.last_info: dict[str, Any] = {}
         """Facts about the last document of the last call (see :attr:`FilterResult.info`)."""
         self.seconds: Counter[str] = Counter()
-        """Wall-clock seconds spent per stage (clean, lang, quality, pii, signature) in this
-        process, for build summaries and benchmarks."""
+        """CPU seconds of this process spent per stage (clean, lang, quality, pii, signature),
+        for build summaries and benchmarks (CPU time: robust to other jobs on the machine)."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "stats": dict(self._stats)}
@@ -279,7 +279,7 @@ class DocumentFilter:
         st = self._stats
         n = len(texts)
         st["docs"] += n
-        clock = time.perf_counter
+        clock = time.process_time
         tm = self.seconds
         t0 = clock()
         out: list[FilterResult | None] = [None] * n
@@ -427,7 +427,7 @@ class DocumentFilter:
         return self.stats()
 
     def timings(self) -> dict[str, float]:
-        """Seconds spent per stage in this process so far (``clean``, ``lang``, ``quality``,
+        """CPU seconds spent per stage in this process so far (``clean``, ``lang``, ``quality``,
         ``pii``, ``signature``; only growing, like :meth:`stats`). Not part of any output file."""
         return dict(sorted(self.seconds.items()))
 

@@ -600,3 +600,23 @@ def test_build_does_not_hang_when_the_parent_used_the_minhash_thread_pool(tmp_pa
                        text=True, timeout=180)
     assert p.returncode == 0, p.stderr
     assert 0.9 * len(set(paras)) < int(p.stdout.split()[-1]) <= len(set(paras))
+
+
+def test_explain_drops_without_filters_lists_empty_duplicate_and_over_budget_documents(tmp_path, stdlib_corpus_texts):
+    """--explain-drops works without filter stages: empty texts (`empty`), exact copies
+    (`exact_dup`) and documents past a --max-tokens budget (`over_budget`) are listed in input
+    order, matching the manifest's counts; the manifest equals the build without the flag."""
+    t = stdlib_corpus_texts[:40]
+    src = write_jsonl(tmp_path / "in.jsonl", t[:20] + ["", t[3]] + t[20:] + [t[25]])
+    kw = dict(validation_fraction=0.0, max_tokens={"train": 800_000}, workers=2, task_bytes=10 << 20)
+    rep = build(cfg_for(tmp_path / "a", [src], None, **kw))
+    build(cfg_for(tmp_path / "b", [src], None, explain_drops=None, **kw))
+    assert (tmp_path / "a" / "manifests" / "shards.json").read_bytes() == (tmp_path / "b" / "manifests" / "shards.json").read_bytes()
+    lines = explain_lines(tmp_path / "a" / "drops.jsonl")
+    tr = rep.splits["train"]
+    assert [d["line"] for d in lines] == sorted(d["line"] for d in lines)
+    assert [d["reason"] for d in lines[:2]] == ["empty", "exact_dup"] and [d["line"] for d in lines[:2]] == [21, 22]
+    assert sum(d["reason"] == "over_budget" for d in lines) == tr["over_budget"] > 0
+    assert sum(d["reason"] == "exact_dup" for d in lines) == tr["duplicates"] == tr["dropped"]["exact_dup"]
+    assert "lang" not in lines[0] and tr["skipped"] == 1
+    check_explain_locations(lines)

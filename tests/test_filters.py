@@ -687,3 +687,23 @@ def test_filters_off_keep_everything(stdlib_corpus_texts):
     f = DocumentFilter(FilterConfig())
     assert [r.text for r in f.process_batch(stdlib_corpus_texts[:20])] == list(stdlib_corpus_texts[:20])
     assert f.stats() == {"docs": 20, "kept": 20}
+
+
+@pytest.mark.parametrize("text", [
+    "call 555-123-4567 or (555) 212-4477, fax +44 20 7946 0958",
+    "naïve café: call 555-123-4567 — “quoted” 😀 1234567 and 12 34 56 78",
+    "رقم ٠١٢٣-٤٥٦-٧٨٩٠ and 555-123-4567 é",
+    "全角 ０３-１２３４-５６７８ or 03-1234-5678",
+    "math 𝟏𝟐𝟑𝟒𝟓𝟔𝟕 and deva १२३४५६७८ then 9876543",
+    "lone \ud800 surrogate 555 123 4567 x",
+    "no digits here at all, only words ✓",
+])
+def test_phone_candidate_regions_fast_path_equals_the_regex(text):
+    """The byte-level fast path for candidate phone regions gives exactly the spans of the
+    Unicode regex (non-ASCII decimal digits send a text to the regex itself)."""
+    assert pii._numberish_spans(text) == [m.span() for m in pii._NUMBERISH.finditer(text)]
+
+
+def test_phone_candidate_regions_fast_path_equals_the_regex_on_dev_corpus(dev_texts):
+    for t in dev_texts:
+        assert pii._numberish_spans(t) == [m.span() for m in pii._NUMBERISH.finditer(t)]
