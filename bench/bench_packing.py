@@ -39,8 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from corpus_util import BYTE_IDENTITY, byte_encode, read_jsonl_texts, shared_dir, stdlib_texts, write_corpus  # noqa: E402
-from h5corpus.format import TokenizerIdentity  # noqa: E402
+from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts, write_corpus  # noqa: E402
 from h5corpus.packing import best_fit_packs, bfd_packs, chunk_layout, epoch_order, pack_fill  # noqa: E402
 from h5corpus.reader import open_corpus  # noqa: E402
 
@@ -59,19 +58,10 @@ def best(fn, repeat=3):
 
 def build_corpus(root: Path) -> tuple[Path, str]:
     """Write the dev corpus (GPT-2 via tiktoken) or, without ../shared, stdlib byte ids."""
-    sh = shared_dir()
-    dev = sorted((sh / "corpora" / "dev").glob("*.jsonl"))
-    tk = sh / "tokenizers" / "gpt2" / "gpt2.tiktoken"
-    if dev and tk.exists():
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-
-        enc = tiktoken.Encoding(
-            "gpt2", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            mergeable_ranks=load_tiktoken_bpe(str(tk)), special_tokens={"<|endoftext|>": 50256},
-        )
+    gpt2 = gpt2_tiktoken()
+    if gpt2 is not None:
+        enc, ident, dev = gpt2
         texts = read_jsonl_texts(dev)
-        ident = TokenizerIdentity(name="gpt2", revision="bench", sha256="b" * 64, vocab_size=50257, eos_id=50256)
         m = write_corpus(root, texts, lambda ts: enc.encode_ordinary_batch(list(ts)), ident,
                          chunk_tokens=1 << 18, shard_tokens=3_000_000)
         return m, "dev corpus, GPT-2 (tiktoken)"

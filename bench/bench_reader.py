@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from corpus_util import BYTE_IDENTITY, byte_encode, read_jsonl_texts, shared_dir, stdlib_texts  # noqa: E402
+from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts  # noqa: E402
 from h5corpus import format as fmt  # noqa: E402
 from h5corpus.format import TokenizerIdentity  # noqa: E402
 from h5corpus.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
@@ -63,19 +63,10 @@ SECTIONS = ("read_paths", "batches", "dataloader", "chunk_size", "compressed")
 
 def load_tokens(limit: int) -> tuple[np.ndarray, np.ndarray, TokenizerIdentity, str]:
     """(flat uint16 tokens with an EOS after each document, document lengths, identity, source)."""
-    sh = shared_dir()
-    dev = sorted((sh / "corpora" / "dev").glob("*.jsonl"))
-    tk = sh / "tokenizers" / "gpt2" / "gpt2.tiktoken"
-    if dev and tk.exists():
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-
-        enc = tiktoken.Encoding(
-            "gpt2", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            mergeable_ranks=load_tiktoken_bpe(str(tk)), special_tokens={"<|endoftext|>": 50256},
-        )
+    gpt2 = gpt2_tiktoken()
+    if gpt2 is not None:
+        enc, ident, dev = gpt2
         ids = enc.encode_ordinary_batch(read_jsonl_texts(dev), num_threads=os.cpu_count() or 1)
-        ident = TokenizerIdentity(name="gpt2", revision="bench", sha256="b" * 64, vocab_size=50257, eos_id=50256)
         source = "dev corpus, GPT-2 (tiktoken)"
     else:
         ids = byte_encode(stdlib_texts(limit=100000))

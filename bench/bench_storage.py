@@ -32,8 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from corpus_util import BYTE_IDENTITY, byte_encode, read_jsonl_texts, shared_dir, stdlib_texts  # noqa: E402
-from h5corpus.format import TokenizerIdentity  # noqa: E402
+from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts  # noqa: E402
 from h5corpus.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
 from h5corpus.validate import validate_corpus  # noqa: E402
 from h5corpus.writer import ShardWriter  # noqa: E402
@@ -51,22 +50,13 @@ def best(fn, repeat=3):
 
 def load_tokens(limit_tokens: int):
     """(docs as int arrays with EOS, identity, encode seconds, source name)."""
-    sh = shared_dir()
-    dev = sorted((sh / "corpora" / "dev").glob("*.jsonl"))
-    tk = sh / "tokenizers" / "gpt2" / "gpt2.tiktoken"
-    if dev and tk.exists():
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-
-        enc = tiktoken.Encoding(
-            "gpt2", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            mergeable_ranks=load_tiktoken_bpe(str(tk)), special_tokens={"<|endoftext|>": 50256},
-        )
+    gpt2 = gpt2_tiktoken()
+    if gpt2 is not None:
+        enc, ident, dev = gpt2
         texts = read_jsonl_texts(dev)
         t0 = time.perf_counter()
         ids = enc.encode_ordinary_batch(texts, num_threads=1)
         enc_s = time.perf_counter() - t0
-        ident = TokenizerIdentity(name="gpt2", revision="bench", sha256="b" * 64, vocab_size=50257, eos_id=50256)
         source = "dev corpus, GPT-2 (tiktoken, 1 thread)"
     else:
         texts = stdlib_texts(limit=100000)
@@ -175,7 +165,7 @@ def main() -> None:
         vdocs = docs * 5  # hashing speed does not depend on content: 5 copies give ~100 MB to hash
         per = max(n_tokens * 5 // 4, 1)
         m = Manifest(tokenizer=ident, dtype=str(flat.dtype), chunk_tokens=DEFAULT_CHUNK_TOKENS)
-        k, i0 = 0, 0
+        k = 0
         acc = 0
         part = []
         for d in vdocs:

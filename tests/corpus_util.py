@@ -50,6 +50,46 @@ def read_jsonl_texts(paths: Iterable[Path]) -> list[str]:
     return out
 
 
+def oracle_stream(manifest: Path, split: str = "train", dtype=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, doc_offsets, shard_starts) of ``split`` read with plain h5py, shard by shard in
+    manifest order: the independent oracle the reader and loaders are compared with. ``dtype``
+    casts the tokens (default: as stored)."""
+    import h5py
+
+    from h5corpus.manifest import read_manifest
+
+    m = read_manifest(manifest)
+    toks, offs, starts = [], [np.zeros(1, np.int64)], [0]
+    for s in m.shards_of(split):
+        with h5py.File(m.shard_path(s), "r") as f:
+            t, o = f["tokens"][:], f["doc_offsets"][:]
+        toks.append(t)
+        offs.append(o[1:] + starts[-1])
+        starts.append(starts[-1] + t.size)
+    t = np.concatenate(toks)
+    return (t if dtype is None else t.astype(dtype)), np.concatenate(offs), np.array(starts, np.int64)
+
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def gpt2_tiktoken():
+    """(tiktoken Encoding of GPT-2 from the shared ``gpt2.tiktoken``, its identity, dev corpus files),
+    or None when ../shared is absent. Used by the benchmarks as the fast reference encoder."""
+    sh = shared_dir()
+    dev = sorted((sh / "corpora" / "dev").glob("*.jsonl"))
+    tk = sh / "tokenizers" / "gpt2" / "gpt2.tiktoken"
+    if not (dev and tk.exists()):
+        return None
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=load_tiktoken_bpe(str(tk)),
+                            special_tokens={"<|endoftext|>": 50256})
+    ident = TokenizerIdentity(name="gpt2", revision="bench", sha256="b" * 64, vocab_size=50257, eos_id=50256)
+    return enc, ident, dev
+
+
 # A byte-level identity used where no real tokenizer is needed: id = UTF-8 byte, EOS = 256.
 BYTE_IDENTITY = TokenizerIdentity(name="test-bytes", revision="local", sha256="0" * 64, vocab_size=257, eos_id=256)
 

@@ -14,25 +14,11 @@ import h5py
 import numpy as np
 import pytest
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
+from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, oracle_stream
 from h5corpus.format import FormatError, TokenizerIdentity
 from h5corpus.manifest import Manifest, ShardEntry, read_manifest, write_manifest
 from h5corpus.reader import open_corpus, open_live
 from h5corpus.writer import ShardWriter
-
-
-def oracle_stream(manifest: Path, split: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, doc_offsets, shard_starts) of ``split`` read with plain h5py, shard by shard in
-    manifest order: the independent oracle the reader is compared with."""
-    m = read_manifest(manifest)
-    toks, offs, starts = [], [np.zeros(1, np.int64)], [0]
-    for s in m.shards_of(split):
-        with h5py.File(m.shard_path(s), "r") as f:
-            t, o = f["tokens"][:], f["doc_offsets"][:]
-        toks.append(t)
-        offs.append(o[1:] + starts[-1])
-        starts.append(starts[-1] + t.size)
-    return np.concatenate(toks), np.concatenate(offs), np.array(starts, np.int64)
 
 
 def random_ranges(n_tokens: int, shard_starts: np.ndarray, chunk: int, count: int, seed: int = 0) -> list[tuple[int, int]]:

@@ -9,30 +9,22 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import h5py
 import numpy as np
+
+from corpus_util import oracle_stream
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from h5corpus.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches
-from h5corpus.manifest import read_manifest
 from h5corpus.partition import Consumer
 from h5corpus.reader import open_corpus
 from h5corpus.window import SlidingWindowDataset
 
 
-def oracle_stream(manifest: Path, split: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, doc_offsets, shard_starts) read with plain h5py, shards in manifest order."""
-    m = read_manifest(manifest)
-    toks, offs, starts = [], [np.zeros(1, np.int64)], [0]
-    for s in m.shards_of(split):
-        with h5py.File(m.shard_path(s), "r") as f:
-            t, o = f["tokens"][:], f["doc_offsets"][:]
-        toks.append(t)
-        offs.append(o[1:] + starts[-1])
-        starts.append(starts[-1] + t.size)
-    return np.concatenate(toks).astype(np.int64), np.concatenate(offs), np.array(starts, np.int64)
+def oracle_stream_i64(manifest: Path, split: str = "train"):
+    """The h5py oracle with tokens as int64 (what batches hold)."""
+    return oracle_stream(manifest, split, dtype=np.int64)
 
 
 def expected_epoch_starts(shard_starts: np.ndarray, seq_len: int) -> np.ndarray:
@@ -100,7 +92,7 @@ def test_windows_are_stream_slices_with_exact_targets_segments_and_positions(std
     start a; with document masking, segments start at document starts, positions restart, and only
     the cross-document targets are ignored. Epoch mode covers the independently computed layout."""
     c = open_corpus(stdlib_manifest, "train")
-    toks, offs, shard_starts = oracle_stream(stdlib_manifest)
+    toks, offs, shard_starts = oracle_stream_i64(stdlib_manifest)
     L = 1500
     ds = SlidingWindowDataset(c, L, batch_size=6, seed=5, mode=mode, document_mask=document_mask)
     plan = ds.plan()
@@ -121,7 +113,7 @@ def test_epoch_windows_match_stream_as_a_multiset_without_the_plan(stdlib_manife
     """Oracle that does not trust plan(): the multiset of yielded windows equals the multiset of
     stream windows at the documented starts (each window exactly once)."""
     c = open_corpus(stdlib_manifest, "train")
-    toks, _, shard_starts = oracle_stream(stdlib_manifest)
+    toks, _, shard_starts = oracle_stream_i64(stdlib_manifest)
     L = 777
     got = Counter(k for b in SlidingWindowDataset(c, L, batch_size=16, seed=1) for k in windows_of(b, L))
     assert got == stream_keys(toks, expected_epoch_starts(shard_starts, L), L)
@@ -144,7 +136,7 @@ def test_dev_corpus_gpt2_windows_equal_stream_slices(dev_manifest):
     """Real GPT-2 shards: 1024-token windows (epoch and random, with and without document masking)
     equal slices of the concatenated stream; epoch mode covers the documented layout exactly."""
     c = open_corpus(dev_manifest, "train")
-    toks, offs, shard_starts = oracle_stream(dev_manifest)
+    toks, offs, shard_starts = oracle_stream_i64(dev_manifest)
     L = 1024
     for mode, dm in (("epoch", False), ("epoch", True), ("random", True)):
         ds = SlidingWindowDataset(c, L, batch_size=8, seed=11, mode=mode, document_mask=dm)
@@ -192,7 +184,7 @@ def test_two_ranks_by_two_workers_disjoint_union_is_the_epoch(stdlib_manifest, d
     epoch; checked on plans and on what real DataLoader workers yield per rank. With drop_last
     every consumer yields the same number of full batches."""
     c = open_corpus(stdlib_manifest, "train")
-    toks, _, shard_starts = oracle_stream(stdlib_manifest)
+    toks, _, shard_starts = oracle_stream_i64(stdlib_manifest)
     L, B = 700, 5
     plans = []
     for rank in range(2):
@@ -222,7 +214,7 @@ def test_two_ranks_by_two_workers_disjoint_union_is_the_epoch(stdlib_manifest, d
 def test_dev_corpus_two_ranks_by_two_workers_cover_epoch_exactly(dev_manifest):
     """Real GPT-2 shards, 2 ranks x 2 forked workers: the yielded windows are exactly the epoch."""
     c = open_corpus(dev_manifest, "train")
-    toks, _, shard_starts = oracle_stream(dev_manifest)
+    toks, _, shard_starts = oracle_stream_i64(dev_manifest)
     L = 2048
     seen: Counter = Counter()
     for rank in range(2):
