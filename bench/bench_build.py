@@ -30,6 +30,8 @@ import argparse
 import json
 
 import numpy as np
+
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
 import os
 import subprocess
 import sys
@@ -206,11 +208,7 @@ def main() -> None:
         "ratios": {k: v for k, v in ratios.items() if v is not None},
         "targets": checks,
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

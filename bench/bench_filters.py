@@ -90,7 +90,6 @@ def main() -> None:
     a = ap.parse_args()
 
     from h5corpus.filters import DocumentFilter, FilterConfig
-    from h5corpus.quality import QualityThresholds
 
     tiktoken_file = a.corpus.parent.parent / "tokenizers" / "gpt2" / "gpt2.tiktoken"
     if not any(a.corpus.glob("*.jsonl")) or not tiktoken_file.exists():

@@ -27,13 +27,14 @@ Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -218,10 +219,7 @@ def main() -> None:
         out["loader"] = ld
         train.close()
 
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out, indent=1)
 
 
 if __name__ == "__main__":

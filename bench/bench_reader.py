@@ -41,6 +41,8 @@ from typing import Callable
 
 import h5py
 import numpy as np
+
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -436,11 +438,7 @@ def main() -> None:
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

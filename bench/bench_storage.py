@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -29,13 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts  # noqa: E402
 from h5corpus.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
-from h5corpus.validate import validate_corpus  # noqa: E402
 from h5corpus.writer import ShardWriter  # noqa: E402
 
 
@@ -91,6 +91,17 @@ def write_shard(path: Path, docs, ident, chunk_tokens, **kw):
     return w.close()
 
 
+def single_shard_corpus(root: Path, docs, ident, chunk_tokens: int, **kw):
+    """Write ``docs`` as one train shard under ``root`` with its manifest; return (ShardInfo, Corpus)."""
+    from h5corpus.reader import open_corpus
+
+    info = write_shard(root / "shards" / "train.h5", docs, ident, chunk_tokens, **kw)
+    m = Manifest(tokenizer=ident, dtype="uint16" if ident.vocab_size <= 65536 else "uint32", chunk_tokens=chunk_tokens,
+                 shards=[ShardEntry.from_info(info, root / "manifests")])
+    write_manifest(root / "manifests" / "shards.json", m)
+    return info, open_corpus(root / "manifests" / "shards.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
@@ -139,11 +150,7 @@ def main() -> None:
         for ct in (1 << 14, 1 << 16, 1 << 18, 1 << 20):
             root = tmp / f"c{ct}"
             t_w = best(lambda: write_shard(root / "shards" / "train.h5", docs, ident, ct), repeat=2)
-            info = write_shard(root / "shards" / "train.h5", docs, ident, ct)
-            m = Manifest(tokenizer=ident, dtype=str(flat.dtype), chunk_tokens=ct,
-                         shards=[ShardEntry.from_info(info, root / "manifests")])
-            write_manifest(root / "manifests" / "shards.json", m)
-            c = open_corpus(root / "manifests" / "shards.json")
+            info, c = single_shard_corpus(root, docs, ident, ct)
             buf = np.empty(n_tokens, dtype=flat.dtype)
             t_seq = best(lambda: c.tokens(0, n_tokens, out=buf))
             starts = rng.integers(0, n_tokens - 4097, 2000)
@@ -219,11 +226,7 @@ def main() -> None:
             root = tmp / f"z-{name}"
             p = root / "shards" / "train.h5"
             t_w = best(lambda: write_shard(p, docs, ident, DEFAULT_CHUNK_TOKENS, **kw), repeat=2)
-            info = write_shard(p, docs, ident, DEFAULT_CHUNK_TOKENS, **kw)
-            m = Manifest(tokenizer=ident, dtype=str(flat.dtype), chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                         shards=[ShardEntry.from_info(info, root / "manifests")])
-            write_manifest(root / "manifests" / "shards.json", m)
-            c = open_corpus(root / "manifests" / "shards.json")
+            info, c = single_shard_corpus(root, docs, ident, DEFAULT_CHUNK_TOKENS, **kw)
             buf = np.empty(n_tokens, dtype=flat.dtype)
             t_r = best(lambda: c.tokens(0, n_tokens, out=buf))
             assert np.array_equal(buf, flat)
@@ -235,10 +238,7 @@ def main() -> None:
         out["compression"] = crow
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
