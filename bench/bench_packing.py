@@ -18,8 +18,11 @@ sources as byte ids):
   seq_len 4,096 and 35 windows per batch (without and with ``document_mask``), measured three ways:
   ``in_process`` (whole epochs iterated in this process: the loaders' own CPU cost per token, compact
   batches as yielded), ``in_process_fields_cpu`` (the same with the int64 fields materialized on the
-  CPU) and ``dataloader_2_workers`` (torch DataLoader, 2 worker processes, after the first batch:
-  what a training loop receives). Target: best-fit >= 0.5x the window loader.
+  CPU), ``in_process_cpu_time`` (whole epochs per second of this process's CPU time, the least
+  noisy on a shared machine) and ``dataloader_2_workers`` (torch DataLoader, 2 worker processes,
+  after the first batch: what a training loop receives). Target: best-fit >= 0.5x the window
+  loader. Every measurement is interleaved (each repetition runs every loader once) and the best
+  repetition counts.
 
 Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE]
 """
@@ -189,6 +192,14 @@ def main() -> None:
                 n += b.num_tokens
             return n / (time.perf_counter() - t)
 
+        def in_process_cpu(ds):
+            """The same per second of this process's CPU time (time.process_time): insensitive to
+            other jobs taking the cores, still sensitive to their use of caches and memory."""
+            t, n = time.process_time(), 0
+            for b in ds:
+                n += b.num_tokens
+            return n / (time.process_time() - t)
+
         def fields_cpu(ds):
             """Tokens/s of one whole epoch with input_ids, targets and position_ids materialized
             as int64 on the CPU (what a CPU consumer pays; a GPU consumer widens on the device)."""
@@ -209,8 +220,8 @@ def main() -> None:
             return n / (time.perf_counter() - t)
 
         ld: dict = {}
-        for how, fn, reps in (("in_process", in_process, 7), ("in_process_fields_cpu", fields_cpu, 5),
-                              ("dataloader_2_workers", with_workers, 3)):
+        for how, fn, reps in (("in_process", in_process, 7), ("in_process_cpu_time", in_process_cpu, 7),
+                              ("in_process_fields_cpu", fields_cpu, 5), ("dataloader_2_workers", with_workers, 3)):
             rate = {k: 0.0 for k in loaders}
             for _ in range(reps):  # interleaved, best of reps: all loaders see the same machine load
                 for k, ds in loaders.items():

@@ -214,6 +214,13 @@ def dropped_counts(stats: Mapping[str, int]) -> dict[str, int]:
     return {k[5:]: int(v) for k, v in sorted(stats.items()) if k.startswith("drop:") and v}
 
 
+#: Text the warm-up runs through the enabled stages (non-ASCII, lines, numbers, repeats).
+_WARM_UP_TEXT = "\n".join(
+    f"Line {i}: the caf\u00e9 on 5th Street opened at 9:30, call 555-123-{1000 + i} or mail a{i}@example.com."
+    for i in range(12)
+)
+
+
 @dataclass
 class FilterResult:
     """Outcome of :meth:`DocumentFilter.process_batch` for one document."""
@@ -436,9 +443,12 @@ class DocumentFilter:
         return self.config.to_json()
 
     def warm_up(self) -> None:
-        """Load the models and modules of the enabled stages now (e.g. in the parent process
-        before forking workers, which then share them) instead of on the first document."""
+        """Load the models and modules of the enabled stages and build their lookup tables now
+        (e.g. in the parent process before forking workers, which then share them) instead of on
+        the first documents, where they would count as filter time in every worker (~0.2 s per
+        process with every stage on). Counters and timings are left untouched."""
         c = self.config
+        sample = _WARM_UP_TEXT
         if c.clean:
             import trafilatura  # noqa: F401  (a ~0.5 s import)
         if c.fix_unicode:
@@ -446,11 +456,27 @@ class DocumentFilter:
 
             clean.fix_unicode("warm-up \x03")
         if c.lang:
-            from .langid import _load_model
+            from .langid import detect_languages
 
-            _load_model()
+            detect_languages([sample], c.lang_max_chars)  # the model, scipy.sparse
+        if c.quality or c.near_dedup:
+            from .words import _CHUNK, _powers
+
+            _powers(_CHUNK + 64)  # hash power tables for whole pieces
+        if c.quality:
+            from .quality import quality_batch
+
+            quality_batch([sample, sample * 3], c.quality_thresholds)
+        if c.scrub_pii:
+            from .pii import _digit_prefixes, scrub_pii
+
+            _digit_prefixes()  # the non-ASCII digit table (~0.1 s)
+            scrub_pii(sample)
         if c.near_dedup:
+            from .words import split_words
+
             self._hasher().signature("warm up")
+            self._hasher().signatures_of_word_hashes([split_words(sample).hashes])
 
     def reset_stats(self) -> None:
         self._stats.clear()

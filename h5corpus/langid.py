@@ -5,11 +5,13 @@ py3langid scores a document with a naive-Bayes model over byte n-gram features f
 Aho-Corasick automaton; its reference implementation walks that automaton one byte at a time in a
 Python loop (~5 MB/s). The automaton's state after byte ``j`` is the longest suffix of the bytes
 read so far that is a node of the pattern trie, and the trie is at most ``depth`` (6) bytes deep,
-so the state after byte ``j`` depends only on bytes ``j-depth+1 .. j``. :class:`LanguageDetector`
-therefore replays, for every position at once, the last ``depth`` bytes from the root state: ``depth``
-vectorized table lookups instead of one Python iteration per byte. The feature counts are
-identical to py3langid's and so are the normalized probabilities (tests/test_filters.py compares
-both on the dev corpus).
+so the state after byte ``j`` depends only on bytes ``j-depth+1 .. j``. :func:`feature_ids`
+therefore replays, for every position at once, the last ``depth`` bytes from the root state:
+``depth - 1`` vectorized table lookups instead of one Python iteration per byte (the first two
+bytes from the root through a 64K-entry table; states are stored as their transition row, 16 bits,
+and the last step reads the emitted feature directly). The feature counts are identical to
+py3langid's and so are the normalized probabilities (tests/test_filters.py compares both on the dev
+corpus).
 
 Only the first ``max_chars`` characters of a document are classified (a standard trade-off: the
 cost is bounded per document and a few hundred characters identify a language reliably).
@@ -32,9 +34,12 @@ _MODEL: "_Model | None" = None
 
 @dataclass(frozen=True)
 class _Model:
-    nextmove: np.ndarray  # int32 (rows*256,): next state = nextmove[rowbase[state] + byte]
-    rowbase: np.ndarray  # int32 (states,): row offset of each state, already multiplied by 256
-    out: np.ndarray  # int32 (states,): feature emitted on entering a state, -1 for none
+    # The automaton, by transition row (states with identical transitions share a row; 38K rows
+    # for 105K states): the row of the state reached from row r by byte b, the feature emitted
+    # on entering that state (-1 for none), and the row after two bytes from the root.
+    next_row: np.ndarray  # uint16 (rows*256,): next_row[r * 256 + b]
+    out_next: np.ndarray  # int32 (rows*256,): out_next[r * 256 + b]
+    root2: np.ndarray  # int32 (65536,): row after bytes b0, b1 from the root: root2[b0 * 256 + b1]
     depth: int  # deepest trie node, in bytes
     ptc: np.ndarray  # float32 (features, classes): log P(feature | class) (stored as float16)
     pc: np.ndarray  # float32 (classes,): log prior
@@ -71,6 +76,13 @@ def _load_model() -> _Model:
         frontier = nxt
     if not (nextmove[rowbase + _SEP[0]] == 0).all() or out[0] >= 0:  # pragma: no cover
         raise RuntimeError("py3langid model: byte 0xFF does not reset the automaton; cannot batch")
+    rows = rowbase >> 8  # transition row of each state
+    if int(rows.max()) >= 1 << 16:  # pragma: no cover - a different model
+        raise RuntimeError("py3langid model: more than 65536 transition rows; cannot batch")
+    next_row = rows[nextmove].astype(np.uint16)
+    out_next = out[nextmove]
+    after1 = next_row[rowbase[0] + np.arange(256)].astype(np.int32)
+    root2 = next_row[((after1[:, None] << 8) + np.arange(256)[None, :]).ravel()].astype(np.int32)
     classes = list(ident.nb_classes)
     first: dict[str, int] = {}
     pairs = []
@@ -80,7 +92,7 @@ def _load_model() -> _Model:
         else:
             first[c] = i
     _MODEL = _Model(
-        nextmove=nextmove, rowbase=rowbase, out=out, depth=int(depth.max()),
+        next_row=next_row, out_next=out_next, root2=root2, depth=int(depth.max()),
         # float16 on disk; numpy would promote each gathered block to float32 anyway (and BLAS
         # needs float32), so convert once: same numbers, ~10x faster scoring.
         ptc=np.asarray(ident.nb_ptc, dtype=np.float32), pc=np.asarray(ident.nb_pc, dtype=np.float32),
@@ -111,16 +123,19 @@ def feature_ids(data: bytes, keep_positions: bool = False) -> np.ndarray:
     ``visit_counts`` DFA walk produces. Features only, in byte order; with ``keep_positions``
     one entry per byte, -1 where none."""
     m = _load_model()
-    b = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
-    n = b.size
-    state = np.zeros(n, dtype=np.int32)
-    # state[j] = walk of bytes j-k .. j from the root, for k = depth-1 down to 0; positions with
-    # fewer than k preceding bytes simply start later (their state stays at the root until then).
-    for k in range(m.depth - 1, 0, -1):
-        if n > k:
-            state[k:] = m.nextmove[m.rowbase[state[k:]] + b[:-k]]
-    state = m.nextmove[m.rowbase[state] + b]
-    f = m.out[state]
+    n = len(data)
+    d = m.depth
+    # Position j replays bytes j-d+1 .. j from the root. d-1 bytes of 0xFF in front (0xFF sends
+    # every state to the root) make the first positions replay from the root too.
+    b = np.frombuffer(_SEP * (d - 1) + data, dtype=np.uint8).astype(np.int32)
+    r = np.take(m.root2, (b[:n] << 8) | b[1:n + 1], mode="clip")
+    for k in range(2, d - 1):
+        r <<= 8
+        r |= b[k:n + k]
+        r = np.take(m.next_row, r, mode="clip").astype(np.int32)
+    r <<= 8
+    r |= b[d - 1:n + d - 1]
+    f = np.take(m.out_next, r, mode="clip")  # indices are in range by construction
     return f if keep_positions else f[f >= 0]
 
 
@@ -177,8 +192,10 @@ def detect_languages(texts: Sequence[str], max_chars: int = 500) -> list[tuple[s
     n_feat = m.ptc.shape[0]
     # key = text * n_feat + feature, sorted: runs of equal keys are one feature's count in a text
     kdt = np.int32 if nd * n_feat < 2**31 else np.int64
-    doc = (np.searchsorted(bounds, pos, side="right") - 1).astype(kdt)
-    key = np.sort(doc * kdt(n_feat) + f[pos].astype(kdt))
+    per_text = np.diff(np.searchsorted(pos, bounds))  # features are in text order
+    key = np.repeat(np.arange(nd, dtype=kdt) * kdt(n_feat), per_text)
+    key += f[pos]
+    key.sort()
     indptr = np.zeros(nd + 1, dtype=np.int64)
     if key.size:
         new = np.empty(key.size, dtype=bool)

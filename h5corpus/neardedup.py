@@ -28,14 +28,22 @@ defaults (~1.9 GB per million kept documents).
 
 from __future__ import annotations
 
+from array import array
 from functools import lru_cache
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
 
-from .words import ngram_hashes, split_words
+from .words import ngram_hashes, ngram_hashes_batch, split_words
 
 EMPTY_VALUE = np.uint32(0xFFFFFFFF)
+
+_U32 = next(c for c in "IL" if array(c).itemsize == 4)  # array typecode of uint32
+
+RENSA_ROWS = 31
+"""Rows per rensa call: below the smallest ``RENSA_DOC_PAR_BATCH_SIZE`` (32) from which rensa uses
+its thread pool (see :meth:`MinHasher.signatures_of_flat_shingles`)."""
 
 
 def _rensa():
@@ -89,16 +97,56 @@ class MinHasher:
         return self.signature_of_shingles(shingles_from_word_hashes(word_hashes, self.shingle_size))
 
     def signatures_of_word_hashes(self, word_hashes: Sequence[np.ndarray]) -> np.ndarray:
-        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts.
+        """uint32[len(word_hashes), num_perm]: :meth:`signature_of_word_hashes` of many texts
+        (same values): the shingles of all texts in one vectorized pass
+        (:func:`h5corpus.words.ngram_hashes_batch`), then rensa calls of :data:`RENSA_ROWS` rows."""
+        k = len(word_hashes)
+        lens = np.fromiter((h.size for h in word_hashes), dtype=np.int64, count=k)
+        offsets = np.zeros(k + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        flat = np.concatenate(word_hashes) if k else np.zeros(0, dtype=np.uint64)
+        shingles, sh_off = ngram_hashes_batch(flat, offsets, self.shingle_size)
+        short = np.flatnonzero((lens > 0) & (lens < self.shingle_size))
+        if short.size:  # fewer words than a shingle: one shingle of all the words
+            pieces = []
+            prev = 0
+            for i in short.tolist():
+                pieces.append(shingles[sh_off[prev]:sh_off[i]])
+                pieces.append(shingles_from_word_hashes(word_hashes[i], self.shingle_size))
+                prev = i + 1
+            pieces.append(shingles[sh_off[prev]:])
+            counts = np.diff(sh_off)
+            counts[short] = 1
+            sh_off = np.zeros(k + 1, dtype=np.int64)
+            np.cumsum(counts, out=sh_off[1:])
+            shingles = np.concatenate(pieces)
+        return self.signatures_of_flat_shingles(shingles, sh_off)
 
-        One single-row rensa call per text, on purpose: rensa computes multi-row matrices (more
-        than ~128 rows) on a Rayon thread pool, and that pool does not survive ``fork`` -- a forked
-        build worker whose parent process had used it hangs forever in its first large call.
-        Single-row calls never use the pool, give identical rows, and cost less CPU time here
-        (~9 us per text of call overhead; the build's workers are single-threaded anyway)."""
-        out = np.empty((len(word_hashes), self.num_perm), dtype=np.uint32)
-        for i, h in enumerate(word_hashes):
-            out[i] = self.signature_of_shingles(shingles_from_word_hashes(h, self.shingle_size))
+    def signatures_of_flat_shingles(self, shingles: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """uint32[len(offsets) - 1, num_perm]: the signature of each text's shingles
+        ``shingles[offsets[i]:offsets[i+1]]`` (the empty signature for none).
+
+        rensa runs calls of at least ``RENSA_DOC_PAR_BATCH_SIZE`` rows (default 256, never less
+        than 32) on a Rayon thread pool, and that pool does not survive ``fork``: a forked build
+        worker whose parent process had used it hangs forever in its first large call. Calls of
+        :data:`RENSA_ROWS` (31) rows never use the pool (whatever the environment says), give
+        identical rows, and cost one call per 31 texts instead of one per text."""
+        k = offsets.size - 1
+        out = np.full((k, self.num_perm), EMPTY_VALUE, dtype=np.uint32)
+        flat = np.ascontiguousarray(shingles, dtype=np.uint64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        digest = _rensa().RMinHash.digest_matrix_from_flat_token_hashes
+        for a in range(0, k, RENSA_ROWS):
+            b = min(a + RENSA_ROWS, k)
+            lo, hi = int(offsets[a]), int(offsets[b])
+            if hi == lo:
+                continue
+            m = digest(flat[lo:hi], (offsets[a:b + 1] - lo).astype(np.uint64), self.num_perm, self.seed)
+            rows = array(_U32, chain.from_iterable(m.to_rows()))  # 2x faster than np.asarray(list of lists)
+            out[a:b] = np.frombuffer(rows, dtype=np.uint32).reshape(b - a, self.num_perm)
+        empty = offsets[1:] == offsets[:-1]
+        if empty.any():
+            out[empty] = EMPTY_VALUE
         return out
 
     def signature_of_shingles(self, shingles: np.ndarray) -> np.ndarray:
@@ -161,6 +209,8 @@ class NearDedupIndex:
         self.threshold = threshold
         self.verify = verify
         self._tables: list[dict[bytes, list[int]]] = [dict() for _ in range(bands)]
+        self._band_slices = [slice(4 * rows * i, 4 * rows * (i + 1)) for i in range(bands)]
+        self._empty = np.full(num_perm, EMPTY_VALUE, dtype=np.uint32).tobytes()
         self._sigs: list[np.ndarray] = []
         self.added = 0
         """Signatures offered to :meth:`add`."""
@@ -175,25 +225,30 @@ class NearDedupIndex:
         """One key per band: the raw bytes of its ``rows`` values (exact, so only true band
         matches become candidates)."""
         buf = sig.tobytes()
-        w = 4 * self.rows
-        return [buf[i * w:(i + 1) * w] for i in range(self.bands)]
+        return [buf[s] for s in self._band_slices]
 
     def add(self, signature: np.ndarray) -> bool:
         """True if ``signature`` is a near duplicate of an earlier kept document (then it is not
         indexed); else index it and return False. Empty signatures are never duplicates and are
         not indexed."""
-        sig = np.ascontiguousarray(signature, dtype=np.uint32)
+        sig = signature
+        if not (type(sig) is np.ndarray and sig.dtype == np.uint32 and sig.flags.c_contiguous):
+            sig = np.ascontiguousarray(sig, dtype=np.uint32)
         if sig.shape != (self.num_perm,):
             raise ValueError(f"signature has shape {sig.shape}, expected ({self.num_perm},)")
         self.added += 1
-        if sig[0] == EMPTY_VALUE and is_empty_signature(sig):
+        buf = sig.tobytes()
+        if buf == self._empty:
             return False
-        keys = self._keys(sig)
-        cands: set[int] = set()
+        keys = [buf[s] for s in self._band_slices]
+        cands: set[int] | None = None
         for table, k in zip(self._tables, keys):
             hit = table.get(k)
             if hit is not None:
-                cands.update(hit)
+                if cands is None:
+                    cands = set(hit)
+                else:
+                    cands.update(hit)
         if cands:
             if not self.verify:
                 self.duplicates += 1
@@ -205,5 +260,9 @@ class NearDedupIndex:
         idx = len(self._sigs)
         self._sigs.append(sig)
         for table, k in zip(self._tables, keys):
-            table.setdefault(k, []).append(idx)
+            hit = table.get(k)
+            if hit is None:
+                table[k] = [idx]
+            else:
+                hit.append(idx)
         return False

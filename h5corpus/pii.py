@@ -128,16 +128,17 @@ def _digits(s: str) -> int:
 
 
 def pii_spans(text: str) -> list[tuple[int, int, str]]:
-    """Non-overlapping ``(start, end, kind)`` character spans of the PII in ``text``, sorted."""
+    """Non-overlapping ``(start, end, kind)`` character spans of the PII in ``text``, sorted.
+    The e-mail and IP regexes search only around their anchors (:func:`_anchored`)."""
     found: list[tuple[int, int, str]] = []
     if "@" in text:
-        found.extend((m.start(), m.end(), "email") for m in _EMAIL_RE.finditer(text))
+        found.extend((m.start(), m.end(), "email") for m in _anchored(text, _EMAIL_RE, _EMAIL_AT, _EMAIL_RUN, 64))
     if _IPV6_GATE.search(text) is not None:
-        for m in _IPV6_RE.finditer(text):
+        for m in _anchored(text, _IPV6_RE, _IPV6_GATE, _IPV6_RUN, 4):
             if _is_ipv6(m.group(0)):
                 found.append((m.start(), m.end(), "ip"))
     if _IPV4_GATE.search(text) is not None:
-        for m in _IPV4_RE.finditer(text):
+        for m in _anchored(text, _IPV4_RE, _IPV4_GATE, _IPV4_RUN, 3):
             s = m.group(0)
             if s not in _KEEP_IPS and _VERSION_CONTEXT.search(text, max(0, m.start() - 16), m.start()) is None:
                 found.append((m.start(), m.end(), "ip"))
@@ -165,6 +166,40 @@ def pii_spans(text: str) -> list[tuple[int, int, str]]:
         if s[0] >= end:
             out.append(s)
             end = s[1]
+    return out
+
+
+_EMAIL_AT = re.compile(r"@")
+_EMAIL_RUN = re.compile(r"@[A-Za-z0-9.-]*")  # the "@" and the domain characters after it
+_IPV4_RUN = re.compile(r"[\d.]*")
+_IPV6_RUN = re.compile(r"[0-9A-Fa-f:.\d]*")
+
+
+def _anchored(text: str, regex: "re.Pattern[str]", gate: "re.Pattern[str]", run: "re.Pattern[str]",
+              back: int) -> list["re.Match[str]"]:
+    """The matches of ``regex.finditer(text)``, searching only around the anchors (``gate``
+    matches, overlapping, in order).
+
+    For e-mails the anchor is the "@", for IPv4 addresses the first ".", for IPv6 addresses the
+    first ":" (a gate match starts there in every match); a match starts at most ``back``
+    characters before its anchor (local part 64, octet 3, hex group 4) and, from the anchor on,
+    holds only characters of ``run``. Every character the regex looks at for such a start lies
+    between the character before the start and the first character after that run, so a search
+    from ``anchor - back`` (no earlier than the end of the last match) to there sees what a scan
+    of the whole text sees; a match found starting at or before the anchor is the next match
+    (a match starting later has a later anchor)."""
+    out = []
+    pos = 0
+    g = gate.search(text)
+    while g is not None:
+        a = g.start()
+        m = regex.search(text, max(pos, a - back), run.match(text, a).end() + 1)
+        if m is not None and m.start() <= a:
+            out.append(m)
+            pos = m.end()
+            g = gate.search(text, pos)
+        else:
+            g = gate.search(text, a + 1)
     return out
 
 

@@ -386,6 +386,10 @@ def _utf8(text: str) -> bytes | None:
         return None
 
 
+#: Bytes read at a time from a JSONL stream (lines are split out of each block).
+_JSONL_BLOCK = 1 << 20
+
+
 class TaskReader:
     """Stream one task's records: documents ``(text, utf8_bytes)`` (text possibly empty) or
     :class:`BadRecord`.
@@ -490,16 +494,33 @@ class TaskReader:
                         fh.readline()  # this line belongs to the previous range
                 pos = first = fh.tell() if t.kind == "jsonl" else 0
                 stop = t.stop if t.kind == "jsonl" else -1
-                while stop < 0 or pos < stop:
-                    line = fh.readline()
-                    if not line:
-                        break
-                    if t.kind == "jsonl":
-                        pos += len(line)
-                    lineno += 1
-                    if line.isspace():
+                # Read in blocks and split them into lines (a line belongs to the task when it starts
+                # before ``stop``); far fewer calls than readline() per record.
+                pending: list[bytes] = []  # pieces of a line that continues in the next block
+                eof = False
+                while not eof:
+                    block = fh.read(_JSONL_BLOCK)
+                    if not block:
+                        eof = True
+                        lines = [b"".join(pending)] if pending else []
+                    elif b"\n" not in block:
+                        pending.append(block)  # joined once, when the line ends: linear in its length
                         continue
-                    yield self._jsonl_record(line, where)
+                    else:
+                        if pending:
+                            pending.append(block)
+                            block = b"".join(pending)
+                        lines = block.split(b"\n")
+                        last = lines.pop()
+                        pending = [last] if last else []
+                    for line in lines:
+                        if 0 <= stop <= pos:
+                            return
+                        pos += len(line) + 1
+                        lineno += 1
+                        if not line or line.isspace():
+                            continue
+                        yield self._jsonl_record(line, where)
             except (OSError, EOFError, ValueError) as e:  # corrupt/truncated compressed stream, I/O error
                 lineno += 1
                 yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)

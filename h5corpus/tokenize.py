@@ -283,6 +283,11 @@ def load_tokenizer(
             text = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"tokenizer {spec!r}: cannot read {path} ({e})") from None
+    sha = hashlib.sha256(raw).hexdigest()
+    facts = _load_facts(sha, f"identity eos={eos_token!r}")
+    if facts is not None:  # derived before from these exact bytes: no need to parse 1+ MB of JSON
+        return Tokenizer(TokenizerIdentity(name=name, revision=revision, sha256=sha, vocab_size=int(facts["vocab_size"]),
+                                           eos_id=int(facts["eos_id"])), text)
     try:
         d = json.loads(text)
     except ValueError as e:
@@ -290,10 +295,8 @@ def load_tokenizer(
     if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
         raise TokenizerError(f"tokenizer {spec!r}: not a tokenizer.json (no 'model' object)")
     eos = _find_eos(d, f"tokenizer {spec!r}", eos_token)
-    ident = TokenizerIdentity(
-        name=name, revision=revision, sha256=hashlib.sha256(raw).hexdigest(),
-        vocab_size=_vocab_size(d), eos_id=eos,
-    )
+    ident = TokenizerIdentity(name=name, revision=revision, sha256=sha, vocab_size=_vocab_size(d), eos_id=eos)
+    _store_facts(sha, f"identity eos={eos_token!r}", {"eos_id": eos, "vocab_size": ident.vocab_size})
     tok = Tokenizer(ident, text)
     tok._json = d
     return tok
@@ -342,7 +345,11 @@ class TiktokenEncoder:
     def encoding(self):
         if self._enc is None:
             sha = hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()
-            enc, reason = tiktoken_from_json(json.loads(self.json_text), json_sha256=sha)
+            verdict, ranks = _load_facts(sha, "fast path"), _load_ranks(sha)
+            if verdict is not None and verdict.get("kind") == "tiktoken" and ranks is not None:
+                enc, reason = _tiktoken_encoding(verdict, ranks)
+            else:
+                enc, reason = tiktoken_from_json(json.loads(self.json_text), json_sha256=sha)
             if enc is None:
                 raise TokenizerError(f"tiktoken fast path unavailable: {reason}")
             self._enc = enc
@@ -408,23 +415,83 @@ def cache_dir() -> Path | None:
     return Path(base) / "h5corpus"
 
 
+_MODULE_SHA256: str | None = None
+_VERSIONS: dict[str, str] | None = None
+
+
 def _module_sha256() -> str:
-    try:
-        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-    except OSError:  # pragma: no cover - no source file (frozen): never reuse a cached proof
-        return os.urandom(16).hex()
+    global _MODULE_SHA256
+    if _MODULE_SHA256 is None:
+        try:
+            _MODULE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        except OSError:  # pragma: no cover - no source file (frozen): never reuse a cached proof
+            _MODULE_SHA256 = os.urandom(16).hex()
+    return _MODULE_SHA256
 
 
 def _versions() -> dict[str, str]:
-    import importlib.metadata as md
+    global _VERSIONS
+    if _VERSIONS is None:
+        import importlib.metadata as md
 
-    out = {}
-    for dist in ("tiktoken", "tokenizers"):
+        out = {}
+        for dist in ("tiktoken", "tokenizers"):
+            try:
+                out[dist] = md.version(dist)
+            except md.PackageNotFoundError:
+                out[dist] = "none"
+        _VERSIONS = out
+    return dict(_VERSIONS)
+
+
+#: Format of the tokenizer-facts cache files (bump to invalidate every entry).
+_FACTS_CACHE_FORMAT = "h5corpus-facts-1"
+
+
+def _facts_path(json_sha256: str, what: str) -> tuple[Path, dict[str, Any]] | None:
+    d = cache_dir()
+    if d is None:
+        return None
+    fields = {"format": _FACTS_CACHE_FORMAT, "tokenizer_sha256": json_sha256, "what": what,
+              "module_sha256": _module_sha256()}
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return d / "facts" / f"{key}.json", fields
+
+
+def _load_facts(json_sha256: str, what: str) -> dict[str, Any] | None:
+    """What this module derived before from the tokenizer JSON with this sha256 (``what``: the
+    identity for an EOS choice, or the fast path's verdict), or None. A pure function of the JSON
+    bytes, ``what`` and this module's source, all of which are in the key and checked in the file."""
+    where = _facts_path(json_sha256, what)
+    if where is None:
+        return None
+    path, fields = where
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(got, dict) or got.get("fields") != fields or not isinstance(got.get("facts"), dict):
+        return None
+    return got["facts"]
+
+
+def _store_facts(json_sha256: str, what: str, facts: Mapping[str, Any]) -> None:
+    where = _facts_path(json_sha256, what)
+    if where is None:
+        return
+    path, fields = where
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = "none"
-    return out
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump({"fields": fields, "facts": dict(facts)}, fh, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass  # an unwritable cache only costs the next run a parse
 
 
 def _byte_level_ranks(model: Mapping[str, Any], added_contents: set[str]) -> tuple[dict[bytes, int] | None, str]:
@@ -516,6 +583,52 @@ def _store_ranks(json_sha256: str, ranks: Mapping[bytes, int]) -> None:
         pass  # an unwritable cache only costs the next run the conversion
 
 
+def _tiktoken_plan(d: dict[str, Any], json_sha256: str | None) -> tuple[dict[str, Any] | None, dict[bytes, int] | None, str]:
+    """The structural checks of :func:`tiktoken_from_json`: (plan, ranks, "") or (None, None, reason).
+    A plan holds the split ``pattern`` and the ``special`` tokens (content -> id) to register."""
+    model = d.get("model") or {}
+    if model.get("type") != "BPE":
+        return None, None, f"model is {model.get('type')!r}, not BPE"
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            return None, None, f"BPE option {key}={model.get(key)!r}"
+    if model.get("byte_fallback"):
+        return None, None, "BPE byte_fallback"
+    if d.get("normalizer"):
+        return None, None, f"normalizer {d['normalizer'].get('type')!r}"
+    pattern, why = _split_pattern(d.get("pre_tokenizer"))
+    if pattern is None:
+        return None, None, why
+    added = d.get("added_tokens") or []
+    if any(not t.get("special") for t in added):
+        return None, None, "non-special added tokens (matched inside text by tokenizers)"
+    ranks = _load_ranks(json_sha256) if json_sha256 else None
+    if ranks is None:
+        ranks, why = _byte_level_ranks(model, {t["content"] for t in added})
+        if ranks is None:
+            return None, None, why
+        if json_sha256:
+            _store_ranks(json_sha256, ranks)
+    # Special tokens are registered but never allowed, so their text is encoded as plain text
+    # (encode_to_numpy with allowed_special=set()). At least one must exist: with none, tiktoken's
+    # special-token scan uses an empty pattern and runs about 2x slower.
+    used = set(ranks.values())
+    special = {t["content"]: int(t["id"]) for t in added if int(t["id"]) not in used}
+    if not special:
+        special = {"<|h5corpus-unused-special|>": max(ranks.values()) + 1}
+    return {"pattern": pattern, "special": special}, ranks, ""
+
+
+def _tiktoken_encoding(plan: Mapping[str, Any], ranks: dict[bytes, int]):
+    import tiktoken
+
+    try:
+        return tiktoken.Encoding("h5corpus-bpe", pat_str=plan["pattern"], mergeable_ranks=ranks,
+                                 special_tokens=dict(plan["special"])), ""
+    except Exception as e:  # e.g. a regex tiktoken's engine rejects
+        return None, f"tiktoken rejected the encoding ({e})"
+
+
 def tiktoken_from_json(d: dict[str, Any], *, json_sha256: str | None = None):
     """Build a ``tiktoken.Encoding`` equivalent in structure to a byte-level BPE tokenizer.json.
 
@@ -530,63 +643,66 @@ def tiktoken_from_json(d: dict[str, Any], *, json_sha256: str | None = None):
     of this module's source, are then loaded instead of redone (GPT-2: ~15 ms instead of ~60 ms).
     """
     try:
-        import tiktoken
+        import tiktoken  # noqa: F401
     except ImportError:  # pragma: no cover - tiktoken is a dependency
         return None, "tiktoken is not installed"
-    model = d.get("model") or {}
-    if model.get("type") != "BPE":
-        return None, f"model is {model.get('type')!r}, not BPE"
-    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(key):
-            return None, f"BPE option {key}={model.get(key)!r}"
-    if model.get("byte_fallback"):
-        return None, "BPE byte_fallback"
-    if d.get("normalizer"):
-        return None, f"normalizer {d['normalizer'].get('type')!r}"
-    pattern, why = _split_pattern(d.get("pre_tokenizer"))
-    if pattern is None:
+    plan, ranks, why = _tiktoken_plan(d, json_sha256)
+    if plan is None or ranks is None:
         return None, why
-    added = d.get("added_tokens") or []
-    if any(not t.get("special") for t in added):
-        return None, "non-special added tokens (matched inside text by tokenizers)"
-    ranks = _load_ranks(json_sha256) if json_sha256 else None
-    if ranks is None:
-        ranks, why = _byte_level_ranks(model, {t["content"] for t in added})
-        if ranks is None:
-            return None, why
-        if json_sha256:
-            _store_ranks(json_sha256, ranks)
-    # Special tokens are registered but never allowed, so their text is encoded as plain text
-    # (encode_to_numpy with allowed_special=set()). At least one must exist: with none, tiktoken's
-    # special-token scan uses an empty pattern and runs about 2x slower.
-    used = set(ranks.values())
-    special = {t["content"]: int(t["id"]) for t in added if int(t["id"]) not in used}
-    if not special:
-        special = {"<|h5corpus-unused-special|>": max(ranks.values()) + 1}
-    try:
-        enc = tiktoken.Encoding("h5corpus-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
-    except Exception as e:  # e.g. a regex tiktoken's engine rejects
-        return None, f"tiktoken rejected the encoding ({e})"
-    return enc, ""
+    return _tiktoken_encoding(plan, ranks)
 
 
-def fast_encoder(tok: Tokenizer) -> tuple[Encoder | None, str]:
-    """A faster encoder structurally equivalent to ``tok`` (not yet proven), or (None, why not)."""
-    d = tok.json
+def _bytes_model(d: dict[str, Any]) -> bool:
+    """True when ``d`` is the ``bytes`` tokenizer's model: ids are the UTF-8 bytes themselves."""
     model = d.get("model") or {}
     vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
     if model.get("type") == "BPE" and not model.get("merges") and not d.get("normalizer"):
         pre = d.get("pre_tokenizer") or {}
         alphabet = byte_level_alphabet()
-        if (
+        return bool(
             pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space")
             and all(vocab.get(alphabet[b]) == b for b in range(256))
             and not any(not t.get("special") for t in d.get("added_tokens") or [])
-        ):
-            return BytesEncoder(), ""
-    enc, why = tiktoken_from_json(d, json_sha256=hashlib.sha256(tok.json_text.encode("utf-8")).hexdigest())
+        )
+    return False
+
+
+def fast_encoder(tok: Tokenizer) -> tuple[Encoder | None, str]:
+    """A faster encoder structurally equivalent to ``tok`` (not yet proven), or (None, why not).
+
+    The structural verdict is cached (:func:`cache_dir`) by the JSON's sha256 with the converted
+    vocabulary, so a later build with the same tokenizer neither parses its JSON nor converts it."""
+    sha = tok.identity.sha256
+    verdict = _load_facts(sha, "fast path")
+    if verdict is not None and verdict.get("kind") == "tiktoken":
+        ranks = _load_ranks(sha)
+        if ranks is not None:
+            enc, why = _tiktoken_encoding(verdict, ranks)
+            if enc is None:
+                return None, why
+            e = TiktokenEncoder(tok.json_text)
+            e._enc = enc
+            return e, ""
+    elif verdict is not None and verdict.get("kind") == "bytes":
+        return BytesEncoder(), ""
+    elif verdict is not None and verdict.get("kind") is None and isinstance(verdict.get("why"), str):
+        return None, verdict["why"]
+    d = tok.json
+    if _bytes_model(d):
+        _store_facts(sha, "fast path", {"kind": "bytes"})
+        return BytesEncoder(), ""
+    try:
+        import tiktoken  # noqa: F401
+    except ImportError:  # pragma: no cover - tiktoken is a dependency
+        return None, "tiktoken is not installed"
+    plan, ranks, why = _tiktoken_plan(d, sha)
+    if plan is None or ranks is None:
+        _store_facts(sha, "fast path", {"kind": None, "why": why})
+        return None, why
+    enc, why = _tiktoken_encoding(plan, ranks)
     if enc is None:
         return None, why
+    _store_facts(sha, "fast path", {"kind": "tiktoken", **plan})
     e = TiktokenEncoder(tok.json_text)
     e._enc = enc
     return e, ""

@@ -1,17 +1,21 @@
 """Prove a built corpus intact: recompute every hash and check every structural promise.
 
 :func:`validate_corpus` is a library function that returns findings; the CLI maps them to exit
-codes (0 intact, 1 corrupt, 2 usage error). Shards are checked in parallel processes, each shard
-streamed once in chunk-aligned blocks through sha256, so memory stays bounded.
+codes (0 intact, 1 corrupt, 2 usage error). Shards are checked in parallel threads (sha256 releases
+the GIL), each shard read once, in chunk-aligned blocks of a memory map, through sha256, so memory
+stays bounded and a worker costs about what ``hashlib.sha256`` alone does (docs/BENCHMARKS.md).
+Compressed shards, whose decoding holds h5py's global lock, are checked in spawned processes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
-import multiprocessing as mp
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ import numpy as np
 from . import format as fmt
 from .format import FormatError
 from .manifest import Manifest, ShardEntry, read_manifest
+from .reader import chunk_byte_offsets
 from .writer import PARTIAL_SUFFIX
 
 #: Tokens read per block while hashing (a multiple of every power-of-two chunk size up to it).
@@ -81,32 +86,30 @@ class _Expect:
     tokenizer_sha256: str
 
 
-def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int):
+def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = False):
     """Yield (start, array) blocks covering ``ds[0:n_tokens]`` in order.
 
     Uncompressed shards are viewed straight from a read-only memory map of the file at the chunk
     byte offsets HDF5 reports (:func:`h5corpus.reader.chunk_byte_offsets`), runs of chunks that are
-    contiguous in the file merged into one block; anything else (compressed, or an odd layout a
-    corrupt file may have) is read through h5py.
+    contiguous in the file cut into blocks of at most :data:`HASH_BLOCK_TOKENS`; anything else
+    (compressed, or an odd layout a corrupt file may have) is read through h5py into one reused
+    buffer, or a fresh one per block when ``fresh`` (a consumer on another thread may still hold
+    the previous block).
     """
-    from .reader import chunk_byte_offsets
-
     if not n_tokens:
         return
     offsets, _ = chunk_byte_offsets(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
     if offsets is not None:
-        import mmap
-
         chunk, itemsize = ds.chunks[0], ds.dtype.itemsize
+        per_block = max(HASH_BLOCK_TOKENS // chunk, 1)
         with open(path, "rb") as fh:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             # a new run starts where a chunk does not follow the previous one in the file
             breaks = np.flatnonzero(np.diff(offsets) != chunk * itemsize) + 1
             for lo, hi in zip(np.r_[0, breaks].tolist(), np.r_[breaks, offsets.size].tolist()):
-                for k in range(lo, hi, max(HASH_BLOCK_TOKENS // chunk, 1)):
-                    k_end = min(hi, k + max(HASH_BLOCK_TOKENS // chunk, 1))
-                    a, b = k * chunk, min(k_end * chunk, n_tokens)
+                for k in range(lo, hi, per_block):
+                    a, b = k * chunk, min(min(hi, k + per_block) * chunk, n_tokens)
                     yield a, np.frombuffer(mm, dtype=ds.dtype, count=b - a, offset=int(offsets[k]))
         finally:
             try:
@@ -116,44 +119,125 @@ def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int):
         return
     chunk = ds.chunks[0] if ds.chunks else n_tokens
     block = max(HASH_BLOCK_TOKENS // chunk, 1) * chunk
+    buf = None
     for a in range(0, n_tokens, block):
         b = min(a + block, n_tokens)
-        view = np.empty(b - a, dtype=ds.dtype)  # fresh per block: the hasher thread may still hold the last
+        if buf is None or fresh:
+            buf = np.empty(min(block, n_tokens), dtype=ds.dtype)
+        view = buf[: b - a]
         ds.read_direct(view, source_sel=np.s_[a:b], dest_sel=np.s_[0 : b - a])
         yield a, view
 
 
-def hash_shard_tokens(ds: h5py.Dataset, path: str, n_tokens: int, eos_id: int, ends: np.ndarray) -> tuple[str, int, int, int]:
-    """Stream ``ds[0:n_tokens]`` once.
+@dataclass(frozen=True)
+class TokenScan:
+    """What one pass over a shard's ``/tokens`` found (see :func:`hash_shard_tokens`)."""
+
+    sha256: str
+    """Hex sha256 of the tokens as little-endian bytes."""
+    bad_ends: int
+    """Positions in ``ends`` that do not hold EOS."""
+    first_bad_end: int
+    """The first such token position, or -1."""
+    eos_count: int | None
+    """EOS ids anywhere in the tokens; None unless ``deep``."""
+    max_id: int | None
+    """Largest token id (-1 for no tokens); None unless ``deep``."""
+
+
+def hash_shard_tokens(
+    ds: h5py.Dataset, path: str, n_tokens: int, eos_id: int, ends: np.ndarray, *, deep: bool = False
+) -> TokenScan:
+    """Stream ``ds[0:n_tokens]`` once through sha256 and check EOS at ``ends``.
 
     ``ends`` are sorted token positions that must hold ``eos_id`` (last token of each whole
-    document). Returns (hex sha256, EOS count, max id, positions in ``ends`` lacking EOS).
+    document); they are gathered from each block right after it is hashed, while it is still in
+    cache, so the default pass costs about what sha256 alone does (one read of the data, one
+    thread: with N workers on N cores, any second scan would show up as lost throughput).
+
+    ``deep`` adds two full scans per block (largest id, EOS count) on the calling thread while a
+    helper thread hashes: about 20% more CPU, on the 2nd core when there is one to spare.
     """
     h = hashlib.sha256()
-    eos_count = 0
-    max_id = -1
-    bad_ends = 0
-    # sha256 releases the GIL: one helper thread digests blocks in order while this thread runs the
-    # numpy checks on them, so a shard validates at about hashlib's speed.
+    bad_ends, first_bad = 0, -1
+    eos_count = max_id = None
+
+    def gather(a: int, view: np.ndarray) -> None:
+        nonlocal bad_ends, first_bad
+        lo, hi = np.searchsorted(ends, (a, a + view.size)).tolist()
+        if hi > lo:
+            miss = view[ends[lo:hi] - a] != eos_id
+            if miss.any():
+                miss = np.flatnonzero(miss)
+                if not bad_ends:
+                    first_bad = int(ends[lo + miss[0]])
+                bad_ends += int(miss.size)
+
+    if not deep:
+        for a, view in _token_blocks(ds, path, n_tokens):
+            fmt.tokens_sha256_update(h, view)
+            gather(a, view)
+        return TokenScan(h.hexdigest(), bad_ends, first_bad, None, None)
+
+    eos_count, max_id = 0, -1
+    # sha256 releases the GIL: one helper thread digests blocks in order while this thread scans them
     with ThreadPoolExecutor(1) as hasher:
         pending = []
-        for a, view in _token_blocks(ds, path, n_tokens):
+        for a, view in _token_blocks(ds, path, n_tokens, fresh=True):
             if len(pending) >= 4:
                 pending.pop(0).result()
             pending.append(hasher.submit(fmt.tokens_sha256_update, h, view))
-            b = a + view.size
             eos_count += int(np.count_nonzero(view == eos_id))
             max_id = max(max_id, int(view.max()))
-            lo, hi = np.searchsorted(ends, [a, b])
-            if hi > lo:
-                bad_ends += int(np.count_nonzero(view[ends[lo:hi] - a] != eos_id))
+            gather(a, view)
         for p in pending:
             p.result()
-    return h.hexdigest(), eos_count, max_id, bad_ends
+    return TokenScan(h.hexdigest(), bad_ends, first_bad, eos_count, max_id)
 
 
-def check_shard(path: str, entry: ShardEntry, expect: _Expect) -> tuple[list[Finding], int]:
-    """Check one shard file against its manifest entry; return (findings, bytes hashed)."""
+class _Scratch(threading.local):
+    """Per-thread buffers the index datasets are read into, reused from shard to shard: fresh
+    memory costs a page fault per 4 KiB, as much as hashing the index itself."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, np.ndarray] = {}
+
+    def array(self, key: str, size: int, dtype: Any) -> np.ndarray:
+        """An uninitialised 1-D array of ``size`` items, valid until the next call with ``key``."""
+        dt = np.dtype(dtype)
+        buf = self.bufs.get(key)
+        if buf is None or buf.nbytes < size * dt.itemsize:
+            buf = self.bufs[key] = np.empty(size * dt.itemsize + (size * dt.itemsize >> 3), np.uint8)
+        return buf[: size * dt.itemsize].view(dt)
+
+    def read(self, ds: h5py.Dataset) -> np.ndarray:
+        """``ds[()]`` as an array that stays valid until the next read of a dataset of that name."""
+        dt, shape = ds.dtype, ds.shape
+        if dt.hasobject or dt.kind not in "biuf" or shape is None or not shape:
+            return np.asarray(ds[()])  # odd dtype or scalar: a corrupt file; no fast path needed
+        out = self.array(ds.name, int(np.prod(shape, dtype=np.int64)), dt).reshape(shape)
+        if out.size:
+            ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        return out
+
+
+def check_shard(
+    path: str, entry: ShardEntry, expect: _Expect, *, deep: bool = False, scratch: _Scratch | None = None
+) -> tuple[list[Finding], int]:
+    """Check one shard file against its manifest entry; return (findings, bytes hashed).
+
+    ``deep`` adds the full-scan checks (every id below ``vocab_size``, no EOS inside a document);
+    see :func:`hash_shard_tokens`. ``scratch`` (internal) reuses index buffers across calls."""
+    found = _check_shard(path, entry, expect, deep, scratch or _Scratch(), defer_filtered=False)
+    assert found is not None
+    return found
+
+
+def _check_shard(
+    path: str, entry: ShardEntry, expect: _Expect, deep: bool, scratch: _Scratch, defer_filtered: bool
+) -> tuple[list[Finding], int] | None:
+    """:func:`check_shard`; None when ``defer_filtered`` and ``/tokens`` is compressed (decoding
+    holds h5py's global lock, so the caller checks such shards in processes instead)."""
     name = entry.path
     out: list[Finding] = []
 
@@ -182,11 +266,12 @@ def check_shard(path: str, entry: ShardEntry, expect: _Expect) -> tuple[list[Fin
         ):
             if attrs[key] != want:
                 out.append(Finding(name, "attrs", f"attribute {key} = {attrs[key]!r}, manifest says {want!r}"))
-        for ds_name in (fmt.TOKENS, fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS):
-            if ds_name not in f:
+        dsets = {k: f.get(k) for k in (fmt.TOKENS, fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS)}
+        for ds_name, ds in dsets.items():
+            if not isinstance(ds, h5py.Dataset):
                 return bad("format", f"dataset /{ds_name} is missing")
         try:
-            tokens = f[fmt.TOKENS]
+            tokens = dsets[fmt.TOKENS]
             if tokens.dtype != np.dtype(expect.dtype) or tokens.ndim != 1:
                 return bad("tokens", f"/tokens is {tokens.dtype} with shape {tokens.shape}, expected 1-D {expect.dtype}")
             n = tokens.shape[0]
@@ -194,9 +279,11 @@ def check_shard(path: str, entry: ShardEntry, expect: _Expect) -> tuple[list[Fin
                 out.append(Finding(name, "tokens", f"/tokens holds {n:,} tokens, manifest says {entry.tokens:,}"))
             if tokens.chunks != (expect.chunk_tokens,):
                 out.append(Finding(name, "tokens", f"/tokens chunks {tokens.chunks}, expected ({expect.chunk_tokens},)"))
-            offsets = f[fmt.DOC_OFFSETS][:]
-            ids = f[fmt.DOC_IDS][:]
-            flags = f[fmt.DOC_FLAGS][:]
+            if defer_filtered and tokens.id.get_create_plist().get_nfilters():
+                return None
+            offsets = scratch.read(dsets[fmt.DOC_OFFSETS])
+            ids = scratch.read(dsets[fmt.DOC_IDS])
+            flags = scratch.read(dsets[fmt.DOC_FLAGS])
             docs = offsets.size - 1
             if offsets.dtype != np.dtype("int64"):
                 out.append(Finding(name, "offsets", f"/doc_offsets is {offsets.dtype}, expected int64"))
@@ -204,14 +291,14 @@ def check_shard(path: str, entry: ShardEntry, expect: _Expect) -> tuple[list[Fin
                 out.append(Finding(name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}"))
             if ids.shape != (max(docs, 0), fmt.DOC_ID_BYTES) or flags.shape != (max(docs, 0),):
                 out.append(Finding(name, "index", f"/doc_ids {ids.shape} or /doc_flags {flags.shape} do not match {docs:,} documents"))
-            offsets_ok = True
+            offsets_ok = offsets.dtype == np.dtype("int64")
             if offsets.size == 0 or offsets[0] != 0:
                 out.append(Finding(name, "offsets", "/doc_offsets does not start at 0"))
                 offsets_ok = False
             else:
-                d = np.diff(offsets)
-                if (d < 0).any():
-                    i = int(np.argmax(d < 0))
+                down = offsets[1:] < offsets[:-1]
+                if down.any():
+                    i = int(np.argmax(down))
                     out.append(Finding(name, "offsets", f"/doc_offsets decreases at document {i:,} ({offsets[i]:,} -> {offsets[i + 1]:,})"))
                     offsets_ok = False
                 if offsets[-1] != n:
@@ -222,25 +309,32 @@ def check_shard(path: str, entry: ShardEntry, expect: _Expect) -> tuple[list[Fin
             structure_ok = offsets_ok and ids.shape[0] == docs and flags.shape == (docs,)
             ends = np.zeros(0, dtype=np.int64)
             if structure_ok and docs > 0:
-                ends = offsets[1:][(flags & fmt.FLAG_TRUNCATED) == 0] - 1
-                ends = ends[ends >= 0]
-            digest, eos_count, max_id, bad_ends = hash_shard_tokens(tokens, path, n, expect.eos_id, ends)
+                ends = np.subtract(offsets[1:], 1, out=scratch.array("ends", docs, np.int64))
+                whole = (flags & fmt.FLAG_TRUNCATED) == 0
+                if not whole.all():
+                    ends = ends[whole]
+                ends = ends[int(np.searchsorted(ends, 0)) :]  # sorted: only a leading empty document is < 0
+            scan = hash_shard_tokens(tokens, path, n, expect.eos_id, ends, deep=deep)
         except (OSError, KeyError, ValueError) as e:
             return bad("unreadable", f"read failed ({e})")
-        if digest != entry.sha256:
-            out.append(Finding(name, "sha256", f"token hash {digest[:16]}... differs from the manifest's {entry.sha256[:16]}..."))
-        if max_id >= expect.vocab_size:
-            out.append(Finding(name, "range", f"token id {max_id} >= vocab_size {expect.vocab_size}"))
+        if scan.sha256 != entry.sha256:
+            out.append(Finding(name, "sha256", f"token hash {scan.sha256[:16]}... differs from the manifest's {entry.sha256[:16]}..."))
+        if scan.max_id is not None and scan.max_id >= expect.vocab_size:
+            out.append(Finding(name, "range", f"token id {scan.max_id} >= vocab_size {expect.vocab_size}"))
         if structure_ok:
-            if bad_ends:
-                out.append(Finding(name, "eos", f"{bad_ends:,} documents do not end with EOS {expect.eos_id}"))
-            elif eos_count != ends.size:
-                out.append(Finding(name, "eos", f"{eos_count - ends.size:,} EOS ids inside documents"))
+            if scan.bad_ends:
+                doc = int(np.searchsorted(offsets, scan.first_bad_end, side="right")) - 1
+                out.append(Finding(name, "eos", f"{scan.bad_ends:,} documents do not end with EOS {expect.eos_id} "
+                                                f"(first: document {doc:,}, token {scan.first_bad_end:,})"))
+            elif scan.eos_count is not None and scan.eos_count != ends.size:
+                out.append(Finding(name, "eos", f"{scan.eos_count - ends.size:,} EOS ids inside documents"))
     return out, n * np.dtype(expect.dtype).itemsize
 
 
-def _check_shard_job(args: tuple[str, ShardEntry, _Expect]) -> tuple[list[Finding], int]:
-    return check_shard(*args)
+def _check_shard_job(args: tuple[str, ShardEntry, _Expect, bool]) -> tuple[list[Finding], int]:
+    """Process-pool entry point (compressed shards)."""
+    path, entry, expect, deep = args
+    return check_shard(path, entry, expect, deep=deep)
 
 
 def unlisted_shard_files(manifest: Manifest) -> list[Path]:
@@ -259,9 +353,16 @@ def validate_corpus(
     *,
     workers: int | None = None,
     progress: bool = False,
+    deep: bool = False,
 ) -> ValidationReport:
-    """Check every shard of a manifest: presence, size, format, structure, EOS placement, and
-    both hashes; also report shard files the manifest does not list.
+    """Check every shard of a manifest: presence, size, format, structure, EOS at every document
+    end, and both hashes; also report shard files the manifest does not list.
+
+    ``workers`` processes (default: all cores) check one shard each at a time, each reading its
+    shard once at about ``hashlib.sha256`` speed. ``deep`` also scans every token for ids
+    ``>= vocab_size`` and EOS inside documents (the sha256 already proves the tokens are the ones
+    the writer wrote, and the writer refuses both, so this only guards against a writer bug; it
+    costs about 20% more CPU).
 
     Raises FileNotFoundError when the manifest itself is absent (a usage error); a manifest
     that exists but is malformed is reported as a finding.
@@ -297,7 +398,7 @@ def validate_corpus(
         dtype=m.dtype, chunk_tokens=m.chunk_tokens, eos_id=m.tokenizer.eos_id,
         vocab_size=m.tokenizer.vocab_size, tokenizer_sha256=m.tokenizer.sha256,
     )
-    jobs = sorted(((str(m.shard_path(s)), s, expect) for s in m.shards), key=lambda j: -j[1].bytes)
+    jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize
     bar = None
     if progress:
@@ -306,25 +407,47 @@ def validate_corpus(
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="validate", leave=False)
     results: list[list[Finding]] = []
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
+
+    def record(found: list[Finding], nbytes: int) -> None:
+        results.append(found)
+        report.bytes_hashed += nbytes
+        if bar:
+            bar.update(nbytes)
+
     try:
+        scratch = _Scratch()
+        deferred: list[tuple[str, ShardEntry, _Expect, bool]] = []
         if n_workers == 1:
             for j in jobs:
-                found, nbytes = _check_shard_job(j)
-                results.append(found)
-                report.bytes_hashed += nbytes
-                if bar:
-                    bar.update(nbytes)
+                record(*check_shard(*j[:3], deep=deep, scratch=scratch))
         else:
-            # fork where available: workers open only their own files, and start in milliseconds
-            ctx = get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ProcessPoolExecutor(n_workers, mp_context=ctx) as ex:
-                futs = [ex.submit(_check_shard_job, j) for j in jobs]
+            # Threads, not processes: sha256 and the memory map release the GIL, so N threads hash
+            # at N x one core's speed with no fork, no copy-on-write faults and no worker start-up.
+            with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as ex:
+                futs = {ex.submit(_check_shard, *j, scratch, True): j for j in jobs}
                 for fut in as_completed(futs):
-                    found, nbytes = fut.result()
-                    results.append(found)
-                    report.bytes_hashed += nbytes
-                    if bar:
-                        bar.update(nbytes)
+                    got = fut.result()
+                    if got is None:
+                        deferred.append(futs[fut])
+                    else:
+                        record(*got)
+        if len(deferred) == 1:
+            record(*check_shard(*deferred[0][:3], deep=deep, scratch=scratch))
+        elif deferred:
+            # compressed shards decode under h5py's global lock: processes, spawned, never forked
+            # (this process has used HDF5 and may run other threads, e.g. a progress bar's)
+            left = list(deferred)
+            try:
+                with ProcessPoolExecutor(min(n_workers, len(deferred)), mp_context=get_context("spawn")) as ex:
+                    futs = {ex.submit(_check_shard_job, j): j for j in deferred}
+                    for fut in as_completed(futs):
+                        record(*fut.result())
+                        left.remove(futs[fut])
+            except BrokenProcessPool:
+                # a child could not start (e.g. a caller's unguarded __main__ under spawn) or died:
+                # check what is left here, one shard at a time
+                for j in left:
+                    record(*check_shard(*j[:3], deep=deep, scratch=scratch))
     finally:
         if bar:
             bar.close()

@@ -9,6 +9,9 @@ of 1,000-character "words". Korean (Hangul, written with
 spaces) and every other script split on whitespace. Whitespace is ASCII whitespace plus the Unicode
 space separators (NBSP, U+2000-U+200A, U+3000, ...); offsets are in bytes of the UTF-8 encoding.
 
+:func:`segment_batch` also gives the byte layout of the words in the batch's joined UTF-8
+(:class:`Segmented`), from which the quality stage counts characters and lines.
+
 Word hashes are 64-bit, case-insensitive for ASCII letters (A-Z fold to a-z; other scripts are
 hashed as written), computed from the bytes with fixed constants: identical in every process, on
 every platform and Python version (never Python's salted ``hash``).
@@ -17,6 +20,7 @@ every platform and Python version (never Python's salted ``hash``).
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -124,10 +128,44 @@ class WordBatch:
         return np.diff(self.offsets)
 
 
-def _encode(text: str) -> bytes:
-    if not text.isascii() and _UNICODE_SPACE.search(text) is not None:
-        text = _UNICODE_SPACE.sub(" ", text)
-    return text.encode("utf-8", errors="surrogatepass")
+@dataclass(frozen=True)
+class Segmented:
+    """A :class:`WordBatch` with the byte layout it was segmented from (for byte-level text
+    statistics; :func:`segment_batch`). Byte offsets are into :attr:`data`."""
+
+    words: WordBatch
+    data: bytes
+    """The texts' UTF-8 joined by ``b"\\n"``, Unicode spaces (NBSP, U+2000-U+200A, U+3000, ...,
+    also U+0085, U+2028, U+2029) replaced by one ASCII space each (see :attr:`respaced`)."""
+    text_start: np.ndarray
+    """int64 (texts + 1,): byte offset of each text; the last entry is ``len(data) + 1``."""
+    word_start: np.ndarray
+    """int64 (words,): byte offset of each word."""
+    word_end: np.ndarray
+    """int64 (words,): byte offset just past each word (words hold no whitespace)."""
+    punct: np.ndarray
+    """int64 (words,): bytes of each word in the ASCII PUNCT class (punctuation, symbols, controls)."""
+    respaced: np.ndarray
+    """bool (texts,): the text had Unicode spaces, so its bytes here are not its UTF-8."""
+
+
+# The UTF-8 of the Unicode spaces, searched in the bytes (faster than a regex over the str):
+# U+0085 and U+00A0 (C2 85, C2 A0), U+1680, U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000.
+_SPACE_C2 = re.compile(b"\xc2[\x85\xa0]")
+_SPACE_E2 = re.compile(b"\xe2(?:\x80[\x80-\x8a\xa8\xa9\xaf]|\x81\x9f)")
+
+
+def _has_unicode_space(data: bytes) -> bool:
+    return ((b"\xc2" in data and _SPACE_C2.search(data) is not None) or b"\xe1\x9a\x80" in data
+            or b"\xe3\x80\x80" in data or _SPACE_E2.search(data) is not None)
+
+
+def _encode(text: str) -> tuple[bytes, bool]:
+    """UTF-8 of ``text`` with its Unicode spaces replaced by " " (and whether there were any)."""
+    data = text.encode("utf-8", errors="surrogatepass")
+    if len(data) != len(text) and _has_unicode_space(data):
+        return _UNICODE_SPACE.sub(" ", text).encode("utf-8", errors="surrogatepass"), True
+    return data, False
 
 
 def split_words(text: str) -> Words:
@@ -137,30 +175,29 @@ def split_words(text: str) -> Words:
 
 def split_words_batch(texts: Sequence[str]) -> WordBatch:
     """:func:`split_words` of many texts at once (one vectorized pass; same results)."""
-    enc = [_encode(t) for t in texts]
+    return segment_batch(texts).words
+
+
+def segment_batch(texts: Sequence[str]) -> Segmented:
+    """:func:`split_words_batch` plus the byte layout of the words (:class:`Segmented`)."""
+    enc, respaced = zip(*map(_encode, texts)) if len(texts) else ((), ())
     data = b"\n".join(enc)  # a whitespace byte between texts: no word spans two texts
-    doc_start = np.zeros(len(enc), dtype=np.int64)
-    if len(enc) > 1:
-        doc_start[1:] = np.cumsum([len(e) + 1 for e in enc[:-1]])
-    parts: list[tuple[Words, np.ndarray]] = []
-    pos, n = 0, len(data)
-    while pos < n:  # pieces of at most _CHUNK bytes, cut right after whitespace
-        cut = n
-        if n - pos > _CHUNK:
-            cut = _cut(data, pos, pos + _CHUNK)
-        parts.append(_split_bytes(memoryview(data)[pos:cut], pos))
-        pos = cut
-    if not parts:
-        w, starts = _empty(), np.zeros(0, dtype=np.int64)
-    elif len(parts) == 1:
-        w, starts = parts[0]
-    else:
-        w = Words(*(np.concatenate([getattr(p[0], k) for p in parts]) for k in ("chars", "bits", "hashes")))
-        starts = np.concatenate([p[1] for p in parts])
+    text_start = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) + 1 for e in enc], out=text_start[1:])
+    n = len(data)
+    cuts = [0]
+    while n - cuts[-1] > _CHUNK:  # pieces of at most _CHUNK bytes, cut right after whitespace
+        cuts.append(_cut(data, cuts[-1], cuts[-1] + _CHUNK))
+    cuts.append(n)
+    cls = np.frombuffer(data.translate(_CLS_TABLE), dtype=np.uint8)
+    values = np.frombuffer(data.translate(_VALUE_TABLE), dtype=np.uint8)
+    starts = _word_starts(cls, cuts)
+    w, ends, punct = _words_at(cls, values, cuts, starts)
     offsets = np.empty(len(enc) + 1, dtype=np.int64)
-    offsets[:-1] = np.searchsorted(starts, doc_start)
+    offsets[:-1] = np.searchsorted(starts, text_start[:-1])
     offsets[-1] = starts.size
-    return WordBatch(w.chars, w.bits, w.hashes, offsets)
+    return Segmented(WordBatch(w.chars, w.bits, w.hashes, offsets), data, text_start, starts, ends, punct,
+                     np.array(respaced, dtype=bool))
 
 
 def _cut(data: bytes, lo: int, hi: int) -> int:
@@ -184,51 +221,102 @@ def _empty() -> Words:
 
 
 _CLS_TABLE = CLS.tobytes()  # bytes.translate() tables: a C lookup, ~3x faster than numpy's gather
-_FOLD_TABLE = bytes(int(v) - 1 if v else 0 for v in _FOLD1)  # folded byte (whitespace -> 0)
+#: Folded byte + 1 (whitespace 0): the value a byte adds to its word's hash (0xFF never occurs in UTF-8).
+_VALUE_TABLE = bytes(int(v) if i < 255 else 0 for i, v in enumerate(_FOLD1))
+_BIG_ENDIAN = sys.byteorder == "big"
+_GATHER8 = np.uint64(0x0102040810204080)  # x * this >> 56 packs the low bit of each byte of x (bytes 0/1)
 
 
-def _split_bytes(data: bytes | memoryview, offset: int = 0) -> tuple[Words, np.ndarray]:
-    """Words of UTF-8 ``data`` and the byte offset (+ ``offset``) where each starts."""
-    n = len(data)
+def _word_starts(cls: np.ndarray, cuts: Sequence[int]) -> np.ndarray:
+    """Byte offsets where words start (classes ``cls``, pieces cut at ``cuts``)."""
+    n = cls.size
     if n == 0:
-        return _empty(), np.zeros(0, dtype=np.int64)
-    cls = np.frombuffer(bytes(data).translate(_CLS_TABLE), dtype=np.uint8)
+        return np.zeros(0, dtype=np.int64)
     ws = cls == SPACE
     cjk = (cls & CJK) != 0
-    # A word starts at a non-space byte after a space, at a CJK character, or right after one.
+    # A word starts at a non-space byte after a space, at a CJK character, or right after one
+    # (or at a piece boundary).
     brk = np.empty(n, dtype=bool)
     brk[0] = True
     brk[1:] = ws[:-1]
     brk |= cjk
     if n > 3:
         brk[3:] |= cjk[:-3]
+    brk[list(cuts[1:-1])] = True
     brk &= ~ws
-    starts = np.flatnonzero(brk)
-    if starts.size == 0:
-        return _empty(), starts
-    ends = np.empty_like(starts)  # exclusive end of the word + its trailing whitespace
-    ends[:-1] = starts[1:]
-    ends[-1] = n
-    pw, ipw = _powers(n)
+    return np.flatnonzero(brk)
+
+
+def _words_at(cls: np.ndarray, values: np.ndarray, cuts: Sequence[int],
+              starts: np.ndarray) -> tuple[Words, np.ndarray, np.ndarray]:
+    """The words starting at ``starts`` (byte offsets into the class and hash-value arrays, cut
+    into pieces at ``cuts``): Words, end offsets, PUNCT byte counts. Per piece (cache-sized
+    arrays): prefix sums of the hash terms and of the class counts, read at each word's bounds;
+    then the per-word arithmetic once for all pieces."""
+    W = starts.size
+    if W == 0:
+        return _empty(), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    h = np.empty(W, dtype=np.uint64)
+    d = np.empty(W, dtype=np.uint64)
+    rel = np.empty(W, dtype=np.int64)  # offset of each word in its piece
+    span = np.empty(W, dtype=np.int64)  # bytes from the word's start to the next word's (or the piece end)
+    first = np.searchsorted(starts, cuts).tolist()
     with np.errstate(over="ignore"):
-        # v[j] = folded byte + 1 (0 for whitespace); acc[i] = sum_{j <= i} v[j] P^j
-        acc = np.frombuffer(bytes(data).translate(_FOLD_TABLE), dtype=np.uint8).astype(np.uint64)
-        acc += ~ws
-        acc *= pw[:n]
-        np.cumsum(acc, out=acc)
-        lo = acc[starts - 1]
-        if starts[0] == 0:
-            lo[0] = 0
-        hashes = mix64((acc[ends - 1] - lo) * ipw[starts])
-    # characters per word: code points that are neither whitespace nor continuation bytes
-    nchar = np.cumsum((cls & (SPACE | CONT)) == 0, dtype=np.int64)
-    lo = nchar[starts - 1]
-    if starts[0] == 0:
-        lo[0] = 0
-    chars = nchar[ends - 1] - lo
-    bits = np.bitwise_or.reduceat(cls, starts)
-    bits &= np.uint8(~SPACE & 0xFF)  # the trailing whitespace included by reduceat
-    return Words(chars, bits, hashes), starts + offset
+        for k in range(len(cuts) - 1):
+            a, b = first[k], first[k + 1]
+            if b == a:
+                continue
+            lo, n = cuts[k], cuts[k + 1] - cuts[k]
+            r = starts[a:b] - lo
+            # Each word owns the bytes from its start to the next word's start (its trailing
+            # whitespace included): prefix sums at before = r - 1 and last = next start - 1.
+            before = r - 1
+            last = np.empty_like(r)
+            last[:-1] = before[1:]
+            last[-1] = n - 1
+            pw = _powers(n)[0]
+            # acc[i] = sum_{j <= i} v[j] P^j, v[j] = folded byte + 1 (0 for whitespace)
+            acc = np.multiply(values[lo:lo + n], pw[:n], dtype=np.uint64)
+            np.cumsum(acc, out=acc)
+            # per-class byte counts, 8 bits each (one cumulative sum for all classes): each
+            # byte's class bits spread to one byte per bit (byte k = bit k), summed as uint64
+            cnt = np.unpackbits(cls[lo:lo + n], bitorder="little").view(np.uint64)
+            np.cumsum(cnt, out=cnt)
+            np.subtract(acc[last], acc[before], out=h[a:b])
+            np.subtract(cnt[last], cnt[before], out=d[a:b])
+            if r[0] == 0:  # before = -1: nothing before the piece
+                h[a] = acc[last[0]]
+                d[a] = cnt[last[0]]
+            rel[a:b] = r
+            np.subtract(last + 1, r, out=span[a:b])
+        h *= _powers(int(rel.max()) + 1)[1][rel]
+    hashes = mix64(h)
+    fields = d.view(np.uint8).reshape(-1, 8)  # field k = bytes with class bit k (exact below 256)
+    trailing = fields[:, 6].astype(np.int64)  # whitespace after the word
+    punct = fields[:, 3].astype(np.int64)
+    chars = span - trailing - fields[:, 7]  # code points: neither whitespace nor continuation
+    # bits = OR of the class bits = which fields are nonzero: one 0/1 byte per field, gathered
+    # into one byte by a multiply (byte k of the integer -> bit k)
+    t = (fields != 0).view(np.uint64).reshape(-1)
+    if _BIG_ENDIAN:
+        t = t.byteswap()
+    t = t * _GATHER8
+    t >>= np.uint64(56)
+    bits = t.astype(np.uint8)
+    long = np.flatnonzero(span >= 256)  # fields may have wrapped: count these words directly
+    if long.size:
+        idx = np.empty(2 * long.size, dtype=np.int64)
+        idx[0::2] = starts[long]
+        idx[1::2] = starts[long] + span[long]
+        if idx[-1] == cls.size:
+            idx = idx[:-1]
+        bits[long] = np.bitwise_or.reduceat(cls, idx)[0::2]
+        is_char = ((cls & (SPACE | CONT)) == 0).view(np.uint8)
+        chars[long] = np.add.reduceat(is_char, idx, dtype=np.int64)[0::2]
+        trailing[long] = np.add.reduceat((cls == SPACE).view(np.uint8), idx, dtype=np.int64)[0::2]
+        punct[long] = np.add.reduceat((cls == PUNCT).view(np.uint8), idx, dtype=np.int64)[0::2]
+    bits &= np.uint8(~SPACE & 0xFF)  # the trailing whitespace
+    return Words(chars, bits, hashes), starts + (span - trailing), punct
 
 
 def ngram_hashes(hashes: np.ndarray, n: int, mix: bool = True) -> np.ndarray:
@@ -245,6 +333,32 @@ def ngram_hashes(hashes: np.ndarray, n: int, mix: bool = True) -> np.ndarray:
             g *= np.uint64(_P)
             g += hashes[j: j + m]
     return mix64(g) if mix else g
+
+
+def ngram_hashes_batch(hashes: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`ngram_hashes` (mixed) of every text of a batch at once: ``hashes`` are the texts'
+    word hashes concatenated, text ``i`` owning ``hashes[offsets[i]:offsets[i+1]]``. Returns the
+    n-gram hashes of all texts concatenated and their int64 offsets (text ``i``'s are
+    ``flat[out_offsets[i]:out_offsets[i+1]]``, ``max(words - n + 1, 0)`` of them). One
+    polynomial pass over the whole batch; n-grams that would cross two texts are dropped."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    counts = np.maximum(np.diff(offsets) - (n - 1), 0)
+    out_offsets = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=out_offsets[1:])
+    m = hashes.size - n + 1
+    if m <= 0 or out_offsets[-1] == 0:
+        return np.zeros(0, dtype=np.uint64), out_offsets
+    with np.errstate(over="ignore"):
+        g = hashes[:m].copy()
+        for j in range(1, n):
+            g *= np.uint64(_P)
+            g += hashes[j: j + m]
+    if n > 1:  # drop the windows that start in the last n - 1 words of a text
+        keep = np.ones(m, dtype=bool)
+        bad = (offsets[1:, None] + np.arange(-(n - 1), 0)[None, :]).ravel()
+        keep[bad[(bad >= 0) & (bad < m)]] = False
+        g = g[keep]
+    return mix64(g), out_offsets
 
 
 def window_sums(values: np.ndarray, n: int) -> np.ndarray:

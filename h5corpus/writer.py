@@ -65,24 +65,34 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True) -> list[Path]:
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True, threads: int = 1) -> list[Path]:
     """Make files durable: fsync each file, then (``dirs``) each distinct parent folder once, which
     makes their names (renames) durable too. For files written with ``ShardWriter(..., fsync=False)``
-    and possibly renamed since, before a manifest that lists them is written. Returns the distinct
+    and possibly renamed since, before a manifest that lists them is written. ``threads`` > 1 issues
+    the fsyncs concurrently (the file system can then commit them together). Returns the distinct
     parent folders (with ``dirs=False``, the caller fsyncs them later, e.g. once per build)."""
-    parents: dict[Path, None] = {}
-    for p in paths:
-        p = Path(p)
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        parents[p.absolute().parent] = None
+    files = [Path(p) for p in paths]
+    if threads > 1 and len(files) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(files))) as ex:
+            list(ex.map(_fsync_path, files))
+    else:
+        for p in files:
+            _fsync_path(p)
+    parents = list(dict.fromkeys(p.absolute().parent for p in files))
     if dirs:
         for d in parents:
             fsync_dir(d)
-    return list(parents)
+    return parents
 
 
 class ShardWriter:

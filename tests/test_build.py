@@ -28,6 +28,7 @@ from h5corpus import format as fmt
 from h5corpus.build import (
     BuildConfig, BuildConflict, BuildError, build, document_split, filtered_total, format_report, parse_max_tokens,
 )
+from h5corpus.manifest import read_manifest
 from h5corpus.sources import BadRecord, TaskReader, plan_tasks, resolve_sources
 from h5corpus.validate import validate_corpus
 
@@ -244,6 +245,41 @@ def test_worker_count_and_encoder_do_not_change_a_byte(tmp_path, core_build, cor
     ref = tree(root2)
     assert tree(tmp_path / "w1") == ref
     assert tree(tmp_path / "hf") == ref
+
+
+def test_every_listed_shard_is_fsynced_before_the_manifest(tmp_path, core_sources, monkeypatch):
+    """Every shard the manifest lists is durable before the manifest is written: its data fsynced
+    (by the worker that wrote it, in the background) and its folder fsynced after the rename into
+    place, so a power cut never leaves a manifest pointing at unwritten bytes or names."""
+    import h5corpus.build as B
+
+    log = tmp_path / "fsynced.log"  # appended to by every process (workers fsync their shards)
+    at_manifest: list[set[str]] = []
+    real_fsync, real_write = os.fsync, B.write_manifest
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        st = os.fstat(fd)  # by inode: a candidate is fsynced under its state-folder name, then renamed
+        with open(log, "a") as fh:
+            fh.write(f"{st.st_dev}:{st.st_ino}\n")
+
+    def write_manifest(path, m):
+        at_manifest.append(set(log.read_text().splitlines()))
+        return real_write(path, m)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(B, "write_manifest", write_manifest)
+    root = tmp_path / "b"
+    build(config(root, core_sources, workers=2))
+    m = read_manifest(root / "manifests" / "shards.json")
+    assert len(m.shards) > 2 and len(at_manifest) == 1
+    def key(p: Path) -> str:
+        st = p.stat()
+        return f"{st.st_dev}:{st.st_ino}"
+
+    for e in m.shards:
+        p = m.shard_path(e)
+        assert key(p) in at_manifest[0] and key(p.parent) in at_manifest[0], e.path
 
 
 def test_rerun_is_up_to_date_and_other_settings_are_refused(tmp_path, core_sources):

@@ -16,7 +16,7 @@ from h5corpus.format import TokenizerIdentity
 from h5corpus.manifest import Manifest, ShardEntry, write_manifest
 from h5corpus.packing import (
     BufferPacker,
-    _OccupancyTree,
+    _doc_table,
     best_fit_packs,
     bfd_packs,
     chunk_layout,
@@ -224,7 +224,7 @@ def naive_bfd_loads(lengths, capacity):
 @pytest.mark.parametrize("buffer_size", [1, 3, 16, 1000])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_buffer_packer_equals_naive_best_fit(capacity, buffer_size, seed):
-    """The occupancy-tree packer makes exactly the picks of a naive scan of the buffer: the longest
+    """The bisection packer makes exactly the picks of a naive scan of the buffer: the longest
     fitting chunk, the oldest among equals, buffer topped up before every pick."""
     lengths = np.random.default_rng(seed).integers(1, capacity + 1, 300).tolist()
     assert best_fit_packs(lengths, capacity, buffer_size) == naive_buffer_packs(lengths, capacity, buffer_size)
@@ -244,21 +244,103 @@ def test_bfd_equals_naive_best_fit_decreasing(capacity, seed):
     assert sorted(loads) == naive_bfd_loads(lengths.tolist(), capacity)
 
 
-def test_occupancy_tree_successor_against_a_set():
-    """The O(log L) index of BFD answers "smallest member >= x" like a sorted set, across word and
-    level boundaries (universe 5,000 needs three levels of 64-bit words)."""
-    rng = np.random.default_rng(3)
-    tree, ref = _OccupancyTree(5000), set()
-    for step in range(4000):
-        x = int(rng.integers(0, 5000))
-        if rng.random() < 0.55:
-            tree.add(x)
-            ref.add(x)
+def naive_bfd_packs(lengths, capacity):
+    """Independent statement of best-fit-decreasing with its tie rule: chunks longest first (ties
+    in index order), each into the open pack with the least space that still fits it (among equal
+    space, the pack that reached that space last), else into a new pack."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packs, room, since = [], [], []  # since[j]: step at which pack j reached its current space
+    for step, i in enumerate(order):
+        n = lengths[i]
+        fit = [j for j in range(len(packs)) if room[j] >= n]
+        if fit:
+            j = min(fit, key=lambda j: (room[j], -since[j]))
+            packs[j].append(i)
+            room[j] -= n
         else:
-            tree.discard(x)
-            ref.discard(x)
-        q = int(rng.integers(0, 5000))
-        assert tree.next_ge(q) == min((v for v in ref if v >= q), default=-1)
+            j = len(packs)
+            packs.append([i])
+            room.append(capacity - n)
+            since.append(0)
+        since[j] = step
+    return packs
+
+
+@pytest.mark.parametrize("capacity", [8, 64, 4096])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bfd_equals_naive_pack_for_pack(capacity, seed):
+    """BFD makes exactly the packs (and placement order) of the naive statement, tie rule
+    included, so the plan is a pure function of the lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([rng.integers(1, capacity + 1, 150), rng.integers(1, max(capacity // 8, 2), 250)])
+    assert bfd_packs(lengths, capacity) == naive_bfd_packs(lengths.tolist(), capacity)
+
+
+def naive_buffer_states(lengths, capacity, buffer_size):
+    """The seed's buffer best fit, returning (cursor, sorted buffer) after every pack."""
+    stream, buf, pos, states = list(lengths), [], 0, []
+    while pos < len(stream) or buf:
+        room = capacity
+        while room:
+            while len(buf) < buffer_size and pos < len(stream):
+                buf.append(pos)
+                pos += 1
+            fits = [(stream[i], -i) for i in buf if stream[i] <= room]
+            if not fits:
+                break
+            n, i = max(fits)
+            buf.remove(-i)
+            room -= n
+        states.append((pos, sorted(buf)))
+    return states
+
+
+@pytest.mark.parametrize("buffer_size", [1, 5, 64])
+def test_buffer_packer_bulk_packs_and_state_equal_the_seed(buffer_size):
+    """Packing many packs per call gives the packs of one-at-a-time packing, and after every pack
+    the packer's cursor and buffer are those of the algorithm as stated (top-up before every pick),
+    including packs that end exactly full."""
+    rng = np.random.default_rng(buffer_size)
+    lengths = np.concatenate([rng.integers(1, 65, 400), np.full(30, 64), rng.integers(1, 9, 100)])
+    rng.shuffle(lengths)
+    one = BufferPacker(lengths, 64, buffer_size)
+    singles, states = [], []
+    while pack := one.next_pack():
+        singles.append(pack)
+        states.append((one.cursor, one.buffer))
+    assert states == naive_buffer_states(lengths.tolist(), 64, buffer_size)
+    assert any(int(lengths[p].sum()) == 64 for p in singles)  # exactly full packs were exercised
+    bulk = BufferPacker(lengths, 64, buffer_size)
+    packs = []
+    for count in (7, 1, 10**6):
+        idx, n, ends = bulk.packs(count)
+        assert n.tolist() == lengths[idx].tolist()
+        packs += [idx[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)]
+    assert packs == singles
+
+
+@pytest.mark.parametrize("case", ["rebased", "widened"])
+def test_buffer_packer_key_encoding_across_blocks(monkeypatch, case):
+    """Keys are re-based at every block of arrivals (narrow 30-bit keys) and switch to wide keys
+    when a chunk has waited longer than the narrow age field holds; both give the packs and
+    states of the seed's algorithm (blocks of 64 arrivals here, so both happen on short streams)."""
+    monkeypatch.setattr(BufferPacker, "_BLOCK", 64)
+    rng = np.random.default_rng(5)
+    if case == "rebased":
+        capacity, buffer_size = 64, 7
+        lengths = rng.integers(1, 65, 3000)
+    else:  # a 1-token chunk never fits beside full chunks: it waits for the drain, 9,000 arrivals
+        capacity, buffer_size = 1 << 16, 4  # 13 age bits: a chunk may wait 8,191 arrivals
+        lengths = np.full(9000, capacity)
+        lengths[3] = 1
+    p = BufferPacker(lengths, capacity, buffer_size)
+    packs, states = [], []
+    while pack := p.next_pack():
+        packs.append(pack)
+        states.append((p.cursor, p.buffer))
+    assert p._A == (32 if case == "widened" else 30 - capacity.bit_length())
+    assert states == naive_buffer_states(lengths.tolist(), capacity, buffer_size)
+    assert packs == naive_buffer_packs(lengths.tolist(), capacity, buffer_size)
 
 
 def test_packers_refuse_oversized_chunks():
@@ -328,6 +410,87 @@ def test_dev_corpus_bfd_every_pair_once(dev_manifest):
     real = sum(b.num_tokens for b, _ in out)
     bfd_fill = real / (sum(b.num_packs for b, _ in out) * 4096)
     assert bfd_fill >= pack_fill(corpus.doc_lengths, mode="buffer").fill
+
+
+def reference_batches(corpus, *, max_seq_len, batch_size, packing_buffer, seed, mode, epoch=0, rank=0, world_size=1):
+    """A straightforward statement of the seed's loader, independent of the implementation: the
+    order is the seeded permutation, documents are cut with ``split_tokens``, packs come from the
+    naive packers above (BFD per block of ``packing_buffer`` chunks, packs shuffled with the
+    consumer's RNG), ``batch_size`` packs per microbatch, tokens read document by document."""
+    order = np.random.default_rng([seed, epoch]).permutation(corpus.num_documents)[rank::world_size]
+    chunks = [(d, c.start, len(c.inputs)) for d in order.tolist()
+              for c in split_tokens(d, corpus.document(d), max_seq_len=max_seq_len)]
+    lens = [n for _, _, n in chunks]
+    if mode == "buffer":
+        packs = naive_buffer_packs(lens, max_seq_len, packing_buffer)
+    else:
+        rng = np.random.default_rng([seed, epoch, rank, world_size, 0x9ACC])
+        packs = []
+        for lo in range(0, len(lens), packing_buffer):
+            block = naive_bfd_packs(lens[lo : lo + packing_buffer], max_seq_len)
+            packs += [[lo + i for i in block[j]] for j in rng.permutation(len(block)).tolist()]
+    out = []
+    for m in range(0, len(packs), batch_size):
+        mb = packs[m : m + batch_size]
+        segs = [chunks[i] for p in mb for i in p]
+        rows = [corpus.document(d)[s : s + n + 1].astype(np.int64) for d, s, n in segs]
+        out.append({"input_ids": np.concatenate([r[:-1] for r in rows]), "targets": np.concatenate([r[1:] for r in rows]),
+                    "position_ids": np.concatenate([np.arange(n) for _, _, n in segs]),
+                    "cu_seqlens": np.cumsum([0] + [n for _, _, n in segs]),
+                    "pack_lengths": [sum(lens[i] for i in p) for p in mb],
+                    "max_seqlen": max(n for _, _, n in segs), "segments": np.array(segs, dtype=np.int64)})
+    return out
+
+
+def assert_equals_reference(corpus, **kw):
+    rank, world_size = kw.pop("rank", 0), kw.pop("world_size", 1)
+    got = list(BestFitDataset(corpus, **kw, rank=rank, world_size=world_size, with_segments=True))
+    ref = reference_batches(corpus, **kw, rank=rank, world_size=world_size)
+    assert len(got) == len(ref)
+    for k, ((b, seg), r) in enumerate(zip(got, ref)):
+        assert np.array_equal(seg.numpy(), r["segments"]), f"microbatch {k}: other segments"
+        for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths"):
+            assert np.array_equal(getattr(b, f).numpy(), r[f]), f"microbatch {k}: {f} differs"
+        assert b.max_seqlen == r["max_seqlen"]
+        b.check()
+
+
+def crossing_chunks(corpus, max_seq_len) -> int:
+    """Chunks whose tokens cross a shard end or a gap between file-contiguous HDF5 chunk runs
+    (read apart from the others)."""
+    table = _doc_table(corpus)
+    doc, start, n = chunk_layout(corpus.doc_lengths, max_seq_len)
+    return int(np.count_nonzero(start + n + 1 > table.room[doc]))
+
+
+@pytest.mark.parametrize("mode, packing_buffer", [("buffer", 64), ("buffer", 5), ("bfd", 300)])
+def test_batches_equal_a_reference_implementation_stdlib(stdlib_manifest, mode, packing_buffer):
+    """Every microbatch (segments, tokens, targets, positions, cu_seqlens, pack lengths, longest
+    segment) equals a straightforward implementation of the seed's algorithm, for two ranks;
+    chunks that cross gaps between HDF5 chunk runs are among them."""
+    corpus = open_corpus(stdlib_manifest, "train")
+    assert crossing_chunks(corpus, 1024) > 0
+    for rank in range(2):
+        assert_equals_reference(corpus, max_seq_len=1024, batch_size=6, packing_buffer=packing_buffer, seed=7,
+                                mode=mode, rank=rank, world_size=2)
+
+
+def test_batches_equal_a_reference_implementation_dev_corpus(dev_manifest):
+    """Real GPT-2 shards at the benchmark's configuration (4,096 x 35, buffer 64, seed 0) and BFD
+    in 512-chunk blocks: microbatches equal the straightforward reference, bit for bit."""
+    corpus = open_corpus(dev_manifest, "train")
+    assert crossing_chunks(corpus, 4096) > 0
+    assert_equals_reference(corpus, max_seq_len=4096, batch_size=35, packing_buffer=64, seed=0, mode="buffer")
+    assert_equals_reference(corpus, max_seq_len=4096, batch_size=35, packing_buffer=512, seed=3, mode="bfd", epoch=1)
+
+
+def test_hdf5_read_path_gives_the_same_batches(stdlib_manifest):
+    """Shards read through HDF5 (no memory map) give the same batches as the memory-mapped path."""
+    kw = dict(max_seq_len=512, batch_size=4, seed=2, with_segments=True)
+    mm = list(BestFitDataset(open_corpus(stdlib_manifest, "train", read_path="mmap"), **kw))
+    h5 = list(BestFitDataset(open_corpus(stdlib_manifest, "train", read_path="h5py"), **kw))
+    assert len(mm) == len(h5)
+    assert all(batches_equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(mm, h5))
 
 
 def test_epoch_order_is_seeded_and_changes_with_set_epoch(stdlib_manifest):

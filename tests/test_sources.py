@@ -69,6 +69,26 @@ def test_jsonl_byte_ranges_partition_lines_exactly(tmp_path, texts, task_bytes):
     assert read_all([str(p)], task_bytes=task_bytes) == texts
 
 
+@pytest.mark.parametrize("block", [1, 7, 4096])
+def test_jsonl_block_reads_give_the_same_records_and_line_numbers(tmp_path, texts, monkeypatch, block):
+    """The JSONL reader splits lines out of fixed-size blocks: any block size (lines spanning many
+    blocks, blank and CRLF lines, a last line without a newline, byte ranges) gives exactly the
+    records, order and line numbers of whole-file reading."""
+    import h5corpus.sources as src
+
+    rows = [json.dumps({"text": t}, ensure_ascii=False) for t in texts[:30]]
+    rows[7] = '{"text": broken'
+    rows[12] = "   "
+    rows[20] = rows[20] + "\r"
+    p = tmp_path / "b.jsonl"
+    p.write_text("\n".join(rows), encoding="utf-8")  # no newline after the last line
+    want = read_all([str(p)], task_bytes=2_000)
+    assert [r.where for r in want if isinstance(r, BadRecord)] == [f"{p}:8"]
+    assert [r for r in want if not isinstance(r, BadRecord)] == [t for i, t in enumerate(texts[:30]) if i not in (7, 12)]
+    monkeypatch.setattr(src, "_JSONL_BLOCK", block)
+    assert read_all([str(p)], task_bytes=2_000) == want
+
+
 def test_every_format_streams_the_same_documents(tmp_path, texts):
     """jsonl, jsonl.gz, jsonl.zst, parquet (row-group tasks) and a folder of .txt agree."""
     write_jsonl(tmp_path / "a.jsonl", texts)

@@ -215,8 +215,8 @@ def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, st
     tok = load_tokenizer(str(p))
     sha = hashlib.sha256(p.read_bytes()).hexdigest()
     assert tk._load_ranks(sha) is None
-    reference, _ = tk.tiktoken_from_json(tok.json)  # no sha: no cache
-    assert not (tmp_path / "cache").exists()
+    reference, _ = tk.tiktoken_from_json(tok.json)  # no sha: no ranks cache
+    assert not (tmp_path / "cache" / "tiktoken").exists()
     first, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)  # converts and stores
     (f,) = (tmp_path / "cache" / "tiktoken").glob("*.ranks")
     cached = tk._load_ranks(sha)
@@ -231,6 +231,37 @@ def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, st
     assert tk._load_ranks(sha) is None
     third, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)
     assert third._mergeable_ranks == reference._mergeable_ranks and tk._load_ranks(sha) == cached
+
+
+def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, monkeypatch, stdlib_corpus_texts):
+    """A second load of the same tokenizer JSON takes its identity (EOS id, vocabulary size) and the
+    fast path's verdict from the facts cache without parsing the JSON, and gets the same identity
+    and the same ids; a damaged or foreign facts file is ignored (the JSON is parsed again)."""
+    from h5corpus import tokenize as tk
+
+    monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
+    first = load_tokenizer(str(p))
+    assert first._json is not None  # parsed
+    fast1, why = fast_encoder(first)
+    assert fast1 is not None, why
+    second = load_tokenizer(str(p))
+    assert second._json is None and second.identity == first.identity  # from the cache, unparsed
+    fast2, why = fast_encoder(second)
+    assert fast2 is not None and second._json is None, why
+    text = "\n".join(stdlib_corpus_texts[:20]) + " the ab abc bc er <|endoftext|>"
+    assert np.array_equal(fast2.encode(text), fast1.encode(text))
+    assert np.array_equal(fast2.encode(text), second.encode(text))  # the reference agrees
+    # another EOS choice is another key
+    assert load_tokenizer(str(p), eos_token="<|endoftext|>")._json is not None
+    for f in (tmp_path / "cache" / "facts").glob("*.json"):
+        d = json.loads(f.read_text())
+        d["fields"]["tokenizer_sha256"] = "0" * 64  # a file that is not this key's
+        f.write_text(json.dumps(d))
+    third = load_tokenizer(str(p))
+    assert third._json is not None and third.identity == first.identity
 
 
 def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
