@@ -121,40 +121,16 @@ for _ in range(int(sys.argv[3])):
 print(json.dumps({"runs": runs, "bytes": r.bytes_hashed}))
 """
 
-# The second baseline: the same bytes, loaded in a fresh process, hashed by N forked processes
-# (one contiguous 1/N slice each), timed from the first fork to the last exit.
-_FORKED_HASHLIB = """
+def _forked_hashlib(setup: str, child: str) -> str:
+    """A timing script: ``setup`` once, then per repeat N forked processes each running ``child``
+    (with ``i`` = its index, ``n`` = N), timed from the first fork to the last exit. Arguments:
+    N, repeats, then the script's own. Prints JSON like _VALIDATE_TIMER."""
+    body = "\n".join("            " + line for line in child.strip().splitlines())
+    return f"""
 import hashlib, json, os, resource, sys, time
-import numpy as np
-buf = np.fromfile(sys.argv[1], dtype=np.uint8)
-n = int(sys.argv[2])
-cuts = [buf.size * i // n for i in range(n + 1)]
-runs = []
-for _ in range(int(sys.argv[3])):
-    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    pids = []
-    for i in range(n):
-        pid = os.fork()
-        if pid == 0:
-            hashlib.sha256(buf[cuts[i] : cuts[i + 1]]).digest()
-            os._exit(0)
-        pids.append(pid)
-    for pid in pids:
-        os.waitpid(pid, 0)
-    w = time.perf_counter() - t
-    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    runs.append((w, c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime))
-print(json.dumps({"runs": runs, "bytes": int(buf.size)}))
-"""
-
-
-# ``ls shards/*.h5 | xargs -P N sha256sum`` in Python: N forked processes, each hashing whole shard
-# files (assigned round-robin) with hashlib.file_digest, which reads them through a reused buffer.
-_FILE_HASHLIB = """
-import hashlib, json, os, resource, sys, time
-paths = sys.argv[3:]
 n = int(sys.argv[1])
+args = sys.argv[3:]
+{setup.strip()}
 runs = []
 for _ in range(int(sys.argv[2])):
     c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -163,9 +139,7 @@ for _ in range(int(sys.argv[2])):
     for i in range(n):
         pid = os.fork()
         if pid == 0:
-            for p in paths[i::n]:
-                with open(p, "rb") as fh:
-                    hashlib.file_digest(fh, "sha256").digest()
+{body}
             os._exit(0)
         pids.append(pid)
     for pid in pids:
@@ -173,8 +147,24 @@ for _ in range(int(sys.argv[2])):
     w = time.perf_counter() - t
     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     runs.append((w, c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime))
-print(json.dumps({"runs": runs, "bytes": sum(os.path.getsize(p) for p in paths)}))
+print(json.dumps({{"runs": runs, "bytes": nbytes}}))
 """
+
+
+# The second baseline: the same bytes, loaded in a fresh process, hashed by N forked processes
+# (one contiguous 1/N slice each).
+_FORKED_HASHLIB = _forked_hashlib(
+    "import numpy as np\nbuf = np.fromfile(args[0], dtype=np.uint8)\nnbytes = int(buf.size)\n"
+    "cuts = [buf.size * k // n for k in range(n + 1)]",
+    "hashlib.sha256(buf[cuts[i] : cuts[i + 1]]).digest()",
+)
+
+# ``ls shards/*.h5 | xargs -P N sha256sum`` in Python: N forked processes, each hashing whole shard
+# files (assigned round-robin) with hashlib.file_digest, which reads them through a reused buffer.
+_FILE_HASHLIB = _forked_hashlib(
+    "nbytes = sum(os.path.getsize(p) for p in args)",
+    "for p in args[i::n]:\n    with open(p, 'rb') as fh:\n        hashlib.file_digest(fh, 'sha256').digest()",
+)
 
 
 def _best_run(script: str, *argv) -> tuple[float, float, int]:
@@ -225,7 +215,7 @@ def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int) -> l
     rows = []
     for workers in (1, 2):
         t_v, cpu_v, nbytes = _best_run(_VALIDATE_TIMER, vroot / "manifests" / "shards.json", workers, repeat)
-        t_f, cpu_f, fbytes = _best_run(_FORKED_HASHLIB, raw, workers, repeat)
+        t_f, cpu_f, fbytes = _best_run(_FORKED_HASHLIB, workers, repeat, raw)
         assert fbytes == nbytes
         files = [str(vroot / "manifests" / e.path) for e in m.shards]
         t_s, cpu_s, sbytes = _best_run(_FILE_HASHLIB, workers, repeat, *files)

@@ -480,18 +480,24 @@ def _store_facts(json_sha256: str, what: str, facts: Mapping[str, Any]) -> None:
     if where is None:
         return
     path, fields = where
+    _write_cache_file(path, json.dumps({"fields": fields, "facts": dict(facts)}, sort_keys=True).encode("utf-8"))
+
+
+def _write_cache_file(path: Path, data: bytes) -> None:
+    """Write one cache file atomically (temp file + rename). A cache that cannot be written is not
+    an error: it only costs the next run the work the file would have saved."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"fields": fields, "facts": dict(facts)}, fh, sort_keys=True)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError:
-        pass  # an unwritable cache only costs the next run a parse
+        pass
 
 
 def _byte_level_ranks(model: Mapping[str, Any], added_contents: set[str]) -> tuple[dict[bytes, int] | None, str]:
@@ -569,18 +575,7 @@ def _store_ranks(json_sha256: str, ranks: Mapping[bytes, int]) -> None:
                + np.fromiter(map(len, toks), dtype="<u4", count=len(toks)).tobytes() + b"".join(toks))
     head = json.dumps({"fields": fields, "n": len(toks), "blob": len(payload) - 8 * len(toks),
                        "sha256": hashlib.sha256(payload).hexdigest()}, sort_keys=True).encode()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(head + b"\n" + payload)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError:
-        pass  # an unwritable cache only costs the next run the conversion
+    _write_cache_file(path, head + b"\n" + payload)
 
 
 def _tiktoken_plan(d: dict[str, Any], json_sha256: str | None) -> tuple[dict[str, Any] | None, dict[bytes, int] | None, str]:
@@ -748,19 +743,8 @@ def _remember_proof(key: str, fields: Mapping[str, Any]) -> None:
     d = cache_dir()
     if d is None:
         return
-    try:
-        folder = d / "proofs"
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"fields": dict(fields), "verdict": "same ids"}, fh, sort_keys=True)
-            os.replace(tmp, folder / f"{key}.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError:
-        pass  # a cache that cannot be written only costs the next run a proof
+    _write_cache_file(d / "proofs" / f"{key}.json",
+                      json.dumps({"fields": dict(fields), "verdict": "same ids"}, sort_keys=True).encode("utf-8"))
 
 
 def prove_same_ids(reference: HFEncoder, candidate: Encoder, texts: Iterable[str], *, cache: bool = True) -> str | None:

@@ -56,21 +56,18 @@ class ShardInfo:
     """File size on disk, in bytes."""
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_path(p: Path) -> None:
+def _fsync_path(p: str | os.PathLike[str]) -> None:
+    """fsync a file or a folder, by path."""
     fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    _fsync_path(path)
 
 
 def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True, threads: int = 1) -> list[Path]:

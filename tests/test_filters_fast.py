@@ -23,6 +23,7 @@ pytest.importorskip("py3langid")
 from h5corpus import langid, pii, quality, words  # noqa: E402
 from h5corpus.neardedup import MinHasher  # noqa: E402
 from h5corpus.quality import QualityThresholds, quality_batch  # noqa: E402
+from test_filters import _reference_reason  # noqa: E402
 
 # Lines and characters that str.splitlines()/str.strip() treat specially, duplicates that differ
 # only in case or inner spacing (equal word hashes, different bytes), terminal punctuation of
@@ -85,35 +86,7 @@ def test_line_statistics_equal_definitions_on_dev_corpus(dev_texts):
         _check_line_stats(dev_texts[i:i + 300])
 
 
-def _reference(text: str, t: QualityThresholds) -> str | None:
-    """Every rule one by one from its definition (no batching, no bounds)."""
-    w = words.split_words(text)
-    nw = len(w)
-    if nw < t.min_words:
-        return "min_words"
-    if t.max_words is not None and nw > t.max_words:
-        return "max_words"
-    if nw == 0:
-        return None
-    single = ((w.bits & words.CJK) != 0) & (w.chars == 1)
-    nc = int(single.sum())
-    if 2 * nc < nw:
-        mean = (int(w.chars.sum()) - nc) / max(nw - nc, 1)
-        if not t.min_mean_word_length <= mean <= t.max_mean_word_length:
-            return "mean_word_length"
-    if int(((w.bits & (words.UPPER | words.LOWER)) == words.UPPER).sum()) > t.max_uppercase_words * nw:
-        return "uppercase_words"
-    if int(((w.bits & (words.UPPER | words.LOWER | words.NONASCII)) != 0).sum()) < t.min_alpha_words * nw:
-        return "alpha_words"
-    r = quality._text_rules(text, t, nw)
-    if r is not None:
-        return r
-    k = quality.CJK_NGRAM_SCALE if 2 * nc >= nw else 1
-    if any(quality.top_ngram_fraction(w, n * k) > lim for n, lim in t.max_top_ngram.items()):
-        return "top_ngram"
-    if any(quality.dup_ngram_fraction(w, n * k) > lim for n, lim in t.max_dup_ngram.items()):
-        return "dup_ngram"
-    return None
+_reference = _reference_reason  # the rules one by one from their definitions (tests/test_filters.py)
 
 
 _LOOSE = dict(min_words=0, max_special_chars=1.0, max_symbols_per_word=1e9, min_line_punct=0.0, max_dup_lines=1.0,
