@@ -175,22 +175,26 @@ def _best_run(script: str, *argv) -> tuple[float, float, int]:
     return wall, cpu, got["bytes"]
 
 
-def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int) -> list[dict]:
-    """validate_corpus (1 and 2 workers) vs hashlib.sha256 over ~400 MB in 8 shards.
+def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int, shards: int = 4,
+                   shard_tokens: int | None = None) -> list[dict]:
+    """validate_corpus (1 and 2 workers) vs hashlib.sha256 over ``shards`` shards of ``shard_tokens``
+    tokens (default: the build's default shard size, 2^27 tokens = 256 MiB of uint16; 4 of them).
 
-    Hashing speed does not depend on content: 20 copies of the tokens give ~400 MB, enough that
-    per-call set-up does not dominate. Two baselines over the same bytes in memory: single-process
+    Hashing speed does not depend on content: the tokens are repeated to fill the shards, which
+    have the size a build writes, so per-shard costs weigh what they weigh in a real corpus (with
+    8 shards of 50 MB they cost ~7% more). Two baselines over the same bytes in memory: single-process
     ``hashlib`` x workers (the target: ratio_per_worker >= 0.8) and ``hashlib`` in N forked
     processes (what N cores really sustain here); and one over the shard files as they lie on disk
     (page cache): ``xargs -P N sha256sum``, i.e. the reading a file hash cannot avoid, which the
     in-memory baselines leave out. CPU seconds per GB (user + sys, every
     thread and child) are reported too: they are robust to other load on the machine, wall is not.
     """
+    from h5corpus.build import DEFAULT_SHARD_TOKENS
     from h5corpus.format import DEFAULT_CHUNK_TOKENS
 
-    copies = 20
+    per = int(shard_tokens or DEFAULT_SHARD_TOKENS)
+    copies = -(-shards * per // flat.size)
     vdocs = docs * copies
-    per = max(flat.size * copies // 8, 1)
     m = Manifest(tokenizer=ident, dtype=str(flat.dtype), chunk_tokens=DEFAULT_CHUNK_TOKENS)
     k = acc = 0
     part = []
@@ -221,7 +225,7 @@ def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int) -> l
         t_s, cpu_s, sbytes = _best_run(_FILE_HASHLIB, workers, repeat, *files)
         v_Bps, f_Bps = nbytes / t_v, nbytes / t_f
         rows.append({
-            "workers": workers, "shards": len(m.shards), "bytes": nbytes,
+            "workers": workers, "shards": len(m.shards), "shard_tokens": per, "bytes": nbytes,
             "validate_MBps": round(v_Bps / 1e6, 1),
             "hashlib_MBps_x_workers": round(hash_Bps * workers / 1e6, 1),
             "ratio_per_worker": round(v_Bps / (hash_Bps * workers), 3),
@@ -242,6 +246,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--repeat", type=int, default=5, help="validate section: timed runs per figure (best is kept)")
     ap.add_argument("--only-validate", action="store_true", help="run only the validate section")
+    ap.add_argument("--validate-shards", type=int, default=4, help="validate section: number of shards")
+    ap.add_argument("--validate-shard-tokens", type=int, default=None,
+                    help="validate section: tokens per shard (default: the build's default shard size)")
     args = ap.parse_args()
 
     docs, ident, enc_s, source = load_tokens(args.tokens)
@@ -252,7 +259,8 @@ def main() -> None:
                  "cpus": os.cpu_count()}
     try:
         if args.only_validate:
-            out["validate"] = bench_validate(tmp / "v", docs, flat, ident, args.repeat)
+            out["validate"] = bench_validate(tmp / "v", docs, flat, ident, args.repeat, args.validate_shards,
+                                             args.validate_shard_tokens)
             emit(out, args.out)
             return
         # -- writer vs tofile ------------------------------------------------------------------
@@ -309,7 +317,8 @@ def main() -> None:
         out["chunk_tokens"] = rows
 
         # -- validate vs hashlib ----------------------------------------------------------------
-        out["validate"] = bench_validate(tmp / "v", docs, flat, ident, args.repeat)
+        out["validate"] = bench_validate(tmp / "v", docs, flat, ident, args.repeat, args.validate_shards,
+                                         args.validate_shard_tokens)
 
         # -- compression (seed exercise) ----------------------------------------------------------
         filters = [("none", {}), ("gzip-4", dict(compression="gzip", compression_opts=4)), ("lzf", dict(compression="lzf"))]
