@@ -358,8 +358,9 @@ def validate_corpus(
     """Check every shard of a manifest: presence, size, format, structure, EOS at every document
     end, and both hashes; also report shard files the manifest does not list.
 
-    ``workers`` processes (default: all cores) check one shard each at a time, each reading its
-    shard once at about ``hashlib.sha256`` speed. ``deep`` also scans every token for ids
+    ``workers`` threads (default: all cores) check one shard each at a time, each reading its
+    shard once (memory-mapped) at about ``hashlib.sha256`` speed; sha256 and the reads release the
+    GIL. Compressed shards, whose decoding holds h5py's lock, are checked in spawned processes. ``deep`` also scans every token for ids
     ``>= vocab_size`` and EOS inside documents (the sha256 already proves the tokens are the ones
     the writer wrote, and the writer refuses both, so this only guards against a writer bug; it
     costs about 20% more CPU).
