@@ -841,7 +841,6 @@ def _read_job(task: Task) -> dict[str, Any]:
                  ordinal: int = 0, loc: Any = None, read_id: bytes | None = None) -> None:
             """A document past the filters: id, split, empty/duplicate checks, encode batch.
             ``read_id``: id of the text as read, when the filters changed it."""
-            nonlocal b_size
             doc_id = sha256(data).digest()
             s = split_of(doc_id)
             if not text:
@@ -865,6 +864,11 @@ def _read_job(task: Task) -> dict[str, Any]:
                 lang = info.get("lang") if info else None
                 ex_rows.append([ordinal, (read_id or doc_id).hex(), loc[0], loc[1], loc[2], lang,
                                 None if lang is None else round(float(info["lang_prob"]), 4)])  # type: ignore[index]
+            push(text, doc_id, s)
+
+        def push(text: str, doc_id: bytes, s: int) -> None:
+            """Queue a kept document for the next encode batch."""
+            nonlocal b_size
             b_texts.append(text)
             b_ids.append(doc_id)
             b_chars.append(len(text))
@@ -937,13 +941,7 @@ def _read_job(task: Task) -> dict[str, Any]:
                     counts[s]["duplicates"] += 1
                     continue
                 seen.add(doc_id)
-                b_texts.append(text)
-                b_ids.append(doc_id)
-                b_chars.append(len(text))
-                b_split.append(s)
-                b_size += len(text)
-                if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
-                    flush()
+                push(text, doc_id, s)
         for k, rec in enumerate(() if filters is None and not explain else reader):
             if isinstance(rec, BadRecord):
                 bad(rec)
