@@ -345,11 +345,8 @@ class TiktokenEncoder:
     def encoding(self):
         if self._enc is None:
             sha = hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()
-            verdict, ranks = _load_facts(sha, "fast path"), _load_ranks(sha)
-            if verdict is not None and verdict.get("kind") == "tiktoken" and ranks is not None:
-                enc, reason = _tiktoken_encoding(verdict, ranks)
-            else:
-                enc, reason = tiktoken_from_json(json.loads(self.json_text), json_sha256=sha)
+            cached = _cached_tiktoken(sha, _load_facts(sha, "fast path"))
+            enc, reason = cached or tiktoken_from_json(json.loads(self.json_text), json_sha256=sha)
             if enc is None:
                 raise TokenizerError(f"tiktoken fast path unavailable: {reason}")
             self._enc = enc
@@ -662,6 +659,15 @@ def _bytes_model(d: dict[str, Any]) -> bool:
     return False
 
 
+def _cached_tiktoken(json_sha256: str, verdict: Mapping[str, Any] | None) -> tuple[Any, str] | None:
+    """(encoding or None, why) from a cached tiktoken verdict and cached ranks; None when either
+    is not cached (the JSON must then be parsed and converted)."""
+    if verdict is None or verdict.get("kind") != "tiktoken":
+        return None
+    ranks = _load_ranks(json_sha256)
+    return None if ranks is None else _tiktoken_encoding(verdict, ranks)
+
+
 def fast_encoder(tok: Tokenizer) -> tuple[Encoder | None, str]:
     """A faster encoder structurally equivalent to ``tok`` (not yet proven), or (None, why not).
 
@@ -669,16 +675,15 @@ def fast_encoder(tok: Tokenizer) -> tuple[Encoder | None, str]:
     vocabulary, so a later build with the same tokenizer neither parses its JSON nor converts it."""
     sha = tok.identity.sha256
     verdict = _load_facts(sha, "fast path")
-    if verdict is not None and verdict.get("kind") == "tiktoken":
-        ranks = _load_ranks(sha)
-        if ranks is not None:
-            enc, why = _tiktoken_encoding(verdict, ranks)
-            if enc is None:
-                return None, why
-            e = TiktokenEncoder(tok.json_text)
-            e._enc = enc
-            return e, ""
-    elif verdict is not None and verdict.get("kind") == "bytes":
+    cached = _cached_tiktoken(sha, verdict)
+    if cached is not None:
+        enc, why = cached
+        if enc is None:
+            return None, why
+        e = TiktokenEncoder(tok.json_text)
+        e._enc = enc
+        return e, ""
+    if verdict is not None and verdict.get("kind") == "bytes":
         return BytesEncoder(), ""
     elif verdict is not None and verdict.get("kind") is None and isinstance(verdict.get("why"), str):
         return None, verdict["why"]

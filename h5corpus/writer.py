@@ -70,21 +70,14 @@ def fsync_dir(path: Path) -> None:
     _fsync_path(path)
 
 
-def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True, threads: int = 1) -> list[Path]:
+def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True) -> list[Path]:
     """Make files durable: fsync each file, then (``dirs``) each distinct parent folder once, which
     makes their names (renames) durable too. For files written with ``ShardWriter(..., fsync=False)``
-    and possibly renamed since, before a manifest that lists them is written. ``threads`` > 1 issues
-    the fsyncs concurrently (the file system can then commit them together). Returns the distinct
+    and possibly renamed since, before a manifest that lists them is written. Returns the distinct
     parent folders (with ``dirs=False``, the caller fsyncs them later, e.g. once per build)."""
     files = [Path(p) for p in paths]
-    if threads > 1 and len(files) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(min(threads, len(files))) as ex:
-            list(ex.map(_fsync_path, files))
-    else:
-        for p in files:
-            _fsync_path(p)
+    for p in files:
+        _fsync_path(p)
     parents = list(dict.fromkeys(p.absolute().parent for p in files))
     if dirs:
         for d in parents:
