@@ -293,29 +293,34 @@ class BufferPacker:
         H = ~M  # key & H == length << A
         full = q = (self.capacity << A) | M  # the largest key that fits the open pack
         npk = 0
-        while nxt is not None and npk < count:
-            try:
-                while True:  # one pick per turn; the arrival that replaces it keeps the buffer full
-                    i = bis(keys, q)
-                    if not i:
+        tight = self._tight
+        it = self._it
+        i = len(keys)  # the next pick's bisection (an empty pack: the longest chunk always fits)
+        while it is not None and npk < count:
+            for new in it:  # one pick per arrival: the arrival replaces the pick, the buffer stays full
+                k = pop(i - 1)
+                app(k)
+                q -= k & H
+                ins(keys, new)
+                i = bis(keys, q)
+                if not i:  # nothing fits the open pack: it is done
+                    eapp(len(out))
+                    npk += 1
+                    tight = q == M
+                    q = full
+                    if npk == count:
                         break
-                    k = pop(i - 1)
-                    app(k)
-                    q -= k & H
-                    ins(keys, nxt())
-            except StopIteration:  # the block of arrivals ran out right after a pick
-                nxt = self._next_block(len(out), marks)
+                    i = len(keys)
+            else:  # the block of arrivals ran out before a pick
+                self._next_block(len(out), marks)
+                it = self._it
                 if self._A != A:  # re-encode the open pack's room
                     q = (q >> A) << self._A | ((1 << self._A) - 1)
                     A, M = self._A, (1 << self._A) - 1
                     H, full = ~M, (self.capacity << A) | M
-                if nxt is not None:
-                    ins(keys, nxt())
-                continue  # the same pack goes on
-            eapp(len(out))
-            npk += 1
-            self._tight = q == M
-            q = full
+                i = bis(keys, q)  # the same pick (shifted keys keep their order)
+                continue
+            break
         while npk < count:  # the stream is used up: drain the buffer
             i = bis(keys, q)
             if i:
@@ -327,8 +332,9 @@ class BufferPacker:
                 break
             eapp(len(out))
             npk += 1
-            self._tight = False
+            tight = False
             q = full
+        self._tight = tight
 
     def packs(self, count: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The next ``count`` packs (fewer at the stream's end), flat: ``(indices, lengths,
@@ -710,25 +716,43 @@ def _rng_seed(seed: int, epoch: int, consumer: Consumer) -> list[int]:
     return [int(seed), int(epoch), consumer.index, consumer.count, 0x9ACC]
 
 
-class _DocTable(NamedTuple):
-    """Where every document of a fully memory-mapped split starts, for :class:`_ChunkReads`."""
+class _RunTable(NamedTuple):
+    """Where the tokens of a fully memory-mapped split lie, for :class:`_ChunkReads`: the
+    corpus's chunk runs (file-contiguous HDF5 chunks of one shard) and the lookup arrays of
+    :meth:`Corpus.gather_ranges`."""
 
     views: list[memoryview]
-    """Byte views of the corpus's chunk runs (file-contiguous HDF5 chunks of one shard)."""
-    run: np.ndarray
-    """(documents,) int64 run holding each document's first token."""
-    byte: np.ndarray
-    """(documents,) int64 byte offset of that token in its run's view."""
-    room: np.ndarray
-    """(documents,) int64 tokens from the document's start to the end of its run or shard,
-    whichever comes first: a range ``[start, start + n)`` of the document is one slice of one
-    run if ``start + n <= room``."""
+    """Byte views of the runs."""
+    shard_starts: np.ndarray
+    """(shards + 1,) int64 global position of each shard's first token."""
+    base: np.ndarray
+    """(shards + 1,) int64 first global chunk of each shard."""
+    run_index: np.ndarray
+    """(chunks,) int64 run of each HDF5 chunk."""
+    chunk_pos: np.ndarray
+    """(chunks,) int64 token offset of each HDF5 chunk in its run."""
+    run_sizes: np.ndarray
+    """(runs,) int64 tokens per run."""
+    chunk_tokens: int
+    itemsize: int
+
+    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For global token positions ``pos`` (int64): the run holding each, its byte offset in
+        that run's view, and the tokens from it to the end of its run or shard, whichever comes
+        first (a range ``[pos, pos + n)`` is one slice of one run if ``n <= room``)."""
+        sts = self.shard_starts
+        shard = np.minimum(sts.searchsorted(pos, side="right") - 1, sts.size - 2)
+        local = pos - sts[shard]
+        k, o = np.divmod(local, self.chunk_tokens)
+        k = np.minimum(k + self.base[shard], self.base[shard + 1] - 1)
+        run = self.run_index[k]
+        at = self.chunk_pos[k] + o
+        return run, at * self.itemsize, np.minimum(self.run_sizes[run] - at, sts[shard + 1] - pos)
 
 
-def _doc_table(corpus: Any) -> _DocTable | None:
-    """The document table of ``corpus`` in this process, or None when some shard is read through
-    HDF5 (then reads go through :meth:`Corpus.gather_ranges`). Uses the corpus's table of chunk
-    runs (the one :meth:`Corpus.gather_ranges` uses); call after any fork."""
+def _run_table(corpus: Any) -> _RunTable | None:
+    """The run table of ``corpus`` in this process, or None when some shard is read through
+    HDF5 (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
     if not hasattr(corpus, "_range_table"):
         return None
     corpus._check_pid()
@@ -736,16 +760,8 @@ def _doc_table(corpus: Any) -> _DocTable | None:
     if table is None:
         return None
     base, run_index, chunk_pos, run_sizes, runs, C = table
-    sts = np.asarray(corpus.shard_token_starts, dtype=np.int64)
-    start = np.asarray(corpus.doc_offsets, dtype=np.int64)[:-1]
-    shard = np.minimum(sts.searchsorted(start, side="right") - 1, sts.size - 2)
-    local = start - sts[shard]
-    k, o = np.divmod(local, C)
-    k = np.minimum(k + base[shard], base[shard + 1] - 1)
-    run = run_index[k]
-    pos = chunk_pos[k] + o
-    room = np.minimum(run_sizes[run] - pos, sts[shard + 1] - start)
-    return _DocTable([memoryview(r).cast("B") for r in runs], run, pos * np.dtype(corpus.dtype).itemsize, room)
+    return _RunTable([memoryview(r).cast("B") for r in runs], np.asarray(corpus.shard_token_starts, dtype=np.int64),
+                     base, run_index, chunk_pos, run_sizes, int(C), np.dtype(corpus.dtype).itemsize)
 
 
 _ZEROS = bytes(8)
@@ -761,7 +777,7 @@ class _ChunkReads:
     wrapped without a copy. Otherwise (a shard read through HDF5) the batch is allocated with
     :func:`~h5corpus.batch.alloc_compact` and filled by one :meth:`Corpus.gather_ranges` call."""
 
-    def __init__(self, corpus: Any, plan: "_Plan", table: _DocTable | None) -> None:
+    def __init__(self, corpus: Any, plan: "_Plan", table: _RunTable | None) -> None:
         self.corpus, self.plan, self.table = corpus, plan, table
         self.dtype = np.dtype(corpus.dtype)
         self.storage = _STORAGE[self.dtype][0]
@@ -788,19 +804,25 @@ class _ChunkReads:
         bounds = seg.tolist()
         t = self.table
         if t is not None:
-            doc, start = self.plan.chunk_doc[g.chunks], self.plan.chunk_start[g.chunks]
-            w = self.dtype.itemsize
-            run = t.run[doc]
-            lo = t.byte[doc] + start * w
-            hi = lo + (g.lengths + 1) * w
-            ok = start + g.lengths + 1 <= t.room[doc]  # else: the chunk crosses a shard or a gap between runs
-            if not ok.all():
-                run = np.where(ok, run, -1)
+            pos = self._starts(g.chunks)
+            run, lo, room = t.locate(pos)
+            hi = lo + (g.lengths + 1) * t.itemsize
+            # A chunk that crosses a gap between runs is read through the corpus instead (its
+            # slice of its first run is replaced in the batch's parts: see :meth:`batch`).
+            cross = np.flatnonzero(g.lengths + 1 > room)
             run_l, lo_l, hi_l = run.tolist(), lo.tolist(), hi.tolist()
+            cut = np.searchsorted(cross, seg).tolist()
+            if cross.size:
+                cross_starts = pos[cross].tolist()
+                cross_l = cross.tolist()
         out = []
         for j in range(K):
             a, b = bounds[j], bounds[j + 1]
-            ranges = None if t is None else (run_l[a:b], lo_l[a:b], hi_l[a:b])
+            ranges = None
+            if t is not None:
+                c0, c1 = cut[j], cut[j + 1]
+                patch = [(k - a, cross_starts[m]) for m, k in enumerate(cross_l[c0:c1], c0)] if c1 > c0 else None
+                ranges = (run_l[a:b], lo_l[a:b], hi_l[a:b], patch)
             out.append(_Prepared(g.chunks[a:b], g.lengths[a:b], row_cu[a:b], pack_len[g.mb_packs[j] : g.mb_packs[j + 1]],
                                  tokens[j], longest[j], ranges))
         return out
@@ -821,14 +843,14 @@ class _ChunkReads:
         head[rc + 4 : rc + 4 + 4 * S].view(np.int32)[:] = mb.row_cu  # row_cu[0] = 0
         head[pk : pk + 4 * P].view(np.int32)[:] = mb.pack_lengths
         tail = _ZEROS[: nbytes - tk - (T + S) * self.dtype.itemsize]
-        run, lo, hi = mb.ranges
+        run, lo, hi, patch = mb.ranges
         views = self.table.views  # type: ignore[union-attr]
-        if min(run) >= 0:
-            data = bytearray().join([head, *map(getitem, map(views.__getitem__, run), map(slice, lo, hi)), tail])
-        else:
+        parts = [head, *map(getitem, map(views.__getitem__, run), map(slice, lo, hi)), tail]
+        if patch is not None:  # segments that leave their first run: read through the corpus
             tokens, w = self.corpus.tokens, self.dtype.itemsize
-            data = bytearray().join([head, *[views[r][a:b] if r >= 0 else tokens(g, g + (b - a) // w)
-                                             for r, a, b, g in zip(run, lo, hi, self._starts(mb.chunks).tolist())], tail])
+            for k, g in patch:
+                parts[k + 1] = tokens(g, g + (hi[k] - lo[k]) // w)
+        data = bytearray().join(parts)
         return VarlenBatch._compact(torch.frombuffer(data, dtype=torch.uint8), layout, T, S, mb.max_seqlen, 0, True)
 
 
@@ -845,9 +867,10 @@ class _Prepared(NamedTuple):
     """(P,) int32 real inputs per pack."""
     num_tokens: int
     max_seqlen: int
-    ranges: tuple[list[int], list[int], list[int]] | None
-    """Memory-mapped corpus: run (-1: read through the corpus), first byte and end byte of every
-    segment in its run's view."""
+    ranges: tuple[list[int], list[int], list[int], list[tuple[int, int]] | None] | None
+    """Memory-mapped corpus: run, first byte and end byte of every segment in its run's view,
+    then ``(segment, global start token)`` of the segments that leave their first run (read
+    through the corpus instead), or None."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -913,7 +936,7 @@ class BestFitDataset(IterableDataset):
         self._fingerprint: str | None = None
         self._live: dict[str, Any] | None = None  # the iteration in progress (plan, counters)
         self._resume: dict[str, Any] | None = None  # a loaded state the next __iter__ continues
-        self._cache: dict[str, Any] = {}  # this process's epoch order and document table (never pickled)
+        self._cache: dict[str, Any] = {}  # this process's epoch order and run table (never pickled)
 
     # -- configuration --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -993,12 +1016,12 @@ class BestFitDataset(IterableDataset):
             return batch, torch.from_numpy(np.stack([plan.chunk_doc[mb.chunks], plan.chunk_start[mb.chunks], mb.lengths], axis=1))
         return batch
 
-    def _table(self) -> _DocTable | None:
-        """This process's document table of the corpus (cached per process and corpus size)."""
+    def _table(self) -> _RunTable | None:
+        """This process's run table of the corpus (cached per process and corpus size)."""
         key = (os.getpid(), self.corpus.num_documents, self.corpus.num_tokens)
         hit = self._cache.get("table")
         if hit is None or hit[0] != key:
-            hit = self._cache["table"] = (key, _doc_table(self.corpus))
+            hit = self._cache["table"] = (key, _run_table(self.corpus))
         return hit[1]
 
     def _order(self, epoch: int) -> np.ndarray:
