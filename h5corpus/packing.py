@@ -718,36 +718,24 @@ def _rng_seed(seed: int, epoch: int, consumer: Consumer) -> list[int]:
 
 class _RunTable(NamedTuple):
     """Where the tokens of a fully memory-mapped split lie, for :class:`_ChunkReads`: the
-    corpus's chunk runs (file-contiguous HDF5 chunks of one shard) and the lookup arrays of
-    :meth:`Corpus.gather_ranges`."""
+    corpus's chunk runs (file-contiguous HDF5 chunks of one shard, in token order) in global
+    token positions."""
 
     views: list[memoryview]
     """Byte views of the runs."""
-    shard_starts: np.ndarray
-    """(shards + 1,) int64 global position of each shard's first token."""
-    base: np.ndarray
-    """(shards + 1,) int64 first global chunk of each shard."""
-    run_index: np.ndarray
-    """(chunks,) int64 run of each HDF5 chunk."""
-    chunk_pos: np.ndarray
-    """(chunks,) int64 token offset of each HDF5 chunk in its run."""
-    run_sizes: np.ndarray
-    """(runs,) int64 tokens per run."""
-    chunk_tokens: int
+    starts: np.ndarray
+    """(runs,) int64 global position of each run's first token (ascending)."""
+    ends: np.ndarray
+    """(runs,) int64 global position after each run's last token of its shard (a shard's last
+    chunk is stored whole; the tokens past the shard's end are not the next shard's)."""
     itemsize: int
 
     def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For global token positions ``pos`` (int64): the run holding each, its byte offset in
-        that run's view, and the tokens from it to the end of its run or shard, whichever comes
-        first (a range ``[pos, pos + n)`` is one slice of one run if ``n <= room``)."""
-        sts = self.shard_starts
-        shard = np.minimum(sts.searchsorted(pos, side="right") - 1, sts.size - 2)
-        local = pos - sts[shard]
-        k, o = np.divmod(local, self.chunk_tokens)
-        k = np.minimum(k + self.base[shard], self.base[shard + 1] - 1)
-        run = self.run_index[k]
-        at = self.chunk_pos[k] + o
-        return run, at * self.itemsize, np.minimum(self.run_sizes[run] - at, sts[shard + 1] - pos)
+        that run's view, and the tokens from it to the end of its run (a range ``[pos, pos + n)``
+        is one slice of one run if ``n <= room``)."""
+        run = self.starts.searchsorted(pos, side="right") - 1
+        return run, (pos - self.starts[run]) * self.itemsize, self.ends[run] - pos
 
 
 def _run_table(corpus: Any) -> _RunTable | None:
@@ -760,11 +748,17 @@ def _run_table(corpus: Any) -> _RunTable | None:
     if table is None:
         return None
     base, run_index, chunk_pos, run_sizes, runs, C = table
-    return _RunTable([memoryview(r).cast("B") for r in runs], np.asarray(corpus.shard_token_starts, dtype=np.int64),
-                     base, run_index, chunk_pos, run_sizes, int(C), np.dtype(corpus.dtype).itemsize)
+    sts = np.asarray(corpus.shard_token_starts, dtype=np.int64)
+    first = np.flatnonzero(chunk_pos == 0)  # each run's first chunk (global chunk index), in run order
+    if not np.array_equal(run_index[first], np.arange(len(runs))):
+        return None  # not runs in token order: read through Corpus.gather_ranges
+    shard = base.searchsorted(first, side="right") - 1
+    starts = sts[shard] + (first - base[shard]) * int(C)
+    ends = np.minimum(starts + run_sizes, sts[shard + 1])
+    return _RunTable([memoryview(r).cast("B") for r in runs], starts, ends, np.dtype(corpus.dtype).itemsize)
 
 
-_ZEROS = bytes(8)
+_ZEROS = bytes(16)  # padding: every gap in a compact layout is < 8 bytes, row_cu[0] at offset 0
 
 
 class _ChunkReads:
@@ -839,17 +833,16 @@ class _ChunkReads:
             return parts.batch(mb.max_seqlen)
         layout, nbytes = _batch_layout(S, T + S, self.storage, None, P, 0)
         rc, pk, tk = layout[_SLOT["row_cu"]][2], layout[_SLOT["pack_lengths"]][2], layout[_SLOT["tokens"]][2]
-        head = np.zeros(tk, dtype=np.uint8)
-        head[rc + 4 : rc + 4 + 4 * S].view(np.int32)[:] = mb.row_cu  # row_cu[0] = 0
-        head[pk : pk + 4 * P].view(np.int32)[:] = mb.pack_lengths
-        tail = _ZEROS[: nbytes - tk - (T + S) * self.dtype.itemsize]
+        z = _ZEROS  # the header: row_cu = [0, *mb.row_cu], pack_lengths, zero padding between
+        head = (z[: rc + 4], mb.row_cu, z[: pk - rc - 4 - 4 * S], mb.pack_lengths, z[: tk - pk - 4 * P])
+        tail = z[: nbytes - tk - (T + S) * self.dtype.itemsize]
         run, lo, hi, patch = mb.ranges
         views = self.table.views  # type: ignore[union-attr]
-        parts = [head, *map(getitem, map(views.__getitem__, run), map(slice, lo, hi)), tail]
+        parts = [*head, *map(getitem, map(views.__getitem__, run), map(slice, lo, hi)), tail]
         if patch is not None:  # segments that leave their first run: read through the corpus
             tokens, w = self.corpus.tokens, self.dtype.itemsize
             for k, g in patch:
-                parts[k + 1] = tokens(g, g + (hi[k] - lo[k]) // w)
+                parts[k + len(head)] = tokens(g, g + (hi[k] - lo[k]) // w)
         data = bytearray().join(parts)
         return VarlenBatch._compact(torch.frombuffer(data, dtype=torch.uint8), layout, T, S, mb.max_seqlen, 0, True)
 
