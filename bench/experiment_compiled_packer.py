@@ -1,0 +1,213 @@
+"""Experiment, not a shipped path: how fast would the best-fit loader be with its per-chunk loops
+compiled? Evidence for the packing issue's in-process target (best-fit >= 0.5x the window loader),
+which the pure-Python loader does not reach.
+
+    PYTHONPATH=/path/to/numba python bench/experiment_compiled_packer.py [--reps 7] [--out FILE]
+
+Needs ``numba``, which is outside the project's package set: install it apart, e.g.
+``pip install --target /tmp/nb numba llvmlite``, and put that folder on PYTHONPATH. Without it, it
+prints ``{"available": false, ...}`` and exits 0.
+
+The experimental loader does what ``BestFitDataset(corpus, 4096, 35, 64, mode="buffer")`` does for one
+epoch: same order, chunking, buffer best fit and compact ``VarlenBatch`` layout. Its pack loop
+(bisect / pop / insert on a sorted int64 array) is compiled with numba. The segment copy runs two
+ways: ``compiled_packer`` uses the shipped copy (one ``bytearray.join`` of a view per segment), and
+``compiled_packer_and_copy`` uses a numba loop of slice copies. Everything else (epoch order,
+chunking, run lookup, headers, wrapping) is numpy code like the shipped loader's.
+
+It checks that both variants' batches equal the shipped loader's bit for bit. Then it times whole
+epochs in process, interleaved with the window loader and the shipped best-fit loader (best of
+``--reps``), and prints JSON ratios to the window loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from operator import getitem
+from pathlib import Path
+
+import numpy as np
+
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+L, B, BUF = 4096, 35, 64
+
+
+def compiled_loader(corpus, nb):
+    """A function ``epoch(seed, ep, copy) -> iterator of VarlenBatch`` with a compiled pack loop;
+    ``copy``: ``"join"`` (the shipped segment copy) or ``"numba"`` (a compiled copy loop)."""
+    import torch
+
+    from h5corpus.batch import _STORAGE, VarlenBatch
+    from h5corpus.batch import _layout as batch_layout
+    from h5corpus.packing import _run_table, chunk_layout, epoch_order
+
+    @nb.njit(cache=True)
+    def pack(lengths, keys, state, capacity, count, out, ends):
+        """Up to ``count`` packs of buffer best fit. keys[:state[0]] sorted, key = length << 32 |
+        (2**32 - 1 - stream index); state = [buffered, next stream chunk]. Returns (picks, packs)."""
+        M = (1 << 32) - 1
+        n, size = lengths.size, keys.size
+        nk, pos = state[0], state[1]
+        no = ne = 0
+        full = (capacity << 32) | M
+        q = full
+        while nk < size and pos < n:  # top up
+            k = (lengths[pos] << 32) | (M - pos)
+            j = np.searchsorted(keys[:nk], k)
+            keys[j + 1 : nk + 1] = keys[j:nk].copy()
+            keys[j] = k
+            nk += 1
+            pos += 1
+        while ne < count:
+            i = np.searchsorted(keys[:nk], q, side="right")
+            if i == 0:
+                if q == full:
+                    break
+                ends[ne] = no
+                ne += 1
+                q = full
+                continue
+            k = keys[i - 1]
+            keys[i - 1 : nk - 1] = keys[i:nk].copy()
+            nk -= 1
+            out[no] = k
+            no += 1
+            q -= (k >> 32) << 32
+            if pos < n:
+                k2 = (lengths[pos] << 32) | (M - pos)
+                j = np.searchsorted(keys[:nk], k2)
+                keys[j + 1 : nk + 1] = keys[j:nk].copy()
+                keys[j] = k2
+                nk += 1
+                pos += 1
+        if ne < count and no and (ne == 0 or ends[ne - 1] != no):
+            ends[ne] = no  # the stream and buffer ran out inside a pack: it is the last one
+            ne += 1
+        state[0], state[1] = nk, pos
+        return no, ne
+
+    @nb.njit(cache=True)
+    def gather(runs, run, first, lens, out):
+        o = 0
+        for s in range(run.size):
+            m = lens[s] + 1
+            if run[s] >= 0:
+                out[o : o + m] = runs[run[s]][first[s] : first[s] + m]
+            o += m
+
+    table = _run_table(corpus)
+    runs = tuple(np.frombuffer(v, dtype=corpus.dtype) for v in table.views)  # a numba UniTuple
+    storage = _STORAGE[np.dtype(corpus.dtype)][0]
+    offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
+    w = np.dtype(corpus.dtype).itemsize
+
+    views = table.views
+
+    def epoch(seed: int, ep: int, copy: str = "join"):
+        docs = epoch_order(corpus.num_documents, seed, ep)
+        d, start, clen = chunk_layout(corpus.doc_lengths[docs], L)
+        cdoc = docs[d]
+        keys = np.zeros(BUF, np.int64)
+        state = np.zeros(2, np.int64)
+        out = np.empty(B * L, np.int64)
+        ends = np.empty(B, np.int64)
+        while True:
+            no, ne = pack(clen, keys, state, L, B, out, ends)
+            if not no:
+                return
+            idx = (2**32 - 1) - (out[:no] & (2**32 - 1))
+            lens = clen[idx]
+            S, P, T = no, ne, int(lens.sum())
+            pos = offsets[cdoc[idx]] + start[idx]
+            run, lo, room = table.locate(pos)
+            layout, nbytes = batch_layout(S, T + S, storage, None, P, 0)
+            rc, pk, tk = layout[1][2], layout[3][2], layout[4][2]
+            row_cu = np.cumsum(lens).astype(np.int32)
+            pack_lengths = np.add.reduceat(lens, np.concatenate([[0], ends[: ne - 1]])).astype(np.int32)
+            z = bytes(16)
+            if copy == "numba":  # one compiled loop of slice copies into a zeroed buffer
+                run[lens + 1 > room] = -1
+                raw = bytearray(nbytes)
+                buf = np.frombuffer(raw, np.uint8)
+                buf[rc + 4 : rc + 4 + 4 * S].view(np.int32)[:] = row_cu
+                buf[pk : pk + 4 * P].view(np.int32)[:] = pack_lengths
+                tokens = buf[tk : tk + (T + S) * w].view(corpus.dtype)
+                gather(runs, run, lo // w, lens, tokens)
+                at = np.cumsum(lens + 1) - (lens + 1)
+                for s in np.flatnonzero(run < 0).tolist():
+                    corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1), out=tokens[at[s] : at[s] + lens[s] + 1])
+            else:  # the shipped copy: one bytearray.join of the header and a view per segment
+                hi = lo + (lens + 1) * w
+                parts = [z[: rc + 4], row_cu, z[: pk - rc - 4 - 4 * S], pack_lengths, z[: tk - pk - 4 * P],
+                         *map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())),
+                         z[: nbytes - tk - (T + S) * w]]
+                for s in np.flatnonzero(lens + 1 > room).tolist():
+                    parts[s + 5] = corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1))
+                raw = bytearray().join(parts)
+            yield VarlenBatch._compact(torch.frombuffer(raw, dtype=torch.uint8), layout, T, S, int(lens.max()), 0, True)
+
+    return epoch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    try:
+        import numba as nb
+    except ImportError as e:
+        emit({"experiment": "compiled_packer", "available": False, "why": f"numba not importable: {e}"}, args.out)
+        return
+    from bench_packing import build_corpus
+    from h5corpus.packing import BestFitDataset
+    from h5corpus.reader import open_corpus
+    from h5corpus.window import SlidingWindowDataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest, source = build_corpus(Path(tmp))
+        train = open_corpus(manifest, "train")
+        epoch = compiled_loader(train, nb)
+        shipped = BestFitDataset(train, L, B, BUF, mode="buffer", rank=0, world_size=1)
+        window = SlidingWindowDataset(train, seq_len=L, batch_size=B, rank=0, world_size=1)
+        t = time.perf_counter()
+        list(epoch(0, 0, "numba"))  # compiles (or loads numba's cache)
+        compile_s = time.perf_counter() - t
+        ref = list(shipped)
+        for copy in ("join", "numba"):
+            got = list(epoch(0, 0, copy))
+            assert len(got) == len(ref), (copy, len(got), len(ref))
+            for a, b in zip(got, ref):
+                for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths"):
+                    assert np.array_equal(getattr(a, f).numpy(), getattr(b, f).numpy()), (copy, f)
+                assert a.max_seqlen == b.max_seqlen
+
+        def rate(it) -> float:
+            t, n = time.perf_counter(), 0
+            for b in it:
+                n += b.num_tokens
+            return n / (time.perf_counter() - t)
+
+        runs = {"window": lambda: window, "bestfit_buffer_64_shipped": lambda: shipped,
+                "bestfit_buffer_64_compiled_packer": lambda: epoch(0, 0, "join"),
+                "bestfit_buffer_64_compiled_packer_and_copy": lambda: epoch(0, 0, "numba")}
+        best = dict.fromkeys(runs, 0.0)
+        for _ in range(args.reps):  # interleaved: all see the same machine load
+            for k, make in runs.items():
+                best[k] = max(best[k], rate(make()))
+        train.close()
+    emit({"experiment": "compiled_packer", "available": True, "numba": nb.__version__, "source": source,
+          "microbatches": len(ref), "batches_equal_shipped": True, "first_epoch_with_compile_s": round(compile_s, 2),
+          "in_process": {k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / best["window"], 3)}
+                         for k, v in best.items()}}, args.out)
+
+
+if __name__ == "__main__":
+    main()
