@@ -485,6 +485,28 @@ def test_batches_equal_a_reference_implementation_dev_corpus(dev_manifest):
     assert_equals_reference(corpus, max_seq_len=4096, batch_size=35, packing_buffer=512, seed=3, mode="bfd", epoch=1)
 
 
+def test_only_chunks_that_span_two_runs_leave_the_memory_map(stdlib_manifest, monkeypatch):
+    """Invariant of the read path: a segment is one slice of one memory-mapped run of HDF5 chunks,
+    located by its own position (also the later chunks of a long document that starts in an
+    earlier run); only a chunk whose tokens really span two runs is read through Corpus.tokens."""
+    corpus = open_corpus(stdlib_manifest, "train")
+    table = _run_table(corpus)
+    doc, start, n = chunk_layout(corpus.doc_lengths, 512)
+    pos = np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start
+    first_run = table.locate(pos)[0]
+    last_run = table.locate(pos + n)[0]  # the run of each chunk's lookahead token
+    spanning = int(np.count_nonzero(first_run != last_run))
+    later_chunks_in_other_runs = int(np.count_nonzero((start > 0) & (first_run != table.locate(pos - start)[0])))
+    assert spanning == crossing_chunks(corpus, 512) > 0
+    assert later_chunks_in_other_runs > spanning  # the case a per-document lookup got wrong
+    calls = []
+    real = corpus.tokens
+    monkeypatch.setattr(corpus, "tokens", lambda *a, **k: calls.append(a) or real(*a, **k))
+    seen = sum(b.num_tokens for b in BestFitDataset(corpus, 512, 4, 16, shuffle=False, rank=0, world_size=1))
+    assert seen == int(n.sum())
+    assert len(calls) == spanning
+
+
 def test_hdf5_read_path_gives_the_same_batches(stdlib_manifest):
     """Shards read through HDF5 (no memory map) give the same batches as the memory-mapped path."""
     kw = dict(max_seq_len=512, batch_size=4, seed=2, with_segments=True)
