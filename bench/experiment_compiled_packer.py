@@ -49,25 +49,29 @@ def compiled_loader(corpus, nb):
     from h5corpus.packing import _run_table, chunk_layout, epoch_order
 
     @nb.njit(cache=True)
+    def admit(lengths, keys, nk, pos):
+        """Insert stream chunk ``pos`` into the sorted keys[:nk]; key = length << 32 | (2**32 - 1 - pos)."""
+        k = (lengths[pos] << 32) | ((1 << 32) - 1 - pos)
+        j = np.searchsorted(keys[:nk], k)
+        keys[j + 1 : nk + 1] = keys[j:nk].copy()
+        keys[j] = k
+
+    @nb.njit(cache=True)
     def pack(lengths, keys, state, capacity, count, out, ends):
-        """Up to ``count`` packs of buffer best fit. keys[:state[0]] sorted, key = length << 32 |
-        (2**32 - 1 - stream index); state = [buffered, next stream chunk]. Returns (picks, packs)."""
-        M = (1 << 32) - 1
+        """Up to ``count`` packs of buffer best fit: picks' keys into ``out``, each pack's end into
+        ``ends``. state = [buffered keys, next stream chunk]. Returns (picks, packs)."""
         n, size = lengths.size, keys.size
         nk, pos = state[0], state[1]
         no = ne = 0
-        full = (capacity << 32) | M
+        full = (capacity << 32) | ((1 << 32) - 1)
         q = full
         while nk < size and pos < n:  # top up
-            k = (lengths[pos] << 32) | (M - pos)
-            j = np.searchsorted(keys[:nk], k)
-            keys[j + 1 : nk + 1] = keys[j:nk].copy()
-            keys[j] = k
+            admit(lengths, keys, nk, pos)
             nk += 1
             pos += 1
         while ne < count:
             i = np.searchsorted(keys[:nk], q, side="right")
-            if i == 0:
+            if i == 0:  # nothing fits: the pack is done (or, with an empty pack, the stream is)
                 if q == full:
                     break
                 ends[ne] = no
@@ -80,16 +84,10 @@ def compiled_loader(corpus, nb):
             out[no] = k
             no += 1
             q -= (k >> 32) << 32
-            if pos < n:
-                k2 = (lengths[pos] << 32) | (M - pos)
-                j = np.searchsorted(keys[:nk], k2)
-                keys[j + 1 : nk + 1] = keys[j:nk].copy()
-                keys[j] = k2
+            if pos < n:  # the arrival that replaces the pick
+                admit(lengths, keys, nk, pos)
                 nk += 1
                 pos += 1
-        if ne < count and no and (ne == 0 or ends[ne - 1] != no):
-            ends[ne] = no  # the stream and buffer ran out inside a pack: it is the last one
-            ne += 1
         state[0], state[1] = nk, pos
         return no, ne
 
