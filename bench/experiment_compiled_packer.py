@@ -46,7 +46,7 @@ def compiled_loader(corpus, nb):
 
     from h5corpus.batch import _STORAGE, VarlenBatch
     from h5corpus.batch import _layout as batch_layout
-    from h5corpus.packing import _run_table, chunk_layout, epoch_order
+    from h5corpus.packing import _mapped_runs, chunk_layout, epoch_order
 
     @nb.njit(cache=True)
     def admit(lengths, keys, nk, pos):
@@ -100,13 +100,13 @@ def compiled_loader(corpus, nb):
                 out[o : o + m] = runs[run[s]][first[s] : first[s] + m]
             o += m
 
-    table = _run_table(corpus)
-    runs = tuple(np.frombuffer(v, dtype=corpus.dtype) for v in table.views)  # a numba UniTuple
+    mapped = _mapped_runs(corpus)
+    table, views = mapped.table, mapped.views
+    runs = tuple(table.runs)  # a numba UniTuple
     storage = _STORAGE[np.dtype(corpus.dtype)][0]
     offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
     w = np.dtype(corpus.dtype).itemsize
 
-    views = table.views
 
     def epoch(seed: int, ep: int, copy: str = "join"):
         docs = epoch_order(corpus.num_documents, seed, ep)
@@ -124,7 +124,7 @@ def compiled_loader(corpus, nb):
             lens = clen[idx]
             S, P, T = no, ne, int(lens.sum())
             pos = offsets[cdoc[idx]] + start[idx]
-            run, lo, room = table.locate(pos)
+            run, first, room = table.locate(pos)
             layout, nbytes = batch_layout(S, T + S, storage, None, P, 0)
             rc, pk, tk = layout[1][2], layout[3][2], layout[4][2]
             row_cu = np.cumsum(lens).astype(np.int32)
@@ -137,11 +137,12 @@ def compiled_loader(corpus, nb):
                 buf[rc + 4 : rc + 4 + 4 * S].view(np.int32)[:] = row_cu
                 buf[pk : pk + 4 * P].view(np.int32)[:] = pack_lengths
                 tokens = buf[tk : tk + (T + S) * w].view(corpus.dtype)
-                gather(runs, run, lo // w, lens, tokens)
+                gather(runs, run, first, lens, tokens)
                 at = np.cumsum(lens + 1) - (lens + 1)
                 for s in np.flatnonzero(run < 0).tolist():
                     corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1), out=tokens[at[s] : at[s] + lens[s] + 1])
             else:  # the shipped copy: one bytearray.join of the header and a view per segment
+                lo = first * w
                 hi = lo + (lens + 1) * w
                 parts = [z[: rc + 4], row_cu, z[: pk - rc - 4 - 4 * S], pack_lengths, z[: tk - pk - 4 * P],
                          *map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())),

@@ -716,46 +716,24 @@ def _rng_seed(seed: int, epoch: int, consumer: Consumer) -> list[int]:
     return [int(seed), int(epoch), consumer.index, consumer.count, 0x9ACC]
 
 
-class _RunTable(NamedTuple):
-    """Where the tokens of a fully memory-mapped split lie, for :class:`_ChunkReads`: the
-    corpus's chunk runs (file-contiguous HDF5 chunks of one shard, in token order) in global
-    token positions."""
+class _MappedRuns(NamedTuple):
+    """A fully memory-mapped split's run table (:class:`~h5corpus.reader.RunTable`) with a byte
+    view of each run, for :class:`_ChunkReads`."""
 
+    table: Any
     views: list[memoryview]
-    """Byte views of the runs."""
-    starts: np.ndarray
-    """(runs,) int64 global position of each run's first token (ascending)."""
-    ends: np.ndarray
-    """(runs,) int64 global position after each run's last token of its shard (a shard's last
-    chunk is stored whole; the tokens past the shard's end are not the next shard's)."""
-    itemsize: int
-
-    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For global token positions ``pos`` (int64): the run holding each, its byte offset in
-        that run's view, and the tokens from it to the end of its run (a range ``[pos, pos + n)``
-        is one slice of one run if ``n <= room``)."""
-        run = self.starts.searchsorted(pos, side="right") - 1
-        return run, (pos - self.starts[run]) * self.itemsize, self.ends[run] - pos
 
 
-def _run_table(corpus: Any) -> _RunTable | None:
-    """The run table of ``corpus`` in this process, or None when some shard is read through
-    HDF5 (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
+def _mapped_runs(corpus: Any) -> _MappedRuns | None:
+    """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
+    (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
     if not hasattr(corpus, "_range_table"):
         return None
     corpus._check_pid()
     table = corpus._range_table()
     if table is None:
         return None
-    base, run_index, chunk_pos, run_sizes, runs, C = table
-    sts = np.asarray(corpus.shard_token_starts, dtype=np.int64)
-    first = np.flatnonzero(chunk_pos == 0)  # each run's first chunk (global chunk index), in run order
-    if not np.array_equal(run_index[first], np.arange(len(runs))):
-        return None  # not runs in token order: read through Corpus.gather_ranges
-    shard = base.searchsorted(first, side="right") - 1
-    starts = sts[shard] + (first - base[shard]) * int(C)
-    ends = np.minimum(starts + run_sizes, sts[shard + 1])
-    return _RunTable([memoryview(r).cast("B") for r in runs], starts, ends, np.dtype(corpus.dtype).itemsize)
+    return _MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
 
 
 _ZEROS = bytes(16)  # padding: every gap in a compact layout is < 8 bytes, row_cu[0] at offset 0
@@ -771,7 +749,7 @@ class _ChunkReads:
     wrapped without a copy. Otherwise (a shard read through HDF5) the batch is allocated with
     :func:`~h5corpus.batch.alloc_compact` and filled by one :meth:`Corpus.gather_ranges` call."""
 
-    def __init__(self, corpus: Any, plan: "_Plan", table: _RunTable | None) -> None:
+    def __init__(self, corpus: Any, plan: "_Plan", table: _MappedRuns | None) -> None:
         self.corpus, self.plan, self.table = corpus, plan, table
         self.dtype = np.dtype(corpus.dtype)
         self.storage = _STORAGE[self.dtype][0]
@@ -799,8 +777,10 @@ class _ChunkReads:
         t = self.table
         if t is not None:
             pos = self._starts(g.chunks)
-            run, lo, room = t.locate(pos)
-            hi = lo + (g.lengths + 1) * t.itemsize
+            run, off, room = t.table.locate(pos)
+            w = self.dtype.itemsize
+            lo = off * w
+            hi = lo + (g.lengths + 1) * w
             # A chunk that crosses a gap between runs is read through the corpus instead (its
             # slice of its first run is replaced in the batch's parts: see :meth:`batch`).
             cross = np.flatnonzero(g.lengths + 1 > room)
@@ -929,7 +909,7 @@ class BestFitDataset(IterableDataset):
         self._fingerprint: str | None = None
         self._live: dict[str, Any] | None = None  # the iteration in progress (plan, counters)
         self._resume: dict[str, Any] | None = None  # a loaded state the next __iter__ continues
-        self._cache: dict[str, Any] = {}  # this process's epoch order and run table (never pickled)
+        self._cache: dict[str, Any] = {}  # this process's epoch order and mapped runs (never pickled)
 
     # -- configuration --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -1009,12 +989,12 @@ class BestFitDataset(IterableDataset):
             return batch, torch.from_numpy(np.stack([plan.chunk_doc[mb.chunks], plan.chunk_start[mb.chunks], mb.lengths], axis=1))
         return batch
 
-    def _table(self) -> _RunTable | None:
-        """This process's run table of the corpus (cached per process and corpus size)."""
+    def _table(self) -> _MappedRuns | None:
+        """This process's mapped runs of the corpus (cached per process and corpus size)."""
         key = (os.getpid(), self.corpus.num_documents, self.corpus.num_tokens)
         hit = self._cache.get("table")
         if hit is None or hit[0] != key:
-            hit = self._cache["table"] = (key, _run_table(self.corpus))
+            hit = self._cache["table"] = (key, _mapped_runs(self.corpus))
         return hit[1]
 
     def _order(self, epoch: int) -> np.ndarray:

@@ -34,7 +34,7 @@ import mmap
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import h5py
 import numpy as np
@@ -65,6 +65,26 @@ def _h5open(path: str | os.PathLike[str]) -> h5py.File:
 
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
 
+class RunTable(NamedTuple):
+    """Where the tokens of a split whose shards are all memory-mapped lie: the runs of
+    file-contiguous HDF5 chunks of every shard, in token order, and the global token range of each."""
+
+    runs: list[np.ndarray]
+    """Zero-copy token arrays over the runs."""
+    starts: np.ndarray
+    """(runs,) int64 global position of each run's first token (ascending)."""
+    ends: np.ndarray
+    """(runs,) int64 global position after each run's last token of its shard (a shard's last
+    chunk is stored whole; the tokens past the shard's end are not the next shard's)."""
+
+    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For global token positions ``pos`` (int64): the run holding each, its offset in that
+        run (tokens), and the tokens from it to the run's end: ``[pos, pos + n)`` is one slice of
+        one run if ``n <= room``."""
+        run = self.starts.searchsorted(pos, side="right") - 1
+        return run, pos - self.starts[run], self.ends[run] - pos
+
+
 class _MmapTokens:
     """Raw chunks of a finished, unfiltered shard read through a read-only memory map.
 
@@ -92,11 +112,6 @@ class _MmapTokens:
         for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
             self.chunk_run.extend([run] * (b - a))
             self.chunk_pos.extend(range(0, (b - a) * C, C))
-        # the same as arrays, for vectorized lookups (Corpus.gather_ranges)
-        n_per_run = np.diff(np.asarray(bounds, dtype=np.int64))
-        self.chunk_run_index = np.repeat(np.arange(len(self.runs), dtype=np.int64), n_per_run)
-        self.chunk_pos_array = np.asarray(self.chunk_pos, dtype=np.int64)
-        self.run_sizes = np.array([r.size for r in self.runs], dtype=np.int64)
 
     def read(self, lo: int, hi: int, out: np.ndarray) -> None:
         """``out[:] = tokens[lo:hi]`` (shard-local positions; ``out`` may be any integer dtype)."""
@@ -637,9 +652,10 @@ class Corpus:
         ``tokens(starts[j], starts[j] + lengths[j])`` over j, 1-D of ``sum(lengths)`` tokens, any
         integer dtype (the best-fit loader's hot path: one range per packed segment).
 
-        When every shard is memory-mapped, the shard, chunk run and position of every range come
-        from array lookups and the copy is one ``np.concatenate`` of views into ``out`` (a range
-        that crosses a shard or a gap between runs is read like :meth:`tokens` first). With a shard
+        When every shard is memory-mapped, the chunk run and position of every range come from one
+        lookup in the run table (:class:`RunTable`) and the copy is one ``np.concatenate`` of views
+        into ``out`` (a range that crosses a shard or a gap between runs is read like :meth:`tokens`
+        first). With a shard
         read through HDF5, every range is read like :meth:`tokens`."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -662,20 +678,13 @@ class Corpus:
         if total == 0:
             return out
         self._check_pid()
-        sts = self.shard_token_starts
-        shard = np.minimum(sts.searchsorted(starts, side="right") - 1, self.num_shards - 1)
-        local = starts - sts[shard]
         tab = self._range_table()
-        if tab is not None:
-            base, run_index, chunk_pos, run_sizes, runs, C = tab
-            k, o = np.divmod(local, C)
-            k = np.minimum(k + base[shard], base[shard + 1] - 1)  # (an empty range may sit at a shard's end)
-            run_of = run_index[k]
-            pos = chunk_pos[k] + o
-            ok = (local + lengths <= sts[shard + 1] - sts[shard]) & (pos + lengths <= run_sizes[run_of])
+        if tab is not None:  # views into the maps (a range that crosses a gap is read apart), one copy
+            runs = tab.runs
+            run_of, pos, room = tab.locate(starts)
+            ok = lengths <= room
             if not ok.all():
                 run_of = np.where(ok, run_of, -1)
-        if tab is not None:  # views into the maps (a range that crosses a gap is read apart), one copy
             if run_of.min() >= 0:
                 parts = [runs[i][a:b] for i, a, b in zip(run_of.tolist(), pos.tolist(), (pos + lengths).tolist())]
             else:
@@ -687,28 +696,28 @@ class Corpus:
             self.tokens(g, g + n, out[o : o + n])
         return out
 
-    def _range_table(self) -> tuple | None:
-        """Lookup arrays over every shard's memory-mapped chunk runs, for :meth:`gather_ranges`:
-        (first global chunk of each shard (shards + 1,), run of each chunk, position of each chunk
-        in its run, run sizes, the runs, chunk_tokens). None if a shard is read through HDF5 or
-        shards differ in chunk size. Built once per process (opens every shard) and corpus size."""
+    def _range_table(self) -> RunTable | None:
+        """The :class:`RunTable` of every shard's memory-mapped chunk runs (for
+        :meth:`gather_ranges` and the best-fit loader), or None if a shard is read through HDF5.
+        Built once per process (opens every shard) and corpus size."""
         hit = self.__dict__.get("_rtab")
         key = (self.num_shards, self.num_tokens)
         if hit is not None and hit[0] is self._readers and hit[1] == key and hit[2] == len(self._readers):
             return hit[3]
         tab = None
         readers = [self._reader(s) for s in range(self.num_shards)]
-        if readers and all(r.kind == "mmap" for r in readers) and len({r.chunk_tokens for r in readers}) == 1:
+        if readers and all(r.kind == "mmap" for r in readers):
             runs: list[np.ndarray] = []
-            base, run_index, chunk_pos, sizes = [0], [], [], []
-            for r in readers:
-                run_index.append(r.chunk_run_index + len(runs))  # type: ignore[union-attr]
-                chunk_pos.append(r.chunk_pos_array)  # type: ignore[union-attr]
-                sizes.append(r.run_sizes)  # type: ignore[union-attr]
+            starts: list[np.ndarray] = []
+            ends: list[np.ndarray] = []
+            sts = np.asarray(self.shard_token_starts, dtype=np.int64)
+            for s, r in enumerate(readers):
+                sizes = np.array([run.size for run in r.runs], dtype=np.int64)  # type: ignore[union-attr]
+                first = sts[s] + np.cumsum(sizes) - sizes  # a shard's runs hold its chunks in order
+                starts.append(first)
+                ends.append(np.minimum(first + sizes, sts[s + 1]))  # the last chunk is stored whole
                 runs.extend(r.runs)  # type: ignore[union-attr]
-                base.append(base[-1] + r.chunk_run_index.size)  # type: ignore[union-attr]
-            tab = (np.asarray(base, np.int64), np.concatenate(run_index), np.concatenate(chunk_pos),
-                   np.concatenate(sizes), runs, readers[0].chunk_tokens)
+            tab = RunTable(runs, np.concatenate(starts), np.concatenate(ends))
         self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
         return tab
 

@@ -16,7 +16,6 @@ from h5corpus.format import TokenizerIdentity
 from h5corpus.manifest import Manifest, ShardEntry, write_manifest
 from h5corpus.packing import (
     BufferPacker,
-    _run_table,
     best_fit_packs,
     bfd_packs,
     chunk_layout,
@@ -458,9 +457,8 @@ def assert_equals_reference(corpus, **kw):
 def crossing_chunks(corpus, max_seq_len) -> int:
     """Chunks whose tokens cross a shard end or a gap between file-contiguous HDF5 chunk runs
     (read apart from the others)."""
-    table = _run_table(corpus)
     doc, start, n = chunk_layout(corpus.doc_lengths, max_seq_len)
-    _, _, room = table.locate(np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start)
+    _, _, room = corpus._range_table().locate(np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start)
     return int(np.count_nonzero(n + 1 > room))
 
 
@@ -490,7 +488,7 @@ def test_only_chunks_that_span_two_runs_leave_the_memory_map(stdlib_manifest, mo
     located by its own position (also the later chunks of a long document that starts in an
     earlier run); only a chunk whose tokens really span two runs is read through Corpus.tokens."""
     corpus = open_corpus(stdlib_manifest, "train")
-    table = _run_table(corpus)
+    table = corpus._range_table()
     doc, start, n = chunk_layout(corpus.doc_lengths, 512)
     pos = np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start
     first_run = table.locate(pos)[0]
