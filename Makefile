@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check h5corpus tests bench
+	$(BIN)/ruff format --check h5corpus tests bench
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do $(BIN)/python $$b || exit 1; done

@@ -28,16 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-
-import numpy as np
-
-from _report import emit  # bench/ is on sys.path when a bench runs as a script
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -94,24 +93,39 @@ def raw_tiktoken(enc, texts: list[str], procs: int) -> tuple[int, float]:
 
 def raw_hf(tokenizer_json: Path, files: list[Path], threads: int) -> tuple[int, float]:
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
-    p = subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(tokenizer_json), *map(str, files)],
-                       env=env, capture_output=True, text=True, check=True)
+    p = subprocess.run(
+        [sys.executable, "-c", _HF_SCRIPT, str(tokenizer_json), *map(str, files)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     d = json.loads(p.stdout)
     return d["tokens"], d["seconds"]
 
 
-def run_build(corpus: Path, tokenizer_json: Path, workers: int, fast: bool, tmp: Path, cache: Path,
-              task_bytes: int | None) -> tuple[int, float, str]:
+def run_build(
+    corpus: Path, tokenizer_json: Path, workers: int, fast: bool, tmp: Path, cache: Path, task_bytes: int | None
+) -> tuple[int, float, str]:
     """One fresh build (deleting the old output is not timed) with ``cache`` as h5corpus's cache."""
     import shutil
 
-    from h5corpus.build import BuildConfig, build
+    from h5corpus.build import BuildConfig, build_corpus
 
     shutil.rmtree(tmp, ignore_errors=True)
     os.environ["H5CORPUS_CACHE_DIR"] = str(cache)
     extra = {} if task_bytes is None else {"task_bytes": task_bytes}
-    rep = build(BuildConfig(sources=[str(corpus)], tokenizer=str(tokenizer_json), workers=workers, fast_path=fast,
-                            shards_dir=tmp / "shards", manifest=tmp / "manifests" / "shards.json", **extra))
+    rep = build_corpus(
+        BuildConfig(
+            sources=[str(corpus)],
+            tokenizer=str(tokenizer_json),
+            workers=workers,
+            fast_path=fast,
+            shards_dir=tmp / "shards",
+            manifest=tmp / "manifests" / "shards.json",
+            **extra,
+        )
+    )
     return rep.tokens - rep.documents, rep.elapsed_s, rep.encoder  # text tokens (EOS excluded), like the raw runs
 
 
@@ -121,12 +135,16 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=shared / "corpora" / "dev")
     ap.add_argument("--tokenizer", type=Path, default=shared / "tokenizers" / "gpt2" / "tokenizer.json")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the tiktoken / fast-path measurements")
-    ap.add_argument("--hf-rounds", type=int, default=1, help="rounds of the (slow) tokenizers measurements; 0 skips them")
-    ap.add_argument("--task-bytes", type=int, default=None, help="BuildConfig.task_bytes (default: the build's default)")
+    ap.add_argument(
+        "--hf-rounds", type=int, default=1, help="rounds of the (slow) tokenizers measurements; 0 skips them"
+    )
+    ap.add_argument(
+        "--task-bytes", type=int, default=None, help="BuildConfig.task_bytes (default: the build's default)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from h5corpus.tokenize import TiktokenEncoder, fast_encoder, load_tokenizer
+    from h5corpus.build.tokenizer import TiktokenEncoder, fast_encoder, load_tokenizer
 
     best: dict[str, tuple[int, float]] = {}
     encoders: dict[str, str] = {}
@@ -192,8 +210,11 @@ def main() -> None:
     }
     checks = {}
     for run in ("build_fast", "build_fast_warm"):
-        for key, want in ((f"{run}_2_vs_raw_tiktoken_2", 0.85), (f"{run}_2_vs_peers_0.85M", 3.0),
-                          (f"{run}_2_vs_{run}_1", 1.8)):
+        for key, want in (
+            (f"{run}_2_vs_raw_tiktoken_2", 0.85),
+            (f"{run}_2_vs_peers_0.85M", 3.0),
+            (f"{run}_2_vs_{run}_1", 1.8),
+        ):
             checks[f"{key} >= {want}"] = "pass" if (ratios[key] or 0) >= want else "FAIL"
     out = {
         "corpus": str(args.corpus),
@@ -203,7 +224,9 @@ def main() -> None:
         "hf_rounds": args.hf_rounds,
         "task_bytes": args.task_bytes,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "measurements": {k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s)} for k, (n, s) in best.items()},
+        "measurements": {
+            k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s)} for k, (n, s) in best.items()
+        },
         "encoders": encoders,
         "ratios": {k: v for k, v in ratios.items() if v is not None},
         "targets": checks,

@@ -62,8 +62,9 @@ def gpt2_encoding(shared: Path):
     from tiktoken.load import load_tiktoken_bpe
 
     ranks = load_tiktoken_bpe(str(shared / "tokenizers" / "gpt2" / "gpt2.tiktoken"))
-    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256})
+    return tiktoken.Encoding(
+        "gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256}
+    )
 
 
 def cpu(fn) -> tuple[float, float, object]:
@@ -76,7 +77,7 @@ def cpu(fn) -> tuple[float, float, object]:
 def run_batches(filt, texts, batch: int, signatures: bool = False):
     out = []
     for i in range(0, len(texts), batch):
-        out.extend(filt.process_batch(texts[i:i + batch], signatures=signatures))
+        out.extend(filt.process_batch(texts[i : i + batch], signatures=signatures))
     return out
 
 
@@ -95,14 +96,18 @@ def main() -> None:
 
     tiktoken_file = a.corpus.parent.parent / "tokenizers" / "gpt2" / "gpt2.tiktoken"
     if not any(a.corpus.glob("*.jsonl")) or not tiktoken_file.exists():
-        raise SystemExit(f"bench_filters: needs the dev corpus ({a.corpus}/*.jsonl) and {tiktoken_file}; "
-                         "set H5CORPUS_SHARED or pass --corpus")
+        raise SystemExit(
+            f"bench_filters: needs the dev corpus ({a.corpus}/*.jsonl) and {tiktoken_file}; "
+            "set H5CORPUS_SHARED or pass --corpus"
+        )
     texts = load_texts(a.corpus)
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     enc = gpt2_encoding(a.corpus.parent.parent)
     web = [t for t in texts if 300 <= len(t.split()) <= 3000 and t.isascii()][:200]
-    pages = [PAGE.format(title=t.split("\n", 1)[0][:80], body="".join(f"<p>{p}</p>" for p in t.split("\n") if p))
-             for t in web]
+    pages = [
+        PAGE.format(title=t.split("\n", 1)[0][:80], body="".join(f"<p>{p}</p>" for p in t.split("\n") if p))
+        for t in web
+    ]
 
     all_on = FilterConfig(clean=True, quality=True, lang=("en",), scrub_pii=True, near_dedup=True)
     stages = {
@@ -152,8 +157,11 @@ def main() -> None:
 
         def pipeline_batch():
             idx = pipe.new_near_dedup_index()
-            kept = [r.text for r in run_batches(pipe, texts, a.batch, signatures=True)
-                    if r.text is not None and not idx.add(r.signature)]
+            kept = [
+                r.text
+                for r in run_batches(pipe, texts, a.batch, signatures=True)
+                if r.text is not None and not idx.add(r.signature)
+            ]
             return kept, idx.duplicates
 
         c, w, (kept_texts, near_dups) = cpu(pipeline_batch)
@@ -179,20 +187,31 @@ def main() -> None:
     for name in (*stages, "signature", "near_dedup_index"):
         docs = stages[name][1] if name in stages else texts
         c, w = best[name]
-        per_stage[name] = {"documents": len(docs), "cpu_s": round(c, 3), "docs_per_s": round(len(docs) / c),
-                           "x_tokenize": round(c / tok, 3) if name != "html_extract" else None}
+        per_stage[name] = {
+            "documents": len(docs),
+            "cpu_s": round(c, 3),
+            "docs_per_s": round(len(docs) / c),
+            "x_tokenize": round(c / tok, 3) if name != "html_extract" else None,
+        }
     report = {
-        "bench": "filters", "format_version": 1,
+        "bench": "filters",
+        "format_version": 1,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "corpus": {"path": str(a.corpus), "documents": len(texts), "bytes": nbytes},
-        "baseline": {"tokenizer": "tiktoken encode_ordinary, GPT-2 ranks from gpt2.tiktoken, 1 thread",
-                     "tokens": n_tokens, "cpu_s": round(tok, 3), "wall_s": round(best["tokenize"][1], 3),
-                     "docs_per_s": round(len(texts) / tok), "MB_per_s": round(nbytes / tok / 1e6, 2)},
+        "baseline": {
+            "tokenizer": "tiktoken encode_ordinary, GPT-2 ranks from gpt2.tiktoken, 1 thread",
+            "tokens": n_tokens,
+            "cpu_s": round(tok, 3),
+            "wall_s": round(best["tokenize"][1], 3),
+            "docs_per_s": round(len(texts) / tok),
+            "MB_per_s": round(nbytes / tok / 1e6, 2),
+        },
         "stages": per_stage,
         "html_extract_ms_per_page": round(1000 * best["html_extract"][0] / len(pages), 2),
         "pipeline": {
             "flags": "--clean --quality-filter --lang en --scrub-pii --near-dedup",
-            "kept_documents": len(kept_texts), "near_duplicates": near_dups,
+            "kept_documents": len(kept_texts),
+            "near_duplicates": near_dups,
             "batch_cpu_s": round(best["pipeline_batch"][0], 3),
             "per_doc_cpu_s": round(best["pipeline_per_doc"][0], 3),
             "ratio_batch_vs_tokenize_all": round(best["pipeline_batch"][0] / tok, 3),
@@ -201,7 +220,8 @@ def main() -> None:
             "ratio_batch_vs_tokenize_all_per_round": [round(r, 3) for r in round_ratios],
             "target": "ratio <= 1 (all stages together cost at most the tokenization they precede)",
         },
-        "rounds": a.rounds, "batch": a.batch,
+        "rounds": a.rounds,
+        "batch": a.batch,
     }
     if a.build:
         report["build"] = bench_build(a.corpus, all_on, a.rounds, a.workers)
@@ -216,14 +236,18 @@ def bench_build(corpus: Path, cfg, rounds: int, workers: int) -> dict:
     """h5corpus.build on the whole corpus, filters off vs all stages on, interleaved rounds (fresh
     output folders each round; best wall time each). Also the workers' own seconds per step from
     the build report: the filter stages vs the tokenization inside the same build."""
-    from h5corpus.build import BuildConfig, build
+    from h5corpus.build import BuildConfig, build_corpus
     from h5corpus.filters import DocumentFilter
 
     sources = [str(corpus)]
     tok = str(corpus.parent.parent / "tokenizers" / "gpt2" / "tokenizer.json")
     nbytes = sum(p.stat().st_size for p in corpus.glob("*.jsonl"))
-    out: dict = {"sources": [str(corpus)], "input_bytes": nbytes, "workers": workers,
-                 "flags": "--clean --quality-filter --lang en --scrub-pii --near-dedup"}
+    out: dict = {
+        "sources": [str(corpus)],
+        "input_bytes": nbytes,
+        "workers": workers,
+        "flags": "--clean --quality-filter --lang en --scrub-pii --near-dedup",
+    }
     best: dict[str, tuple] = {}
     per_round: list[dict[str, float]] = []  # ratios of worker CPU seconds within each round
     for _ in range(rounds):
@@ -232,21 +256,38 @@ def bench_build(corpus: Path, cfg, rounds: int, workers: int) -> dict:
             with tempfile.TemporaryDirectory() as d:
                 filt = DocumentFilter(cfg) if name == "on" else None
                 t0 = time.perf_counter()
-                r = build(BuildConfig(sources=sources, tokenizer=tok, shards_dir=f"{d}/shards",
-                                      manifest=f"{d}/manifests/shards.json", workers=workers, filters=filt))
+                r = build_corpus(
+                    BuildConfig(
+                        sources=sources,
+                        tokenizer=tok,
+                        shards_dir=f"{d}/shards",
+                        manifest=f"{d}/manifests/shards.json",
+                        workers=workers,
+                        filters=filt,
+                    )
+                )
                 el = time.perf_counter() - t0
                 this[name] = r
                 if name not in best or el < best[name][0]:
                     best[name] = (el, r)
         on_s, off_s = this["on"].seconds, this["off"].seconds
         if on_s.get("encode") and off_s.get("encode"):
-            per_round.append({"x_tokenize": round(on_s.get("filter", 0.0) / on_s["encode"], 3),
-                              "filters_vs_tokenize_all": round(on_s.get("filter", 0.0) / off_s["encode"], 3)})
+            per_round.append(
+                {
+                    "x_tokenize": round(on_s.get("filter", 0.0) / on_s["encode"], 3),
+                    "filters_vs_tokenize_all": round(on_s.get("filter", 0.0) / off_s["encode"], 3),
+                }
+            )
     for name, (el, r) in best.items():
         sec = r.seconds
-        out[name] = {"wall_s": round(el, 3), "tokens": r.tokens, "documents": r.documents,
-                     "tokens_per_s": round(r.tokens / el), "input_MB_per_s": round(nbytes / el / 1e6, 2),
-                     "worker_seconds": {k: round(v, 3) for k, v in sec.items()}}
+        out[name] = {
+            "wall_s": round(el, 3),
+            "tokens": r.tokens,
+            "documents": r.documents,
+            "tokens_per_s": round(r.tokens / el),
+            "input_MB_per_s": round(nbytes / el / 1e6, 2),
+            "worker_seconds": {k: round(v, 3) for k, v in sec.items()},
+        }
     on, off = best["on"][1], best["off"][1]
     fs, c = on.seconds, on.filter_counters
     filt_s = fs.get("filter", 0.0)
@@ -257,20 +298,27 @@ def bench_build(corpus: Path, cfg, rounds: int, workers: int) -> dict:
     reach["pii"] = reach["quality"] - sum(v for k, v in c.items() if k.startswith("drop:quality:"))
     reach["signature"] = reach["pii"]
     out["stages_in_build"] = {
-        k[7:]: {"documents": reach.get(k[7:]), "seconds": round(v, 3),
-                "docs_per_s": round(reach[k[7:]] / v) if v > 0 and reach.get(k[7:]) else None}
-        for k, v in fs.items() if k.startswith("filter:")}
+        k[7:]: {
+            "documents": reach.get(k[7:]),
+            "seconds": round(v, 3),
+            "docs_per_s": round(reach[k[7:]] / v) if v > 0 and reach.get(k[7:]) else None,
+        }
+        for k, v in fs.items()
+        if k.startswith("filter:")
+    }
     out["kept_documents"] = on.documents
     out["near_duplicates"] = sum(int(s.get("near_duplicates", 0)) for s in on.splits.values())
     out["wall_ratio_on_vs_off"] = round(best["on"][0] / best["off"][0], 3)
     out["filters_vs_tokenize_kept"] = round(filt_s / fs["encode"], 3) if fs.get("encode") else None
     out["filters_vs_tokenize_all"] = round(filt_s / off.seconds["encode"], 3) if off.seconds.get("encode") else None
     out["per_round"] = per_round
-    out["note"] = ("worker_seconds are CPU seconds of the workers from the build report (filter = all stages; "
-                   "encode = tiktoken of the kept documents); filters_vs_tokenize_kept is the build's own "
-                   "x_tokenize (filter / encode of the same build); filters_vs_tokenize_all divides by the encode "
-                   "seconds of the filter-free build, i.e. tokenizing every input document; per_round: both "
-                   "ratios for each interleaved round (the off and on builds of one round)")
+    out["note"] = (
+        "worker_seconds are CPU seconds of the workers from the build report (filter = all stages; "
+        "encode = tiktoken of the kept documents); filters_vs_tokenize_kept is the build's own "
+        "x_tokenize (filter / encode of the same build); filters_vs_tokenize_all divides by the encode "
+        "seconds of the filter-free build, i.e. tokenizing every input document; per_round: both "
+        "ratios for each interleaved round (the off and on builds of one round)"
+    )
     return out
 
 

@@ -36,16 +36,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts, write_corpus  # noqa: E402
-from h5corpus.packing import best_fit_packs, bfd_packs, chunk_layout, epoch_order, pack_fill  # noqa: E402
-from h5corpus.reader import open_corpus  # noqa: E402
+from h5corpus.loaders.bestfit import best_fit_packs, bfd_packs, chunk_layout, epoch_order, pack_fill  # noqa: E402
+from h5corpus.storage.reader import open_corpus  # noqa: E402
+from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts, write_corpus  # noqa: E402
 
 L, B = 4096, 35
 
@@ -66,10 +64,18 @@ def build_corpus(root: Path) -> tuple[Path, str]:
     if gpt2 is not None:
         enc, ident, dev = gpt2
         texts = read_jsonl_texts(dev)
-        m = write_corpus(root, texts, lambda ts: enc.encode_ordinary_batch(list(ts)), ident,
-                         chunk_tokens=1 << 18, shard_tokens=3_000_000)
+        m = write_corpus(
+            root,
+            texts,
+            lambda ts: enc.encode_ordinary_batch(list(ts)),
+            ident,
+            chunk_tokens=1 << 18,
+            shard_tokens=3_000_000,
+        )
         return m, "dev corpus, GPT-2 (tiktoken)"
-    m = write_corpus(root, stdlib_texts(limit=100000), byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 18, shard_tokens=3_000_000)
+    m = write_corpus(
+        root, stdlib_texts(limit=100000), byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 18, shard_tokens=3_000_000
+    )
     return m, "stdlib sources, byte ids (../shared absent)"
 
 
@@ -111,18 +117,30 @@ def naive_bfd_packs(lengths, capacity):
 
 def fill_rows(lengths: np.ndarray) -> dict:
     rows = {}
-    for name, mode, buf in (("buffer_64", "buffer", 64), ("buffer_1024", "buffer", 1024),
-                            ("bfd_16384", "bfd", 16384), ("bfd_epoch", "bfd", 1 << 40)):
+    for name, mode, buf in (
+        ("buffer_64", "buffer", 64),
+        ("buffer_1024", "buffer", 1024),
+        ("bfd_16384", "bfd", 16384),
+        ("bfd_epoch", "bfd", 1 << 40),
+    ):
         st = pack_fill(lengths, max_seq_len=L, batch_size=B, packing_buffer=buf, seed=0, mode=mode)
-        rows[name] = {"fill": round(st.fill, 6), "fill_full_microbatches": round(st.fill_full_microbatches, 6),
-                      "fill_padded_last": round(st.fill_padded_last, 6), "packs": st.packs,
-                      "microbatches": st.microbatches, "chunks": st.chunks, "p10_pack_fill": round(float(np.quantile(st.pack_fill, 0.1)), 6)}
+        rows[name] = {
+            "fill": round(st.fill, 6),
+            "fill_full_microbatches": round(st.fill_full_microbatches, 6),
+            "fill_padded_last": round(st.fill_padded_last, 6),
+            "packs": st.packs,
+            "microbatches": st.microbatches,
+            "chunks": st.chunks,
+            "p10_pack_fill": round(float(np.quantile(st.pack_fill, 0.1)), 6),
+        }
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--manifest", type=Path, help="an already built corpus (default: build the dev corpus in a temp dir)")
+    ap.add_argument(
+        "--manifest", type=Path, help="an already built corpus (default: build the dev corpus in a temp dir)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out: dict = {"bench": "packing", "format_version": 1, "max_seq_len": L, "batch_size": B}
@@ -156,7 +174,10 @@ def main() -> None:
             t_pre, _ = best(lambda: best_fit_packs(np.asarray(prefix), L, buf))
             t_naive, n_naive = best(lambda: naive_buffer_packs(prefix, L, buf), repeat=1)
             assert n_naive == len(best_fit_packs(np.asarray(prefix), L, buf))
-            pk[f"buffer_{buf}"] = {"chunks_per_s": round(len(cl) / t_fast), "speedup_vs_naive_scan": round(t_naive / t_pre, 1)}
+            pk[f"buffer_{buf}"] = {
+                "chunks_per_s": round(len(cl) / t_fast),
+                "speedup_vs_naive_scan": round(t_naive / t_pre, 1),
+            }
         t_fast, _ = best(lambda: bfd_packs(clen, L))
         t_pre, pre_packs = best(lambda: bfd_packs(np.asarray(prefix), L))
         t_naive, n_naive = best(lambda: naive_bfd_packs(prefix, L), repeat=1)
@@ -168,15 +189,18 @@ def main() -> None:
             x = rng.choice(clen, n)
             t, _ = best(lambda: bfd_packs(x, L))
             rate[n] = n / t
-        pk["bfd_synthetic"] = {"chunks_per_s_1e4": round(rate[10_000]), "chunks_per_s_1e5": round(rate[100_000]),
-                               "rate_ratio_1e5_vs_1e4": round(rate[100_000] / rate[10_000], 3)}
+        pk["bfd_synthetic"] = {
+            "chunks_per_s_1e4": round(rate[10_000]),
+            "chunks_per_s_1e5": round(rate[100_000]),
+            "rate_ratio_1e5_vs_1e4": round(rate[100_000] / rate[10_000], 3),
+        }
         out["packer"] = pk
 
         # -- loader tokens/s ---------------------------------------------------------------------------
         from torch.utils.data import DataLoader
 
-        from h5corpus.packing import BestFitDataset
-        from h5corpus.window import SlidingWindowDataset
+        from h5corpus.loaders.bestfit import BestFitDataset
+        from h5corpus.loaders.window import SlidingWindowDataset
 
         loaders = {
             "window": SlidingWindowDataset(train, seq_len=L, batch_size=B),
@@ -220,13 +244,19 @@ def main() -> None:
             return n / (time.perf_counter() - t)
 
         ld: dict = {}
-        for how, fn, reps in (("in_process", in_process, 7), ("in_process_cpu_time", in_process_cpu, 7),
-                              ("in_process_fields_cpu", fields_cpu, 5), ("dataloader_2_workers", with_workers, 3)):
+        for how, fn, reps in (
+            ("in_process", in_process, 7),
+            ("in_process_cpu_time", in_process_cpu, 7),
+            ("in_process_fields_cpu", fields_cpu, 5),
+            ("dataloader_2_workers", with_workers, 3),
+        ):
             rate = {k: 0.0 for k in loaders}
             for _ in range(reps):  # interleaved, best of reps: all loaders see the same machine load
                 for k, ds in loaders.items():
                     rate[k] = max(rate[k], fn(ds))
-            ld[how] = {k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / rate["window"], 3)} for k, v in rate.items()}
+            ld[how] = {
+                k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / rate["window"], 3)} for k, v in rate.items()
+            }
         out["loader"] = ld
         train.close()
 

@@ -36,32 +36,31 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import numpy as np
-
-from _report import emit  # bench/ is on sys.path when a bench runs as a script
 import torch
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts  # noqa: E402
-from h5corpus import format as fmt  # noqa: E402
-from h5corpus.format import TokenizerIdentity  # noqa: E402
-from h5corpus.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
-from h5corpus.reader import _H5Tokens, open_corpus  # noqa: E402
-from h5corpus.window import SlidingWindowDataset  # noqa: E402
-from h5corpus.writer import ShardWriter  # noqa: E402
+from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
+from h5corpus.storage import format as fmt  # noqa: E402
+from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
+from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
+from h5corpus.storage.reader import _H5Tokens, open_corpus  # noqa: E402
+from h5corpus.storage.writer import ShardWriter  # noqa: E402
+from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
 B = 8  # windows per batch throughout
 SECTIONS = ("read_paths", "batches", "dataloader", "chunk_size", "compressed")
 
 
 # -- data ----------------------------------------------------------------------------------------------
+
 
 def load_tokens(limit: int) -> tuple[np.ndarray, np.ndarray, TokenizerIdentity, str]:
     """(flat uint16 tokens with an EOS after each document, document lengths, identity, source)."""
@@ -86,8 +85,16 @@ def load_tokens(limit: int) -> tuple[np.ndarray, np.ndarray, TokenizerIdentity, 
     return np.concatenate(docs), lengths, ident, source
 
 
-def write_shards(root: Path, flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIdentity, *,
-                 chunk_tokens: int, shard_tokens: int, compression: str | None = None) -> Path:
+def write_shards(
+    root: Path,
+    flat: np.ndarray,
+    lengths: np.ndarray,
+    ident: TokenizerIdentity,
+    *,
+    chunk_tokens: int,
+    shard_tokens: int,
+    compression: str | None = None,
+) -> Path:
     """Shards of ``flat`` (documents never split) + manifest under ``root``; returns the manifest."""
     mpath = root / "manifests" / "shards.json"
     m = Manifest(tokenizer=ident, dtype="uint16", chunk_tokens=chunk_tokens)
@@ -98,10 +105,16 @@ def write_shards(root: Path, flat: np.ndarray, lengths: np.ndarray, ident: Token
         hi_doc = min(max(hi_doc, lo_doc + 1), lengths.size)
         a, b = (int(ends[lo_doc - 1]) if lo_doc else 0), int(ends[hi_doc - 1])
         n = hi_doc - lo_doc
-        doc_ids = np.frombuffer(b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(lo_doc, hi_doc)),
-                                np.uint8).reshape(n, 32)
-        with ShardWriter(root / "shards" / "train" / f"train-{k:05d}.h5", split="train", tokenizer=ident,
-                         chunk_tokens=chunk_tokens, compression=compression) as w:
+        doc_ids = np.frombuffer(
+            b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(lo_doc, hi_doc)), np.uint8
+        ).reshape(n, 32)
+        with ShardWriter(
+            root / "shards" / "train" / f"train-{k:05d}.h5",
+            split="train",
+            tokenizer=ident,
+            chunk_tokens=chunk_tokens,
+            compression=compression,
+        ) as w:
             w.add_documents(flat[a:b], lengths[lo_doc:hi_doc], doc_ids)
         m.shards.append(ShardEntry.from_info(w.info, mpath.parent))
         lo_doc, k = hi_doc, k + 1
@@ -110,6 +123,7 @@ def write_shards(root: Path, flat: np.ndarray, lengths: np.ndarray, ident: Token
 
 
 # -- timing --------------------------------------------------------------------------------------------
+
 
 def interleaved(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
     """Best (minimum) seconds per call of each fn over ``rounds`` interleaved rounds: other load on
@@ -149,24 +163,29 @@ def drop_page_cache(paths: list[Path]) -> None:
 
 def memmap_copy(mm: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarray]:
     """Bare memmap copies: the windows of ``starts`` into a fresh (len, n) array."""
+
     def run(starts: np.ndarray) -> np.ndarray:
         out = np.empty((starts.size, n), dtype=mm.dtype)
         for j, a in enumerate(starts.tolist()):
             out[j] = mm[a : a + n]
         return out
+
     return run
 
 
 def nanogpt_get_batch(mm: np.ndarray, L: int) -> Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]]:
     """nanoGPT's get_batch on the same memmap (x, y as int64 tensors, no pinning)."""
+
     def run(starts: np.ndarray):
         x = torch.stack([torch.from_numpy(mm[a : a + L].astype(np.int64)) for a in starts.tolist()])
         y = torch.stack([torch.from_numpy(mm[a + 1 : a + 1 + L].astype(np.int64)) for a in starts.tolist()])
         return x, y
+
     return run
 
 
 # -- sections --------------------------------------------------------------------------------------------
+
 
 def bench_read_paths(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -> dict:
     """Per-window read cost of each HDF5 read path vs the memmap, random windows inside shard 0."""
@@ -192,6 +211,7 @@ def bench_read_paths(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -
             def run():
                 for a in starts.tolist():
                     read(a, buf)
+
             return run
 
         ds_d, ds_m, ds_o = f_default["tokens"], f_64m["tokens"], f_off["tokens"]
@@ -208,7 +228,9 @@ def bench_read_paths(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -
         t = interleaved(fns, rounds)
         per_win = {k: v / (slow.size if "default" in k or "64MiB" in k else fast.size) for k, v in t.items()}
         base = per_win["memmap"]
-        out[f"seq_len_{L}"] = {k: {"windows_per_s": round(1 / v), "vs_memmap": round(base / v, 3)} for k, v in per_win.items()}
+        out[f"seq_len_{L}"] = {
+            k: {"windows_per_s": round(1 / v), "vs_memmap": round(base / v, 3)} for k, v in per_win.items()
+        }
     for f in (f_default, f_64m, f_off):
         f.close()
     low.close()
@@ -246,8 +268,12 @@ def bench_batches(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -> d
                 b0, g0 = t["memmap_bare_copies"], t["nanogpt_get_batch"]
                 key = f"seq_len_{L}/{mode}" + ("/document_mask" if dm else "")
                 out[key] = {
-                    k: {"windows_per_s": round(K * B / v), "tokens_per_s": round(K * B * L / v), "vs_memmap": round(b0 / v, 3),
-                        "vs_nanogpt": round(g0 / v, 3)}
+                    k: {
+                        "windows_per_s": round(K * B / v),
+                        "tokens_per_s": round(K * B * L / v),
+                        "vs_memmap": round(b0 / v, 3),
+                        "vs_nanogpt": round(g0 / v, 3),
+                    }
                     for k, v in t.items()
                 }
     c.close()
@@ -268,9 +294,11 @@ def bench_dataloader(manifest: Path, mm: np.ndarray, quick: bool, rounds: int = 
         base = memmap_copy(mm, L + 1)
         t = interleaved({"m": lambda: [base(starts[i : i + B]) for i in range(0, starts.size, B)]}, 3)["m"]
         one = next(iter(ds))
-        row: dict = {"memmap_bare_copies_in_process": {"windows_per_s": round(K * B / t)},
-                     "bytes_per_batch_crossing": int(one._buf.numel()),  # the compact buffer (pickled alone)
-                     "bytes_per_batch_int64_fields": 3 * 8 * one.num_tokens}
+        row: dict = {
+            "memmap_bare_copies_in_process": {"windows_per_s": round(K * B / t)},
+            "bytes_per_batch_crossing": int(one._buf.numel()),  # the compact buffer (pickled alone)
+            "bytes_per_batch_int64_fields": 3 * 8 * one.num_tokens,
+        }
         best = {nw: 0.0 for nw in (0, 1, 2)}
         for _ in range(rounds):
             for nw in (0, 1, 2):
@@ -285,8 +313,11 @@ def bench_dataloader(manifest: Path, mm: np.ndarray, quick: bool, rounds: int = 
                 best[nw] = max(best[nw], n / (time.perf_counter() - t0))
                 del it, loader
         for nw, rate in best.items():
-            row[f"workers_{nw}"] = {"windows_per_s": round(rate), "tokens_per_s": round(rate * L),
-                                    "vs_memmap": round(rate / (K * B / t), 3)}
+            row[f"workers_{nw}"] = {
+                "windows_per_s": round(rate),
+                "tokens_per_s": round(rate * L),
+                "vs_memmap": round(rate / (K * B / t), 3),
+            }
         out[f"seq_len_{L}"] = row
     c.close()
     return out
@@ -324,7 +355,9 @@ def bench_chunk_sizes(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIde
                 "memmap": lambda s: [buf.__setitem__(slice(None), mm[a : a + L + 1]) for a in s.tolist()],
                 "chunk_mmap": lambda s: cm.gather(s, L + 1),
                 "H5Dread_cache_off": lambda s: [low.read(a, a + L + 1, buf) for a in s.tolist()],
-                "h5py_slice_default_cache": lambda s: [buf.__setitem__(slice(None), ds[a : a + L + 1]) for a in s.tolist()],
+                "h5py_slice_default_cache": lambda s: [
+                    buf.__setitem__(slice(None), ds[a : a + L + 1]) for a in s.tolist()
+                ],
             }
             return fns, (mm, cm, f_def, low)
 
@@ -347,8 +380,10 @@ def bench_chunk_sizes(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIde
                 dt = time.perf_counter() - t0
                 if dt < best_dt:
                     best_dt, best_rb = dt, read_bytes() - r0
-            row["cold"][k] = {"windows_per_s": round(cold_n / best_dt),
-                              "storage_KiB_per_window": round(best_rb / cold_n / 1024, 1) if best_rb >= 0 else None}
+            row["cold"][k] = {
+                "windows_per_s": round(cold_n / best_dt),
+                "storage_KiB_per_window": round(best_rb / cold_n / 1024, 1) if best_rb >= 0 else None,
+            }
         del fns, handles
         c.close()
         out[f"chunk_{chunk}"] = row
@@ -369,8 +404,9 @@ def bench_compressed(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIden
         root = work / f"comp-{comp}"
         if root.exists():
             shutil.rmtree(root)
-        man = write_shards(root, sub, sub_len, ident, chunk_tokens=fmt.DEFAULT_CHUNK_TOKENS, shard_tokens=1 << 40,
-                           compression=comp)
+        man = write_shards(
+            root, sub, sub_len, ident, chunk_tokens=fmt.DEFAULT_CHUNK_TOKENS, shard_tokens=1 << 40, compression=comp
+        )
         c = open_corpus(man, "train")
         assert c.read_paths() == ["h5py"]
         row = {}
@@ -378,11 +414,17 @@ def bench_compressed(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIden
             ds = SlidingWindowDataset(c, L, batch_size=B, seed=0, mode=mode)
             starts = ds.plan()[: K * B]
             base = memmap_copy(mm, L + 1)
-            t = interleaved({
-                "memmap": lambda: [base(starts[i : i + B]) for i in range(0, starts.size, B)],
-                "batch_compact": lambda: [None for _ in itertools.islice(iter(ds), K)],
-            }, 3)
-            row[mode] = {"windows_per_s": round(K * B / t["batch_compact"]), "vs_memmap": round(t["memmap"] / t["batch_compact"], 4)}
+            t = interleaved(
+                {
+                    "memmap": lambda: [base(starts[i : i + B]) for i in range(0, starts.size, B)],
+                    "batch_compact": lambda: [None for _ in itertools.islice(iter(ds), K)],
+                },
+                3,
+            )
+            row[mode] = {
+                "windows_per_s": round(K * B / t["batch_compact"]),
+                "vs_memmap": round(t["memmap"] / t["batch_compact"], 4),
+            }
         out[comp] = row
         c.close()
     return out
@@ -409,8 +451,9 @@ def main() -> None:
         base_path = work / "tokens.bin"
         flat.tofile(base_path)
         mm = np.memmap(base_path, dtype=np.uint16, mode="r")
-        manifest = write_shards(work / "main", flat, lengths, ident, chunk_tokens=fmt.DEFAULT_CHUNK_TOKENS,
-                                shard_tokens=4_000_000)
+        manifest = write_shards(
+            work / "main", flat, lengths, ident, chunk_tokens=fmt.DEFAULT_CHUNK_TOKENS, shard_tokens=4_000_000
+        )
         result = {
             "bench": "reader",
             "format_version": fmt.FORMAT_VERSION,
@@ -420,8 +463,14 @@ def main() -> None:
             "shards": len(json.loads(manifest.read_text())["shards"]),
             "chunk_tokens": fmt.DEFAULT_CHUNK_TOKENS,
             "windows_per_batch": B,
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-                        "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "torch": torch.__version__},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "numpy": np.__version__,
+                "h5py": h5py.__version__,
+                "hdf5": h5py.version.hdf5_version,
+                "torch": torch.__version__,
+            },
             "rounds": args.rounds,
         }
         if "read_paths" in sections:

@@ -29,16 +29,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from corpus_util import gpt2_tiktoken, BYTE_IDENTITY, byte_encode, read_jsonl_texts, stdlib_texts  # noqa: E402
-from h5corpus.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
-from h5corpus.writer import ShardWriter  # noqa: E402
+from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
+from h5corpus.storage.writer import ShardWriter  # noqa: E402
+from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
 
 def best(fn, repeat=3):
@@ -95,11 +93,15 @@ def write_shard(path: Path, docs, ident, chunk_tokens, **kw):
 
 def single_shard_corpus(root: Path, docs, ident, chunk_tokens: int, **kw):
     """Write ``docs`` as one train shard under ``root`` with its manifest; return (ShardInfo, Corpus)."""
-    from h5corpus.reader import open_corpus
+    from h5corpus.storage.reader import open_corpus
 
     info = write_shard(root / "shards" / "train.h5", docs, ident, chunk_tokens, **kw)
-    m = Manifest(tokenizer=ident, dtype="uint16" if ident.vocab_size <= 65536 else "uint32", chunk_tokens=chunk_tokens,
-                 shards=[ShardEntry.from_info(info, root / "manifests")])
+    m = Manifest(
+        tokenizer=ident,
+        dtype="uint16" if ident.vocab_size <= 65536 else "uint32",
+        chunk_tokens=chunk_tokens,
+        shards=[ShardEntry.from_info(info, root / "manifests")],
+    )
     write_manifest(root / "manifests" / "shards.json", m)
     return info, open_corpus(root / "manifests" / "shards.json")
 
@@ -108,7 +110,7 @@ def single_shard_corpus(root: Path, docs, ident, chunk_tokens: int, **kw):
 # JSON: per repeat, wall seconds and CPU seconds (user + sys, all threads and children) of one call.
 _VALIDATE_TIMER = """
 import json, resource, sys, time
-from h5corpus.validate import validate_corpus
+from h5corpus.storage.validate import validate_corpus
 def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
@@ -120,6 +122,7 @@ for _ in range(int(sys.argv[3])):
     assert r.ok, r.findings
 print(json.dumps({"runs": runs, "bytes": r.bytes_hashed}))
 """
+
 
 def _forked_hashlib(setup: str, child: str) -> str:
     """A timing script: ``setup`` once, then per repeat N forked processes each running ``child``
@@ -169,14 +172,17 @@ _FILE_HASHLIB = _forked_hashlib(
 
 def _best_run(script: str, *argv) -> tuple[float, float, int]:
     """Run a timing script in a fresh interpreter; (best wall s, CPU s of that run, bytes)."""
-    res = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, check=True, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, check=True, cwd=REPO
+    )
     got = json.loads(res.stdout)
     wall, cpu = min(got["runs"])
     return wall, cpu, got["bytes"]
 
 
-def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int, shards: int = 4,
-                   shard_tokens: int | None = None) -> list[dict]:
+def bench_validate(
+    vroot: Path, docs, flat: np.ndarray, ident, repeat: int, shards: int = 4, shard_tokens: int | None = None
+) -> list[dict]:
     """validate_corpus (1 and 2 workers) vs hashlib.sha256 over ``shards`` shards of ``shard_tokens``
     tokens (default: the build's default shard size, 2^27 tokens = 256 MiB of uint16; 4 of them).
 
@@ -189,8 +195,8 @@ def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int, shar
     in-memory baselines leave out. CPU seconds per GB (user + sys, every
     thread and child) are reported too: they are robust to other load on the machine, wall is not.
     """
-    from h5corpus.build import DEFAULT_SHARD_TOKENS
-    from h5corpus.format import DEFAULT_CHUNK_TOKENS
+    from h5corpus.build.runner import DEFAULT_SHARD_TOKENS
+    from h5corpus.storage.format import DEFAULT_CHUNK_TOKENS
 
     per = int(shard_tokens or DEFAULT_SHARD_TOKENS)
     copies = -(-shards * per // flat.size)
@@ -215,7 +221,7 @@ def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int, shar
     c = time.process_time()
     hashlib.sha256(vflat).hexdigest()
     hash_cpu = (time.process_time() - c) / vflat.nbytes * 1e9
-    del vflat
+    vflat = None  # free the copy before the timed runs (it is 2x the corpus)
     rows = []
     for workers in (1, 2):
         t_v, cpu_v, nbytes = _best_run(_VALIDATE_TIMER, vroot / "manifests" / "shards.json", workers, repeat)
@@ -224,19 +230,27 @@ def bench_validate(vroot: Path, docs, flat: np.ndarray, ident, repeat: int, shar
         files = [str(vroot / "manifests" / e.path) for e in m.shards]
         t_s, cpu_s, sbytes = _best_run(_FILE_HASHLIB, workers, repeat, *files)
         v_Bps, f_Bps = nbytes / t_v, nbytes / t_f
-        rows.append({
-            "workers": workers, "shards": len(m.shards), "shard_tokens": per, "bytes": nbytes,
-            "validate_MBps": round(v_Bps / 1e6, 1),
-            "hashlib_MBps_x_workers": round(hash_Bps * workers / 1e6, 1),
-            "ratio_per_worker": round(v_Bps / (hash_Bps * workers), 3),
-            "hashlib_forked_MBps": round(f_Bps / 1e6, 1),
-            "ratio_vs_forked_hashlib": round(v_Bps / f_Bps, 3),
-            # sha256sum of the shard files (whole files, HDF5 metadata included: sbytes >= bytes)
-            "sha256sum_files_MBps": round(sbytes / t_s / 1e6, 1),
-            "ratio_vs_sha256sum_files": round(v_Bps / (sbytes / t_s), 3),
-            "cpu_s_per_GB": {"validate": round(cpu_v / nbytes * 1e9, 3), "hashlib": round(hash_cpu, 3),
-                             "hashlib_forked": round(cpu_f / nbytes * 1e9, 3)},
-        })
+        rows.append(
+            {
+                "workers": workers,
+                "shards": len(m.shards),
+                "shard_tokens": per,
+                "bytes": nbytes,
+                "validate_MBps": round(v_Bps / 1e6, 1),
+                "hashlib_MBps_x_workers": round(hash_Bps * workers / 1e6, 1),
+                "ratio_per_worker": round(v_Bps / (hash_Bps * workers), 3),
+                "hashlib_forked_MBps": round(f_Bps / 1e6, 1),
+                "ratio_vs_forked_hashlib": round(v_Bps / f_Bps, 3),
+                # sha256sum of the shard files (whole files, HDF5 metadata included: sbytes >= bytes)
+                "sha256sum_files_MBps": round(sbytes / t_s / 1e6, 1),
+                "ratio_vs_sha256sum_files": round(v_Bps / (sbytes / t_s), 3),
+                "cpu_s_per_GB": {
+                    "validate": round(cpu_v / nbytes * 1e9, 3),
+                    "hashlib": round(hash_cpu, 3),
+                    "hashlib_forked": round(cpu_f / nbytes * 1e9, 3),
+                },
+            }
+        )
     return rows
 
 
@@ -247,22 +261,34 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="validate section: timed runs per figure (best is kept)")
     ap.add_argument("--only-validate", action="store_true", help="run only the validate section")
     ap.add_argument("--validate-shards", type=int, default=4, help="validate section: number of shards")
-    ap.add_argument("--validate-shard-tokens", type=int, default=None,
-                    help="validate section: tokens per shard (default: the build's default shard size)")
+    ap.add_argument(
+        "--validate-shard-tokens",
+        type=int,
+        default=None,
+        help="validate section: tokens per shard (default: the build's default shard size)",
+    )
     args = ap.parse_args()
 
     docs, ident, enc_s, source = load_tokens(args.tokens)
     flat = np.concatenate(docs).astype(np.uint16 if ident.vocab_size <= 65536 else np.uint32)
     n_tokens, nbytes = flat.size, flat.nbytes
     tmp = Path(tempfile.mkdtemp(prefix="h5corpus-bench-"))
-    out: dict = {"bench": "storage", "format_version": 1, "tokens": int(n_tokens), "bytes": int(nbytes), "source": source,
-                 "cpus": os.cpu_count()}
+    out: dict = {
+        "bench": "storage",
+        "format_version": 1,
+        "tokens": int(n_tokens),
+        "bytes": int(nbytes),
+        "source": source,
+        "cpus": os.cpu_count(),
+    }
     try:
         if args.only_validate:
-            out["validate"] = bench_validate(tmp / "v", docs, flat, ident, args.repeat, args.validate_shards,
-                                             args.validate_shard_tokens)
+            out["validate"] = bench_validate(
+                tmp / "v", docs, flat, ident, args.repeat, args.validate_shards, args.validate_shard_tokens
+            )
             emit(out, args.out)
             return
+
         # -- writer vs tofile ------------------------------------------------------------------
         def tofile():
             flat.tofile(tmp / "flat.bin")
@@ -273,7 +299,7 @@ def main() -> None:
 
         t_tofile = best(tofile)
         t_tofile_hash = best(tofile_hash)
-        from h5corpus.format import DEFAULT_CHUNK_TOKENS
+        from h5corpus.storage.format import DEFAULT_CHUNK_TOKENS
 
         t_writer = best(lambda: write_shard(tmp / "w.h5", docs, ident, DEFAULT_CHUNK_TOKENS))
         out["writer"] = {
@@ -291,7 +317,6 @@ def main() -> None:
         }
 
         # -- chunk size ------------------------------------------------------------------------
-        from h5corpus.reader import open_corpus
 
         rows = []
         rng = np.random.default_rng(0)
@@ -305,23 +330,31 @@ def main() -> None:
             t_rand = best(lambda: [c.tokens(int(s), int(s) + 4097) for s in starts])
             mm = np.memmap(tmp / "flat.bin", dtype=flat.dtype, mode="r")
             t_mm = best(lambda: [np.array(mm[int(s) : int(s) + 4097]) for s in starts])
-            rows.append({
-                "chunk_tokens": ct, "chunk_KiB": ct * flat.itemsize // 1024,
-                "write_MBps": round(nbytes / t_w / 1e6, 1),
-                "seq_read_MBps": round(nbytes / t_seq / 1e6, 1),
-                "random_4097_windows_per_s": round(len(starts) / t_rand),
-                "random_ratio_vs_memmap": round(t_mm / t_rand, 3),
-                "file_bytes": info.bytes,
-            })
+            rows.append(
+                {
+                    "chunk_tokens": ct,
+                    "chunk_KiB": ct * flat.itemsize // 1024,
+                    "write_MBps": round(nbytes / t_w / 1e6, 1),
+                    "seq_read_MBps": round(nbytes / t_seq / 1e6, 1),
+                    "random_4097_windows_per_s": round(len(starts) / t_rand),
+                    "random_ratio_vs_memmap": round(t_mm / t_rand, 3),
+                    "file_bytes": info.bytes,
+                }
+            )
             c.close()
         out["chunk_tokens"] = rows
 
         # -- validate vs hashlib ----------------------------------------------------------------
-        out["validate"] = bench_validate(tmp / "v", docs, flat, ident, args.repeat, args.validate_shards,
-                                         args.validate_shard_tokens)
+        out["validate"] = bench_validate(
+            tmp / "v", docs, flat, ident, args.repeat, args.validate_shards, args.validate_shard_tokens
+        )
 
         # -- compression (seed exercise) ----------------------------------------------------------
-        filters = [("none", {}), ("gzip-4", dict(compression="gzip", compression_opts=4)), ("lzf", dict(compression="lzf"))]
+        filters = [
+            ("none", {}),
+            ("gzip-4", dict(compression="gzip", compression_opts=4)),
+            ("lzf", dict(compression="lzf")),
+        ]
         try:
             import hdf5plugin
 
@@ -337,10 +370,14 @@ def main() -> None:
             buf = np.empty(n_tokens, dtype=flat.dtype)
             t_r = best(lambda: c.tokens(0, n_tokens, out=buf))
             assert np.array_equal(buf, flat)
-            crow.append({
-                "filter": name, "write_MBps": round(nbytes / t_w / 1e6, 1), "read_MBps": round(nbytes / t_r / 1e6, 1),
-                "size_ratio": round(nbytes / info.bytes, 3),
-            })
+            crow.append(
+                {
+                    "filter": name,
+                    "write_MBps": round(nbytes / t_w / 1e6, 1),
+                    "read_MBps": round(nbytes / t_r / 1e6, 1),
+                    "size_ratio": round(nbytes / info.bytes, 3),
+                }
+            )
             c.close()
         out["compression"] = crow
     finally:

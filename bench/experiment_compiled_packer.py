@@ -30,7 +30,6 @@ from operator import getitem
 from pathlib import Path
 
 import numpy as np
-
 from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,9 +43,9 @@ def compiled_loader(corpus, nb):
     ``copy``: ``"join"`` (the shipped segment copy) or ``"numba"`` (a compiled copy loop)."""
     import torch
 
-    from h5corpus.batch import _STORAGE, VarlenBatch
-    from h5corpus.batch import _layout as batch_layout
-    from h5corpus.packing import _mapped_runs, chunk_layout, epoch_order
+    from h5corpus.loaders.batch import _STORAGE, VarlenBatch
+    from h5corpus.loaders.batch import _layout as batch_layout
+    from h5corpus.loaders.bestfit import _mapped_runs, chunk_layout, epoch_order
 
     @nb.njit(cache=True)
     def admit(lengths, keys, nk, pos):
@@ -107,7 +106,6 @@ def compiled_loader(corpus, nb):
     offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
     w = np.dtype(corpus.dtype).itemsize
 
-
     def epoch(seed: int, ep: int, copy: str = "join"):
         docs = epoch_order(corpus.num_documents, seed, ep)
         d, start, clen = chunk_layout(corpus.doc_lengths[docs], L)
@@ -144,9 +142,15 @@ def compiled_loader(corpus, nb):
             else:  # the shipped copy: one bytearray.join of the header and a view per segment
                 lo = first * w
                 hi = lo + (lens + 1) * w
-                parts = [z[: rc + 4], row_cu, z[: pk - rc - 4 - 4 * S], pack_lengths, z[: tk - pk - 4 * P],
-                         *map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())),
-                         z[: nbytes - tk - (T + S) * w]]
+                parts = [
+                    z[: rc + 4],
+                    row_cu,
+                    z[: pk - rc - 4 - 4 * S],
+                    pack_lengths,
+                    z[: tk - pk - 4 * P],
+                    *map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())),
+                    z[: nbytes - tk - (T + S) * w],
+                ]
                 for s in np.flatnonzero(lens + 1 > room).tolist():
                     parts[s + 5] = corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1))
                 raw = bytearray().join(parts)
@@ -166,9 +170,10 @@ def main() -> None:
         emit({"experiment": "compiled_packer", "available": False, "why": f"numba not importable: {e}"}, args.out)
         return
     from bench_packing import build_corpus
-    from h5corpus.packing import BestFitDataset
-    from h5corpus.reader import open_corpus
-    from h5corpus.window import SlidingWindowDataset
+
+    from h5corpus.loaders.bestfit import BestFitDataset
+    from h5corpus.loaders.window import SlidingWindowDataset
+    from h5corpus.storage.reader import open_corpus
 
     with tempfile.TemporaryDirectory() as tmp:
         manifest, source = build_corpus(Path(tmp))
@@ -194,18 +199,32 @@ def main() -> None:
                 n += b.num_tokens
             return n / (time.perf_counter() - t)
 
-        runs = {"window": lambda: window, "bestfit_buffer_64_shipped": lambda: shipped,
-                "bestfit_buffer_64_compiled_packer": lambda: epoch(0, 0, "join"),
-                "bestfit_buffer_64_compiled_packer_and_copy": lambda: epoch(0, 0, "numba")}
+        runs = {
+            "window": lambda: window,
+            "bestfit_buffer_64_shipped": lambda: shipped,
+            "bestfit_buffer_64_compiled_packer": lambda: epoch(0, 0, "join"),
+            "bestfit_buffer_64_compiled_packer_and_copy": lambda: epoch(0, 0, "numba"),
+        }
         best = dict.fromkeys(runs, 0.0)
         for _ in range(args.reps):  # interleaved: all see the same machine load
             for k, make in runs.items():
                 best[k] = max(best[k], rate(make()))
         train.close()
-    emit({"experiment": "compiled_packer", "available": True, "numba": nb.__version__, "source": source,
-          "microbatches": len(ref), "batches_equal_shipped": True, "first_epoch_with_compile_s": round(compile_s, 2),
-          "in_process": {k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / best["window"], 3)}
-                         for k, v in best.items()}}, args.out)
+    emit(
+        {
+            "experiment": "compiled_packer",
+            "available": True,
+            "numba": nb.__version__,
+            "source": source,
+            "microbatches": len(ref),
+            "batches_equal_shipped": True,
+            "first_epoch_with_compile_s": round(compile_s, 2),
+            "in_process": {
+                k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / best["window"], 3)} for k, v in best.items()
+            },
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

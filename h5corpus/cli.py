@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from .manifest import DEFAULT_MANIFEST
+from .storage.manifest import DEFAULT_MANIFEST
 
 EXIT_OK = 0
 EXIT_BAD_DATA = 1
@@ -33,7 +32,7 @@ def _root() -> None:
     """Tokenize raw text into sharded, verifiable HDF5 corpora; validate and inspect them."""
 
 
-def fail(message: str, code: int) -> "typer.Exit":
+def fail(message: str, code: int) -> typer.Exit:
     """Print ``message`` to stderr and return the Exit to raise."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
@@ -57,12 +56,14 @@ def print_validation(report, as_json: bool) -> int:
 @app.command("validate")
 def validate_cli(
     manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-w", help="Shards hashed at once (default: all cores)."),
+    workers: int | None = typer.Option(None, "--workers", "-w", help="Shards hashed at once (default: all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
-    deep: bool = typer.Option(False, "--deep", help="Also scan every token: ids < vocab_size, no EOS inside a document (about 20% more CPU)."),
+    deep: bool = typer.Option(
+        False, "--deep", help="Also scan every token: ids < vocab_size, no EOS inside a document (about 20% more CPU)."
+    ),
 ) -> None:
     """Recompute every shard's sha256 in parallel and check structure. Exit 1 naming each failing shard."""
-    from .validate import validate_corpus
+    from .storage.validate import validate_corpus
 
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
@@ -73,33 +74,44 @@ def validate_cli(
 @app.command("inspect")
 def inspect_cli(
     manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
-    split: Optional[list[str]] = typer.Option(None, "--split", help="Split(s) to inspect (default: all present)."),
+    split: list[str] | None = typer.Option(None, "--split", help="Split(s) to inspect (default: all present)."),
     seq_len: int = typer.Option(4096, "--seq-len", help="Independent context limit, in input tokens."),
     batch_size: int = typer.Option(35, "--batch-size", help="Packs per microbatch."),
-    packing_buffer: Optional[int] = typer.Option(None, "--packing-buffer", help="Candidate buffer, in chunks (default 64 for buffer, 16,384 for bfd)."),
+    packing_buffer: int | None = typer.Option(
+        None, "--packing-buffer", help="Candidate buffer, in chunks (default 64 for buffer, 16,384 for bfd)."
+    ),
     mode: str = typer.Option("buffer", "--mode", help="Packing mode: buffer or bfd."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed for the packing simulation and checks."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of the table."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON figures to this file."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: length histogram, pack fill, tokens per split."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Also write the JSON figures to this file."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG: length histogram, pack fill, tokens per split."
+    ),
 ) -> None:
     """Counts, statistics, pack fill and the seed's data checks. Exit 1 if any check fails.
 
     CREATES: --output JSON and --plot PNG when given; nothing else.
     """
-    from .format import FormatError
-    from .inspect import format_report, inspect_corpus, plot_report
+    from .inspection import format_report, inspect_corpus, plot_report
+    from .storage.format import FormatError
 
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     if mode not in ("buffer", "bfd"):
         raise fail(f"--mode must be buffer or bfd, got {mode!r}", EXIT_USAGE)
     try:
-        rep = inspect_corpus(manifest, splits=split or None, seq_len=seq_len, batch_size=batch_size,
-                             packing_buffer=packing_buffer, mode=mode, seed=seed,
-                             progress=sys.stderr.isatty() and not as_json)
+        rep = inspect_corpus(
+            manifest,
+            splits=split or None,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            packing_buffer=packing_buffer,
+            mode=mode,
+            seed=seed,
+            progress=sys.stderr.isatty() and not as_json,
+        )
     except (FormatError, ValueError) as e:
-        raise fail(str(e), EXIT_BAD_DATA)
+        raise fail(str(e), EXIT_BAD_DATA) from None
     data = json.dumps(rep.to_json(), indent=2, sort_keys=True)
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -112,35 +124,87 @@ def inspect_cli(
 
 @app.command("build")
 def build_cli(
-    sources: Optional[list[str]] = typer.Argument(
-        None, help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
-        "or 'stdlib' (the default: the Python standard library's sources, offline)."),
-    tokenizer: Optional[str] = typer.Option(
-        None, "--tokenizer", "-t", help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
-        "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-w", help="Worker processes (default: all cores); never changes the output."),
+    sources: list[str] | None = typer.Argument(
+        None,
+        help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
+        "or 'stdlib' (the default: the Python standard library's sources, offline).",
+    ),
+    tokenizer: str | None = typer.Option(
+        None,
+        "--tokenizer",
+        "-t",
+        help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
+        "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib.",
+    ),
+    workers: int | None = typer.Option(
+        None, "--workers", "-w", help="Worker processes (default: all cores); never changes the output."
+    ),
     shards_dir: Path = typer.Option(Path("shards"), "--shards-dir", help="Where shards go (shards/<split>/...)."),
     manifest: Path = typer.Option(DEFAULT_MANIFEST, "--manifest", help="Manifest to write."),
     split_seed: int = typer.Option(20261003, "--split-seed", help="Seed of the hash split."),
-    validation_fraction: float = typer.Option(0.05, "--validation-fraction", help="Probability a document goes to validation."),
-    max_tokens: Optional[str] = typer.Option(None, "--max-tokens", help="Token budgets, e.g. train=8M,validation=100k (whole documents in input order; the last one kept whole)."),
-    max_document_tokens: Optional[int] = typer.Option(None, "--max-document-tokens", help="Cut longer documents to N tokens at write time (flagged, no EOS)."),
-    on_error: str = typer.Option("fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."),
+    validation_fraction: float = typer.Option(
+        0.05, "--validation-fraction", help="Probability a document goes to validation."
+    ),
+    max_tokens: str | None = typer.Option(
+        None,
+        "--max-tokens",
+        help="Token budgets, e.g. train=8M,validation=100k (whole documents in input order; the last one kept whole).",
+    ),
+    max_document_tokens: int | None = typer.Option(
+        None, "--max-document-tokens", help="Cut longer documents to N tokens at write time (flagged, no EOS)."
+    ),
+    on_error: str = typer.Option(
+        "fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."
+    ),
     text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
-    shard_tokens: Optional[int] = typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
+    shard_tokens: int | None = typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
     validate: bool = typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete the manifest, shards and interrupted state first."),
-    clean: bool = typer.Option(False, "--clean", help="Filters: documents that are HTML -> their main text (trafilatura); plain text unchanged."),
-    fix_unicode: bool = typer.Option(False, "--fix-unicode", help="Filters: repair mojibake, strip control characters (ftfy, conservative)."),
-    normalize_whitespace: bool = typer.Option(False, "--normalize-whitespace", help="Filters: unify line breaks, collapse spaces, at most one blank line."),
-    quality_filter: bool = typer.Option(False, "--quality-filter", help="Filters: drop documents failing the heuristic quality rules (docs/FILTERS.md)."),
-    lang: Optional[str] = typer.Option(None, "--lang", help="Filters: keep documents whose detected language is one of these ISO 639-1 codes, e.g. en,de (py3langid)."),
-    lang_threshold: Optional[float] = typer.Option(None, "--lang-threshold", help="Filters: smallest language probability kept, in [0, 1] (default 0.5; needs --lang)."),
-    scrub_pii: bool = typer.Option(False, "--scrub-pii", help="Filters: replace e-mails, phone numbers, IP addresses with <EMAIL>/<PHONE>/<IP>."),
-    near_dedup: bool = typer.Option(False, "--near-dedup", help="Filters: drop near duplicates (MinHash LSH, 5-word shingles, 128 permutations); the first in input order stays."),
-    near_dedup_threshold: Optional[float] = typer.Option(None, "--near-dedup-threshold", help="Jaccard similarity from which documents are near duplicates, in (0, 1) (default 0.8; implies --near-dedup)."),
-    explain_drops: Optional[Path] = typer.Option(None, "--explain-drops", help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Delete the manifest, shards and interrupted state first."
+    ),
+    clean: bool = typer.Option(
+        False,
+        "--clean",
+        help="Filters: documents that are HTML -> their main text (trafilatura); plain text unchanged.",
+    ),
+    fix_unicode: bool = typer.Option(
+        False, "--fix-unicode", help="Filters: repair mojibake, strip control characters (ftfy, conservative)."
+    ),
+    normalize_whitespace: bool = typer.Option(
+        False, "--normalize-whitespace", help="Filters: unify line breaks, collapse spaces, at most one blank line."
+    ),
+    quality_filter: bool = typer.Option(
+        False, "--quality-filter", help="Filters: drop documents failing the heuristic quality rules (docs/FILTERS.md)."
+    ),
+    lang: str | None = typer.Option(
+        None,
+        "--lang",
+        help="Filters: keep documents whose detected language is one of these ISO 639-1 codes, e.g. en,de (py3langid).",
+    ),
+    lang_threshold: float | None = typer.Option(
+        None,
+        "--lang-threshold",
+        help="Filters: smallest language probability kept, in [0, 1] (default 0.5; needs --lang).",
+    ),
+    scrub_pii: bool = typer.Option(
+        False, "--scrub-pii", help="Filters: replace e-mails, phone numbers, IP addresses with <EMAIL>/<PHONE>/<IP>."
+    ),
+    near_dedup: bool = typer.Option(
+        False,
+        "--near-dedup",
+        help="Filters: drop near duplicates (MinHash LSH, 5-word shingles, 128 permutations); the first in input order stays.",
+    ),
+    near_dedup_threshold: float | None = typer.Option(
+        None,
+        "--near-dedup-threshold",
+        help="Jaccard similarity from which documents are near duplicates, in (0, 1) (default 0.8; implies --near-dedup).",
+    ),
+    explain_drops: Path | None = typer.Option(
+        None,
+        "--explain-drops",
+        help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order.",
+    ),
 ) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
@@ -149,45 +213,65 @@ def build_cli(
     CREATES: the shard files, the manifest, --explain-drops FILE when given, and (while running)
     shards/.build/ and shards/.build.lock.
     """
-    from .build import BuildConfig, BuildConflict, BuildError, build, format_report, parse_max_tokens
-    from .format import FormatError
-    from .sources import SourceError
-    from .tokenize import TokenizerError
+    from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
+    from .build.sources import SourceError
+    from .build.tokenizer import TokenizerError
+    from .storage.format import FormatError
 
     srcs = list(sources or ["stdlib"])
     if tokenizer is None:
         tokenizer = "bytes" if all(s == "stdlib" for s in srcs) else "gpt2"
     try:
-        filters = _build_filters(clean=clean, fix_unicode=fix_unicode, normalize_whitespace=normalize_whitespace,
-                                 quality=quality_filter, lang=lang, lang_threshold=lang_threshold, scrub_pii=scrub_pii,
-                                 near_dedup=near_dedup, near_dedup_threshold=near_dedup_threshold)
+        filters = _build_filters(
+            clean=clean,
+            fix_unicode=fix_unicode,
+            normalize_whitespace=normalize_whitespace,
+            quality=quality_filter,
+            lang=lang,
+            lang_threshold=lang_threshold,
+            scrub_pii=scrub_pii,
+            near_dedup=near_dedup,
+            near_dedup_threshold=near_dedup_threshold,
+        )
     except (ValueError, ImportError) as e:
-        raise fail(str(e), EXIT_USAGE)
+        raise fail(str(e), EXIT_USAGE) from None
     try:
         cfg = BuildConfig(
-            sources=srcs, tokenizer=tokenizer, shards_dir=shards_dir, manifest=manifest, workers=workers,
-            text_field=text_field, split_seed=split_seed, validation_fraction=validation_fraction,
+            sources=srcs,
+            tokenizer=tokenizer,
+            shards_dir=shards_dir,
+            manifest=manifest,
+            workers=workers,
+            text_field=text_field,
+            split_seed=split_seed,
+            validation_fraction=validation_fraction,
             max_tokens=parse_max_tokens(max_tokens) if max_tokens else None,
-            max_document_tokens=max_document_tokens, on_error=on_error, overwrite=overwrite,
-            progress=sys.stderr.isatty() and not as_json, filters=filters, explain_drops=explain_drops,
+            max_document_tokens=max_document_tokens,
+            on_error=on_error,
+            overwrite=overwrite,
+            progress=sys.stderr.isatty() and not as_json,
+            filters=filters,
+            explain_drops=explain_drops,
         )
         if shard_tokens is not None:
             cfg.shard_tokens = shard_tokens
-        report = build(cfg)
+        report = build_corpus(cfg)
     except BuildError as e:
-        raise fail(f"{e}\n(completed work is kept: fix the input and re-run the same command to resume)", EXIT_BAD_DATA)
+        raise fail(
+            f"{e}\n(completed work is kept: fix the input and re-run the same command to resume)", EXIT_BAD_DATA
+        ) from None
     except FormatError as e:
-        raise fail(str(e), EXIT_BAD_DATA)
+        raise fail(str(e), EXIT_BAD_DATA) from None
     except (BuildConflict, TokenizerError, SourceError, ValueError) as e:
-        raise fail(str(e), EXIT_USAGE)
+        raise fail(str(e), EXIT_USAGE) from None
     except KeyboardInterrupt:
-        raise fail("interrupted; re-run the same command to resume", 130)
+        raise fail("interrupted; re-run the same command to resume", 130) from None
     code = EXIT_OK
     out = report.to_json()
     if not as_json:
         typer.echo(format_report(report))
     if validate:
-        from .validate import validate_corpus
+        from .storage.validate import validate_corpus
 
         vr = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json)
         if as_json:
@@ -200,9 +284,18 @@ def build_cli(
     raise typer.Exit(code)
 
 
-def _build_filters(*, clean: bool, fix_unicode: bool, normalize_whitespace: bool, quality: bool, lang: Optional[str],
-                   lang_threshold: Optional[float], scrub_pii: bool, near_dedup: bool,
-                   near_dedup_threshold: Optional[float]):
+def _build_filters(
+    *,
+    clean: bool,
+    fix_unicode: bool,
+    normalize_whitespace: bool,
+    quality: bool,
+    lang: str | None,
+    lang_threshold: float | None,
+    scrub_pii: bool,
+    near_dedup: bool,
+    near_dedup_threshold: float | None,
+):
     """The build's filter flags -> a DocumentFilter, or None when every stage is off (the build is
     then exactly the filter-free one). Raises ValueError for bad values (exit 2)."""
     from .filters import DocumentFilter, FilterConfig, parse_lang_codes
@@ -212,8 +305,15 @@ def _build_filters(*, clean: bool, fix_unicode: bool, normalize_whitespace: bool
         raise ValueError("--lang: give ISO 639-1 codes, e.g. --lang en,de")
     if lang_threshold is not None and not codes:
         raise ValueError("--lang-threshold needs --lang")
-    cfg = FilterConfig(clean=clean, fix_unicode=fix_unicode, normalize_whitespace=normalize_whitespace, quality=quality,
-                       lang=codes, scrub_pii=scrub_pii, near_dedup=near_dedup or near_dedup_threshold is not None)
+    cfg = FilterConfig(
+        clean=clean,
+        fix_unicode=fix_unicode,
+        normalize_whitespace=normalize_whitespace,
+        quality=quality,
+        lang=codes,
+        scrub_pii=scrub_pii,
+        near_dedup=near_dedup or near_dedup_threshold is not None,
+    )
     if lang_threshold is not None:
         cfg.lang_threshold = lang_threshold
     if near_dedup_threshold is not None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corpus_util import BYTE_IDENTITY, byte_encode, shared_dir, stdlib_texts, write_corpus
-from h5corpus.format import TokenizerIdentity
+from h5corpus.storage.format import TokenizerIdentity
+from tests.helpers import BYTE_IDENTITY, byte_encode, shared_dir, stdlib_texts, write_corpus
 
 
 def pytest_collection_modifyitems(config, items):
@@ -69,8 +69,11 @@ def gpt2(gpt2_json: Path):
 @pytest.fixture(scope="session")
 def gpt2_identity(gpt2_json: Path) -> TokenizerIdentity:
     return TokenizerIdentity(
-        name=str(gpt2_json), revision="local", sha256=hashlib.sha256(gpt2_json.read_bytes()).hexdigest(),
-        vocab_size=50257, eos_id=50256,
+        name=str(gpt2_json),
+        revision="local",
+        sha256=hashlib.sha256(gpt2_json.read_bytes()).hexdigest(),
+        vocab_size=50257,
+        eos_id=50256,
     )
 
 
@@ -85,7 +88,7 @@ def dev_dir(shared: Path) -> Path:
 @pytest.fixture(scope="session")
 def dev_texts(dev_dir: Path) -> list[str]:
     """Every document of the dev corpus, files in sorted order, lines in order."""
-    from corpus_util import read_jsonl_texts
+    from tests.helpers import read_jsonl_texts
 
     return read_jsonl_texts(sorted(dev_dir.glob("*.jsonl")))
 
@@ -93,7 +96,9 @@ def dev_texts(dev_dir: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def gpt2_encode(gpt2):
     def enc(texts):
-        return [np.asarray(e.ids, dtype=np.int64) for e in gpt2.encode_batch_fast(list(texts), add_special_tokens=False)]
+        return [
+            np.asarray(e.ids, dtype=np.int64) for e in gpt2.encode_batch_fast(list(texts), add_special_tokens=False)
+        ]
 
     return enc
 
@@ -114,7 +119,9 @@ def dev_gpt2_ids(gpt2_json: Path, dev_texts) -> list[np.ndarray]:
 
     tok = Tokenizer.from_file(str(gpt2_json))
     tok.encode_special_tokens = True
-    return [np.asarray(e.ids, dtype=np.uint32) for e in tok.encode_batch_fast(list(dev_texts), add_special_tokens=False)]
+    return [
+        np.asarray(e.ids, dtype=np.uint32) for e in tok.encode_batch_fast(list(dev_texts), add_special_tokens=False)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -126,5 +133,12 @@ def stdlib_corpus_texts() -> list[str]:
 def stdlib_manifest(tmp_path, stdlib_corpus_texts) -> Path:
     """Standard-library sources as byte ids (vocab 257), small chunks so documents span chunks and
     shards. Fresh per test, so tests may corrupt it."""
-    return write_corpus(tmp_path, stdlib_corpus_texts, byte_encode, BYTE_IDENTITY,
-                        chunk_tokens=4096, shard_tokens=400_000, validation_every=10)
+    return write_corpus(
+        tmp_path,
+        stdlib_corpus_texts,
+        byte_encode,
+        BYTE_IDENTITY,
+        chunk_tokens=4096,
+        shard_tokens=400_000,
+        validation_every=10,
+    )

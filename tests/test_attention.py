@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from h5corpus import BestFitDataset, causal_attention, open_corpus, packed_loss
-from h5corpus.attention import available_backends, reference_causal_attention
-from h5corpus.batch import IGNORE_INDEX, VarlenBatch, make_batch
+from h5corpus.loaders.attention import available_backends, reference_causal_attention
+from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, make_batch
 
 
 class TinyBlock(nn.Module):
@@ -66,10 +66,16 @@ def pick_batch(ds: BestFitDataset) -> VarlenBatch:
 
 @pytest.fixture(scope="module")
 def stdlib_batch(tmp_path_factory, stdlib_corpus_texts) -> VarlenBatch:
-    from corpus_util import BYTE_IDENTITY, byte_encode, write_corpus
+    from tests.helpers import BYTE_IDENTITY, byte_encode, write_corpus
 
-    m = write_corpus(tmp_path_factory.mktemp("attn-stdlib"), stdlib_corpus_texts[:60], byte_encode, BYTE_IDENTITY,
-                     chunk_tokens=4096, shard_tokens=400_000)
+    m = write_corpus(
+        tmp_path_factory.mktemp("attn-stdlib"),
+        stdlib_corpus_texts[:60],
+        byte_encode,
+        BYTE_IDENTITY,
+        chunk_tokens=4096,
+        shard_tokens=400_000,
+    )
     return pick_batch(BestFitDataset(open_corpus(m, "train"), max_seq_len=700, batch_size=3, seed=1))
 
 
@@ -81,8 +87,10 @@ def dev_batch(dev_manifest) -> tuple[VarlenBatch, int]:
     real = b.targets != IGNORE_INDEX
     ids, inv = torch.unique(torch.cat([b.input_ids, b.targets[real]]), return_inverse=True)
     targets = torch.full_like(b.targets, IGNORE_INDEX)
-    targets[real] = inv[b.num_tokens:]
-    return VarlenBatch(inv[: b.num_tokens], targets, b.position_ids, b.cu_seqlens, b.max_seqlen, b.pack_lengths), ids.numel()
+    targets[real] = inv[b.num_tokens :]
+    return VarlenBatch(
+        inv[: b.num_tokens], targets, b.position_ids, b.cu_seqlens, b.max_seqlen, b.pack_lengths
+    ), ids.numel()
 
 
 @pytest.fixture(params=["stdlib", "dev"])
@@ -111,7 +119,9 @@ def test_reference_attention_equals_a_dense_block_diagonal_causal_mask():
         q = torch.randn(T, 4, 8, dtype=torch.float64)
         k, v = torch.randn(T, hk, 8, dtype=torch.float64), torch.randn(T, hk, 8, dtype=torch.float64)
         kk, vv = (t.repeat_interleave(4 // hk, dim=1) for t in (k, v))
-        dense = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask)
+        dense = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask
+        )
         got = causal_attention(q, k, v, cu, max(lens))
         torch.testing.assert_close(got, dense.transpose(0, 1), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(reference_causal_attention(q, k, v, cu), got, rtol=0, atol=0)

@@ -15,19 +15,19 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import h5corpus.batch as hb
-from corpus_util import byte_encode, stdlib_texts, write_corpus
-from h5corpus.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches, make_batch
-from h5corpus.format import TokenizerIdentity
-from h5corpus.packing import BestFitDataset
-from h5corpus.reader import open_corpus
-from h5corpus.window import SlidingWindowDataset
-from test_reader import oracle_stream
+import h5corpus.loaders.batch as hb
+from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches, make_batch
+from h5corpus.loaders.bestfit import BestFitDataset
+from h5corpus.loaders.window import SlidingWindowDataset
+from h5corpus.storage.format import TokenizerIdentity
+from h5corpus.storage.reader import open_corpus
+from tests.helpers import byte_encode, oracle_stream, stdlib_texts, write_corpus
 
 TENSORS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
 
 
 # -- oracles ------------------------------------------------------------------------------------------
+
 
 def eager_windows(toks: np.ndarray, offs: np.ndarray, starts: np.ndarray, L: int, document_mask: bool) -> VarlenBatch:
     """The eager batch of the windows at ``starts``, built per window from the stream and the
@@ -66,8 +66,12 @@ def assert_same_batch(got: VarlenBatch, want: VarlenBatch) -> None:
         assert g.dtype == w.dtype, f"{f}: {g.dtype} != {w.dtype}"
         assert torch.equal(g.cpu(), w.cpu()), f
     assert got.max_seqlen == want.max_seqlen
-    assert (got.num_tokens, got.num_targets, got.num_segments, got.num_packs) == \
-           (want.num_tokens, want.num_targets, want.num_segments, want.num_packs)
+    assert (got.num_tokens, got.num_targets, got.num_segments, got.num_packs) == (
+        want.num_tokens,
+        want.num_targets,
+        want.num_segments,
+        want.num_packs,
+    )
 
 
 def digest(b: VarlenBatch) -> str:
@@ -88,6 +92,7 @@ def materialize_path(request, monkeypatch):
 
 
 # -- compact == eager, stdlib (core, no ../shared) ----------------------------------------------------
+
 
 @pytest.mark.parametrize("document_mask", [False, True])
 @pytest.mark.parametrize("mode", ["epoch", "random"])
@@ -129,8 +134,14 @@ def test_compact_packs_equal_eager_segments_from_the_documents(stdlib_manifest, 
 def test_uint32_corpus_windows_widen_to_the_original_ids(tmp_path, materialize_path):
     """A uint32 corpus (ids above 65,535) is stored as int32 bit patterns and widens to the ids."""
     ident = TokenizerIdentity(name="bytes+70000", revision="local", sha256="1" * 64, vocab_size=70_300, eos_id=70_256)
-    m = write_corpus(tmp_path, stdlib_texts(30), lambda ts: [a + 70_000 for a in byte_encode(ts)], ident,
-                     chunk_tokens=4096, shard_tokens=100_000)
+    m = write_corpus(
+        tmp_path,
+        stdlib_texts(30),
+        lambda ts: [a + 70_000 for a in byte_encode(ts)],
+        ident,
+        chunk_tokens=4096,
+        shard_tokens=100_000,
+    )
     c = open_corpus(m, "train")
     assert c.dtype == np.uint32
     toks, offs, _ = oracle_stream(m)
@@ -147,23 +158,29 @@ def test_from_compact_widens_unsigned_bit_patterns_and_rejects_bad_layouts(mater
     for dt, top in ((np.uint16, 65_535), (np.uint32, 2**32 - 1)):
         rows = [np.array([top, 1, top - 5, 7], dt), np.array([0, top, 3], dt)]  # 3 + 2 inputs
         b = VarlenBatch.from_compact(np.concatenate(rows), [0, 3, 5], cu_seqlens=[0, 1, 3, 5], ignore=[0])
-        want = make_batch([np.array([top], np.int64), np.array([1, top - 5], np.int64), np.array([0, top], np.int64)],
-                          [np.array([IGNORE_INDEX]), np.array([top - 5, 7]), np.array([top, 3])], [3, 2])
+        want = make_batch(
+            [np.array([top], np.int64), np.array([1, top - 5], np.int64), np.array([0, top], np.int64)],
+            [np.array([IGNORE_INDEX]), np.array([top - 5, 7]), np.array([top, 3])],
+            [3, 2],
+        )
         assert_same_batch(b, want)
         b.check()
     b = VarlenBatch.from_compact(torch.tensor([5, 6, 7]), torch.tensor([0, 2]))
     assert b.tokens.dtype == torch.int64 and b.input_ids.tolist() == [5, 6] and b.targets.tolist() == [6, 7]
-    for kw, msg in ((dict(tokens=np.arange(5), row_cu=[0, 2, 2]), "strictly increase"),
-                    (dict(tokens=np.arange(5), row_cu=[0, 3]), "need 4"),
-                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 3, 4]), "row start"),
-                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 2, 5]), "end at T"),
-                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], ignore=[1, 1]), "distinct"),
-                    (dict(tokens=np.arange(6), row_cu=[0, 2, 4], ignore=[4]), "distinct")):
+    for kw, msg in (
+        (dict(tokens=np.arange(5), row_cu=[0, 2, 2]), "strictly increase"),
+        (dict(tokens=np.arange(5), row_cu=[0, 3]), "need 4"),
+        (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 3, 4]), "row start"),
+        (dict(tokens=np.arange(6), row_cu=[0, 2, 4], cu_seqlens=[0, 2, 5]), "end at T"),
+        (dict(tokens=np.arange(6), row_cu=[0, 2, 4], ignore=[1, 1]), "distinct"),
+        (dict(tokens=np.arange(6), row_cu=[0, 2, 4], ignore=[4]), "distinct"),
+    ):
         with pytest.raises(ValueError, match=msg):
             VarlenBatch.from_compact(**kw)
 
 
 # -- compact == eager on real GPT-2 shards --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("document_mask", [False, True])
 def test_dev_corpus_compact_windows_and_packs_equal_eager(dev_manifest, document_mask, materialize_path):
@@ -187,6 +204,7 @@ def test_dev_corpus_compact_windows_and_packs_equal_eager(dev_manifest, document
 
 # -- laziness, movement, pickling ------------------------------------------------------------------------
 
+
 def test_counts_do_not_materialize_and_fields_are_cached(stdlib_manifest):
     """num_tokens/num_targets/num_segments/num_packs come from host-known sizes (no int64 field is
     built); a field is built once per object."""
@@ -202,8 +220,10 @@ def test_pickle_and_torch_save_send_the_compact_buffer_only(stdlib_manifest):
     """A pickled or torch.saved compact batch (fields already materialized) holds about 2 bytes per
     token, not 24, and unpickles to equal fields."""
     c = open_corpus(stdlib_manifest, "train")
-    for b in (next(iter(SlidingWindowDataset(c, 1024, batch_size=8, document_mask=True))),
-              next(iter(BestFitDataset(c, max_seq_len=2048, batch_size=4)))):
+    for b in (
+        next(iter(SlidingWindowDataset(c, 1024, batch_size=8, document_mask=True))),
+        next(iter(BestFitDataset(c, max_seq_len=2048, batch_size=4))),
+    ):
         b.check()  # materializes every field
         blob = pickle.dumps(b)
         assert len(blob) < 3 * b.num_tokens + 4096
@@ -271,9 +291,11 @@ def test_concat_and_collate_keep_compact_and_match_eager(stdlib_manifest, materi
     packed rows together) and equal the concatenation of their eager versions; mixed with an eager
     batch the result is eager and equal too."""
     c = open_corpus(stdlib_manifest, "train")
-    parts = [next(iter(SlidingWindowDataset(c, 300, batch_size=2))),
-             next(iter(SlidingWindowDataset(c, 300, batch_size=3, seed=4, document_mask=True))),
-             next(iter(BestFitDataset(c, max_seq_len=700, batch_size=2)))]
+    parts = [
+        next(iter(SlidingWindowDataset(c, 300, batch_size=2))),
+        next(iter(SlidingWindowDataset(c, 300, batch_size=3, seed=4, document_mask=True))),
+        next(iter(BestFitDataset(c, max_seq_len=700, batch_size=2))),
+    ]
     eager = [p.eager() for p in parts]
     assert not any(e.is_compact for e in eager)
     want = concat_batches(eager)
@@ -288,6 +310,7 @@ def test_concat_and_collate_keep_compact_and_match_eager(stdlib_manifest, materi
 
 
 # -- reader: variable-length multi-range gather ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("read_path", ["auto", "h5py"])
 def test_gather_ranges_equals_per_range_reads(stdlib_manifest, read_path):

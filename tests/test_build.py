@@ -20,17 +20,24 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 
-from h5corpus import format as fmt
 from h5corpus.build import (
-    BuildConfig, BuildConflict, BuildError, build, document_split, filtered_total, format_report, parse_max_tokens,
+    BuildConfig,
+    BuildConflict,
+    BuildError,
+    build_corpus,
+    document_split,
+    filtered_total,
+    format_report,
+    parse_max_tokens,
 )
-from h5corpus.manifest import read_manifest
-from h5corpus.sources import BadRecord, TaskReader, plan_tasks, resolve_sources
-from h5corpus.validate import validate_corpus
+from h5corpus.build.sources import BadRecord, TaskReader, plan_tasks, resolve_sources
+from h5corpus.storage import format as fmt
+from h5corpus.storage.manifest import read_manifest
+from h5corpus.storage.validate import validate_corpus
+from tests.helpers import read_built, subprocess_env, tree, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 20261003
@@ -42,44 +49,15 @@ def sha(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
-def write_jsonl(path: Path, texts) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        for t in texts:
-            fh.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
-    return path
-
-
-def read_built(manifest: Path) -> dict[str, list[tuple[bytes, np.ndarray, int]]]:
-    """Every stored document per split, in manifest order, read with h5py alone (independent of
-    the reader): (doc id, tokens, flags)."""
-    m = json.loads(manifest.read_text())
-    out: dict[str, list] = {s: [] for s in fmt.SPLITS}
-    for s in m["shards"]:
-        with h5py.File(manifest.parent / s["path"], "r") as f:
-            toks = f["tokens"][:]
-            offs = f["doc_offsets"][:]
-            ids = f["doc_ids"][:]
-            flags = f["doc_flags"][:]
-        for i in range(offs.size - 1):
-            out[s["split"]].append((ids[i].tobytes(), toks[offs[i]:offs[i + 1]], int(flags[i])))
-    return out
-
-
-def tree(root: Path) -> dict[str, str]:
-    """sha256 of every file under root (relative paths), lock file excluded (it holds a pid)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".build.lock"}
-
-
 def config(root: Path, sources, **kw) -> BuildConfig:
     kw.setdefault("tokenizer", "bytes")
     kw.setdefault("workers", 1)
     kw.setdefault("task_bytes", 60_000)
     kw.setdefault("chunk_tokens", 4096)
     kw.setdefault("shard_tokens", 150_000)
-    return BuildConfig(sources=[str(s) for s in sources], shards_dir=root / "shards",
-                       manifest=root / "manifests" / "shards.json", **kw)
+    return BuildConfig(
+        sources=[str(s) for s in sources], shards_dir=root / "shards", manifest=root / "manifests" / "shards.json", **kw
+    )
 
 
 def records(sources, task_bytes: int, text_field: str = "text") -> list[list]:
@@ -91,8 +69,12 @@ def records(sources, task_bytes: int, text_field: str = "text") -> list[list]:
 @dataclass
 class Expected:
     docs: dict[str, list[str]] = field(default_factory=lambda: {s: [] for s in fmt.SPLITS})
-    stats: dict[str, dict[str, int]] = field(default_factory=lambda: {
-        s: {k: 0 for k in ("duplicates", "near_duplicates", "dropped", "over_budget", "skipped")} for s in fmt.SPLITS})
+    stats: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {
+            s: {k: 0 for k in ("duplicates", "near_duplicates", "dropped", "over_budget", "skipped")}
+            for s in fmt.SPLITS
+        }
+    )
 
 
 def model(tasks_records, *, encode, seed=SEED, fraction=0.05, filters=None, budgets=None, mdt=None) -> Expected:
@@ -106,7 +88,9 @@ def model(tasks_records, *, encode, seed=SEED, fraction=0.05, filters=None, budg
     for recs in tasks_records:
         for r in recs:
             if isinstance(r, BadRecord):
-                ex.stats[document_split(hashlib.sha256(r.where.encode()).digest(), seed=seed, validation_fraction=fraction)]["skipped"] += 1
+                ex.stats[
+                    document_split(hashlib.sha256(r.where.encode()).digest(), seed=seed, validation_fraction=fraction)
+                ]["skipped"] += 1
                 continue
             text = r
             if filters:
@@ -142,7 +126,7 @@ def check_content(manifest: Path, ex: Expected, encode, eos: int, mdt: int | Non
     for split in fmt.SPLITS:
         texts = ex.docs[split]
         assert [d[0] for d in got[split]] == [sha(t) for t in texts], split
-        for (doc_id, toks, flags), text in zip(got[split], texts):
+        for (_doc_id, toks, flags), text in zip(got[split], texts):
             ref = np.append(np.asarray(encode(text), dtype=np.int64), eos)
             if mdt and ref.size > mdt:
                 assert flags == fmt.FLAG_TRUNCATED and np.array_equal(toks, ref[:mdt]), split
@@ -177,7 +161,7 @@ def core_sources(tmp_path_factory, stdlib_corpus_texts) -> list[Path]:
 def core_build(tmp_path_factory, core_sources):
     """The core corpus built with 2 workers and small tasks/shards/chunks."""
     root = tmp_path_factory.mktemp("core-2w")
-    rep = build(config(root, core_sources, workers=2))
+    rep = build_corpus(config(root, core_sources, workers=2))
     return root, rep
 
 
@@ -239,8 +223,8 @@ def test_worker_count_and_encoder_do_not_change_a_byte(tmp_path, core_build, cor
     """1 worker vs 2 workers, and the raw-bytes fast path vs the tokenizers path: identical
     manifest and shard bytes."""
     root2, rep2 = core_build
-    rep1 = build(config(tmp_path / "w1", core_sources, workers=1))
-    rep_hf = build(config(tmp_path / "hf", core_sources, workers=2, fast_path=False))
+    rep1 = build_corpus(config(tmp_path / "w1", core_sources, workers=1))
+    rep_hf = build_corpus(config(tmp_path / "hf", core_sources, workers=2, fast_path=False))
     assert (rep2.encoder, rep1.encoder, rep_hf.encoder) == ("bytes", "bytes", "tokenizers")
     ref = tree(root2)
     assert tree(tmp_path / "w1") == ref
@@ -251,7 +235,7 @@ def test_every_listed_shard_is_fsynced_before_the_manifest(tmp_path, core_source
     """Every shard the manifest lists is durable before the manifest is written: its data fsynced
     (by the worker that wrote it, in the background) and its folder fsynced after the rename into
     place, so a power cut never leaves a manifest pointing at unwritten bytes or names."""
-    import h5corpus.build as B
+    import h5corpus.build.runner as B
 
     log = tmp_path / "fsynced.log"  # appended to by every process (workers fsync their shards)
     at_manifest: list[set[str]] = []
@@ -270,9 +254,10 @@ def test_every_listed_shard_is_fsynced_before_the_manifest(tmp_path, core_source
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(B, "write_manifest", write_manifest)
     root = tmp_path / "b"
-    build(config(root, core_sources, workers=2))
+    build_corpus(config(root, core_sources, workers=2))
     m = read_manifest(root / "manifests" / "shards.json")
     assert len(m.shards) > 2 and len(at_manifest) == 1
+
     def key(p: Path) -> str:
         st = p.stat()
         return f"{st.st_dev}:{st.st_ino}"
@@ -284,22 +269,24 @@ def test_every_listed_shard_is_fsynced_before_the_manifest(tmp_path, core_source
 
 def test_rerun_is_up_to_date_and_other_settings_are_refused(tmp_path, core_sources):
     root = tmp_path / "r"
-    build(config(root, core_sources))
+    build_corpus(config(root, core_sources))
     before = tree(root)
-    rep = build(config(root, core_sources, workers=2))
+    rep = build_corpus(config(root, core_sources, workers=2))
     assert rep.up_to_date and tree(root) == before
     with pytest.raises(BuildConflict, match="other inputs or settings.*split_seed.*--overwrite"):
-        build(config(root, core_sources, split_seed=7))
-    rep = build(config(root, core_sources, split_seed=7, overwrite=True))
+        build_corpus(config(root, core_sources, split_seed=7))
+    rep = build_corpus(config(root, core_sources, split_seed=7, overwrite=True))
     assert not rep.up_to_date and validate_corpus(root / "manifests" / "shards.json").ok
     assert tree(root) != before
 
 
 def test_different_tokenizer_into_existing_manifest_is_refused(tmp_path, core_sources, gpt2_json):
     root = tmp_path / "t"
-    build(config(root, core_sources[:1]))
-    with pytest.raises(BuildConflict, match=r"built with tokenizer 'bytes'.*this build uses .*tokenizer\.json.*would not be comparable"):
-        build(config(root, core_sources[:1], tokenizer=str(gpt2_json)))
+    build_corpus(config(root, core_sources[:1]))
+    with pytest.raises(
+        BuildConflict, match=r"built with tokenizer 'bytes'.*this build uses .*tokenizer\.json.*would not be comparable"
+    ):
+        build_corpus(config(root, core_sources[:1], tokenizer=str(gpt2_json)))
 
 
 def test_second_concurrent_build_fails_clearly(tmp_path, core_sources):
@@ -311,13 +298,13 @@ def test_second_concurrent_build_fails_clearly(tmp_path, core_sources):
         fh.flush()
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(BuildConflict, match="another h5corpus build is writing into .*pid 4242"):
-            build(config(root, core_sources[:1]))
-    assert build(config(root, core_sources[:1])).documents > 0
+            build_corpus(config(root, core_sources[:1]))
+    assert build_corpus(config(root, core_sources[:1])).documents > 0
 
 
 _WAITING_BUILD = (
     "import json, os, sys, time\n"
-    "from h5corpus.build import BuildConfig, build\n"
+    "from h5corpus.build import BuildConfig, build_corpus\n"
     "class WaitForGo:\n"
     "    def process(self, text):\n"
     "        while not os.path.exists(sys.argv[2]):\n"
@@ -325,7 +312,7 @@ _WAITING_BUILD = (
     "        return text, None\n"
     "    def counters(self):\n"
     "        return {}\n"
-    "r = build(BuildConfig(**json.loads(sys.argv[1]), filters=WaitForGo()))\n"
+    "r = build_corpus(BuildConfig(**json.loads(sys.argv[1]), filters=WaitForGo()))\n"
     "print(json.dumps(r.to_json()))\n"
 )
 
@@ -334,12 +321,21 @@ def test_running_build_holds_the_lock_against_a_second_cli_build(tmp_path, core_
     """A real concurrent build: the first (held inside its filters until a go-file appears) holds
     the lock; a second CLI build into the same output exits 2 with a clear message; the first
     then finishes."""
-    env = _env()
+    env = subprocess_env()
     go = tmp_path / "go"
-    cfg = {"sources": [str(core_sources[0])], "tokenizer": "bytes", "workers": 1, "shards_dir": str(tmp_path / "shards"),
-           "manifest": str(tmp_path / "manifests" / "shards.json")}
-    first = subprocess.Popen([sys.executable, "-c", _WAITING_BUILD, json.dumps(cfg), str(go)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cfg = {
+        "sources": [str(core_sources[0])],
+        "tokenizer": "bytes",
+        "workers": 1,
+        "shards_dir": str(tmp_path / "shards"),
+        "manifest": str(tmp_path / "manifests" / "shards.json"),
+    }
+    first = subprocess.Popen(
+        [sys.executable, "-c", _WAITING_BUILD, json.dumps(cfg), str(go)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     args = [sys.executable, "-m", "h5corpus", "build", str(core_sources[0]), "--tokenizer", "bytes"]
     try:
         lock = tmp_path / "shards" / ".build.lock"
@@ -371,7 +367,7 @@ def test_max_tokens_keeps_whole_documents_in_input_order_until_filled(tmp_path, 
     """Budgets: documents in input order until each budget is filled, the last one kept whole;
     reading stops at the task that fills the last budget; later documents are not stored."""
     budgets = {"train": 400_000, "validation": 30_000}
-    rep = build(config(tmp_path / "b", core_sources, max_tokens=budgets, workers=2, task_bytes=40_000))
+    rep = build_corpus(config(tmp_path / "b", core_sources, max_tokens=budgets, workers=2, task_bytes=40_000))
     assert rep.tasks_read < rep.tasks
     full = model(records(core_sources, 40_000), encode=byte_encode)
     got = read_built(tmp_path / "b" / "manifests" / "shards.json")
@@ -388,7 +384,7 @@ def test_max_document_tokens_truncates_at_write_time_flagged_without_eos(tmp_pat
     """Documents longer than N tokens are stored as their first N tokens, flagged truncated, with
     no EOS (a cut is not an end); shorter ones keep their EOS; the count is recorded."""
     mdt = 3000
-    rep = build(config(tmp_path / "m", core_sources, max_document_tokens=mdt, workers=2))
+    rep = build_corpus(config(tmp_path / "m", core_sources, max_document_tokens=mdt, workers=2))
     mpath = tmp_path / "m" / "manifests" / "shards.json"
     ex = model(records(core_sources, 60_000), encode=byte_encode, mdt=mdt)
     check_content(mpath, ex, byte_encode, eos=256, mdt=mdt)
@@ -408,10 +404,10 @@ def test_bad_input_fails_naming_file_and_line_and_keeps_completed_work(tmp_path,
     bad.write_bytes(b"\n".join(BAD_LINES) + b"\n")
     root = tmp_path / "f"
     with pytest.raises(BuildError, match=rf"{bad}:2: invalid UTF-8"):
-        build(config(root, [*core_sources, bad]))
+        build_corpus(config(root, [*core_sources, bad]))
     assert any((root / "shards" / ".build" / "p1").glob("*.json"))
     bad.write_text('{"text": "fine"}\n{"text": "fixed"}\n')
-    rep = build(config(root, [*core_sources, bad]))
+    rep = build_corpus(config(root, [*core_sources, bad]))
     assert rep.resumed and rep.tasks_reused > 0 and rep.skipped_total == 0
     assert validate_corpus(root / "manifests" / "shards.json").ok
 
@@ -420,7 +416,7 @@ def test_bad_input_skipped_counted_and_listed(tmp_path, core_sources):
     bad = tmp_path / "in" / "z.jsonl"
     bad.parent.mkdir()
     bad.write_bytes(b"\n".join(BAD_LINES) + b"\n")
-    rep = build(config(tmp_path / "s", [core_sources[0], bad], on_error="skip"))
+    rep = build_corpus(config(tmp_path / "s", [core_sources[0], bad], on_error="skip"))
     assert rep.skipped_total == 4
     assert [r.split(": ", 1)[0] for r in rep.skipped_records] == [f"{bad}:{i}" for i in (2, 3, 4, 5)]
     ex = model(records([core_sources[0], bad], 60_000), encode=byte_encode)
@@ -428,7 +424,13 @@ def test_bad_input_skipped_counted_and_listed(tmp_path, core_sources):
         assert rep.splits[s]["skipped"] == ex.stats[s]["skipped"]
     assert sum(rep.splits[s]["skipped"] for s in fmt.SPLITS) == 4 + 1  # + the empty document
     m = json.loads((tmp_path / "s" / "manifests" / "shards.json").read_text())
-    assert m["build"]["skip_reasons"] == {"empty": 1, "invalid_utf8": 1, "malformed_json": 1, "missing_field": 1, "not_string": 1}
+    assert m["build"]["skip_reasons"] == {
+        "empty": 1,
+        "invalid_utf8": 1,
+        "malformed_json": 1,
+        "missing_field": 1,
+        "not_string": 1,
+    }
     assert m["build"]["skipped_records"] == rep.skipped_records
     check_content(tmp_path / "s" / "manifests" / "shards.json", ex, byte_encode, eos=256)
 
@@ -480,8 +482,11 @@ class TrimDropSignBatch(TrimDropSign):
         out = []
         for t in texts:
             new, reason = self.process(t)
-            out.append(SimpleNamespace(text=new, reason=reason,
-                                       signature=self.signature(new) if signatures and new is not None else None))
+            out.append(
+                SimpleNamespace(
+                    text=new, reason=reason, signature=self.signature(new) if signatures and new is not None else None
+                )
+            )
         return out
 
 
@@ -489,9 +494,9 @@ def test_filters_plug_into_the_build_deterministically(tmp_path, core_sources):
     """The filter seam: processed text is what is stored (ids hash it), drops and near duplicates
     are counted per split with reasons, counters merge across tasks; 1 and 2 workers, and the
     per-document and batch methods, give identical bytes."""
-    r1 = build(config(tmp_path / "f1", core_sources, filters=TrimDropSign(), workers=1))
-    r2 = build(config(tmp_path / "f2", core_sources, filters=TrimDropSign(), workers=2))
-    r3 = build(config(tmp_path / "f3", core_sources, filters=TrimDropSignBatch(), workers=2))
+    r1 = build_corpus(config(tmp_path / "f1", core_sources, filters=TrimDropSign(), workers=1))
+    r2 = build_corpus(config(tmp_path / "f2", core_sources, filters=TrimDropSign(), workers=2))
+    r3 = build_corpus(config(tmp_path / "f3", core_sources, filters=TrimDropSignBatch(), workers=2))
     assert tree(tmp_path / "f1") == tree(tmp_path / "f2") == tree(tmp_path / "f3")
     assert r3.filter_counters == r2.filter_counters
     ex = model(records(core_sources, 60_000), encode=byte_encode, filters=TrimDropSign())
@@ -507,8 +512,11 @@ def test_filters_plug_into_the_build_deterministically(tmp_path, core_sources):
     m = json.loads((tmp_path / "f2" / "manifests" / "shards.json").read_text())
     assert m["filters"]["settings"] == {"name": "trim-drop-sign", "version": 1}
     train = m["splits"]["train"]
-    assert train["dropped"] == {"imports_os": filtered_total(train), "exact_dup": train["duplicates"],
-                                "near_dup": train["near_duplicates"]}
+    assert train["dropped"] == {
+        "imports_os": filtered_total(train),
+        "exact_dup": train["duplicates"],
+        "near_dup": train["near_duplicates"],
+    }
 
 
 def test_hf_source_fineweb_schema_from_local_cache(tmp_path, stdlib_corpus_texts, monkeypatch):
@@ -523,13 +531,25 @@ def test_hf_source_fineweb_schema_from_local_cache(tmp_path, stdlib_corpus_texts
     snap.mkdir(parents=True)
     texts = stdlib_corpus_texts[:90]
     n = len(texts)
-    pq.write_table(pa.table({
-        "text": texts, "id": [f"<urn:uuid:{i}>" for i in range(n)], "dump": ["CC-MAIN-2024-10"] * n,
-        "url": [f"https://example.org/{i}" for i in range(n)], "date": ["2024-02-20T00:00:00Z"] * n,
-        "file_path": ["s3://x.warc.gz"] * n, "language": ["en"] * n, "language_score": [0.9] * n,
-        "token_count": [len(t) // 4 for t in texts]}), snap / "000_00000.parquet", row_group_size=10)
+    pq.write_table(
+        pa.table(
+            {
+                "text": texts,
+                "id": [f"<urn:uuid:{i}>" for i in range(n)],
+                "dump": ["CC-MAIN-2024-10"] * n,
+                "url": [f"https://example.org/{i}" for i in range(n)],
+                "date": ["2024-02-20T00:00:00Z"] * n,
+                "file_path": ["s3://x.warc.gz"] * n,
+                "language": ["en"] * n,
+                "language_score": [0.9] * n,
+                "token_count": [len(t) // 4 for t in texts],
+            }
+        ),
+        snap / "000_00000.parquet",
+        row_group_size=10,
+    )
     spec = f"hf://datasets/HuggingFaceFW/fineweb@{rev}/sample/10BT"
-    rep = build(config(tmp_path / "o", [spec], hf_cache_dir=tmp_path / "hub", workers=2, task_bytes=100_000))
+    rep = build_corpus(config(tmp_path / "o", [spec], hf_cache_dir=tmp_path / "hub", workers=2, task_bytes=100_000))
     assert rep.tasks > 1 and rep.documents == n
     m = json.loads((tmp_path / "o" / "manifests" / "shards.json").read_text())
     [inp] = m["source"]["inputs"]
@@ -541,14 +561,13 @@ def test_hf_source_fineweb_schema_from_local_cache(tmp_path, stdlib_corpus_texts
 def test_fast_path_that_differs_on_the_input_falls_back_to_tokenizers(tmp_path):
     """A tokenizer whose tiktoken mirror looks eligible but merges "abc" differently: the proof at
     build start catches it on the build's own text, and the corpus equals the tokenizers ids."""
-    from h5corpus.tokenize import load_tokenizer
-
-    from test_tokenize import _bpe_json
+    from h5corpus.build.tokenizer import load_tokenizer
+    from tests.helpers import bpe_tokenizer_json
 
     tj = tmp_path / "tokenizer.json"
-    tj.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("a", "bc")])))
+    tj.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("a", "bc")])))
     src = write_jsonl(tmp_path / "in.jsonl", ["we sing the abc song", "abcabc and cab", "nothing here"])
-    rep = build(config(tmp_path / "o", [src], tokenizer=str(tj), validation_fraction=0.0))
+    rep = build_corpus(config(tmp_path / "o", [src], tokenizer=str(tj), validation_fraction=0.0))
     assert rep.encoder == "tokenizers" and "differs at token" in rep.encoder_note
     tok = load_tokenizer(str(tj))
     ex = model(records([src], 60_000), encode=lambda t: tok.encode(t).tolist(), fraction=0.0)
@@ -556,24 +575,17 @@ def test_fast_path_that_differs_on_the_input_falls_back_to_tokenizers(tmp_path):
 
 
 # -- kill -9 and resume ---------------------------------------------------------------------------
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["HF_HUB_OFFLINE"] = "1"
-    return env
-
-
 _BUILD_SCRIPT = (
     "import json, sys\n"
-    "from h5corpus.build import BuildConfig, build\n"
-    "r = build(BuildConfig(**json.loads(sys.argv[1])))\n"
+    "from h5corpus.build import BuildConfig, build_corpus\n"
+    "r = build_corpus(BuildConfig(**json.loads(sys.argv[1])))\n"
     "print(json.dumps(r.to_json()))\n"
 )
 
 
 def _run_killed(args: list[str], delay: float) -> bool:
     """Start a build and SIGKILL it after ``delay`` seconds (no cleanup runs). True if it was killed."""
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         proc.wait(timeout=delay)
         killed = False
@@ -584,8 +596,9 @@ def _run_killed(args: list[str], delay: float) -> bool:
     return killed
 
 
-def kill_and_resume(cfg: dict, seed: int, points: int = 3, reference: dict | None = None,
-                    duration: float | None = None) -> int:
+def kill_and_resume(
+    cfg: dict, seed: int, points: int = 3, reference: dict | None = None, duration: float | None = None
+) -> int:
     """For each of ``points`` kill moments (stratified over a full build's duration, seeded): start
     from nothing, kill -9 the build there, then re-run the same build to completion; the last
     point also kills the resuming run once. Every time the result must equal the uninterrupted
@@ -596,8 +609,13 @@ def kill_and_resume(cfg: dict, seed: int, points: int = 3, reference: dict | Non
     args = [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(dict(cfg, overwrite=False))]
     if reference is None or duration is None:
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(dict(cfg, overwrite=True))],
-                           env=_env(), capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(dict(cfg, overwrite=True))],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr
         duration = time.perf_counter() - t0
         reference = tree(root) if reference is None else reference
@@ -608,7 +626,7 @@ def kill_and_resume(cfg: dict, seed: int, points: int = 3, reference: dict | Non
         kills += _run_killed(args, duration * (0.15 + 0.65 * (j + rng.random()) / points))
         if j == points - 1:
             kills += _run_killed(args, duration * rng.uniform(0.15, 0.6))
-        p = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=600)
+        p = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr
         assert tree(root) == reference, f"kill point {j}"
         assert not (Path(cfg["shards_dir"]) / ".build").exists()
@@ -632,27 +650,40 @@ def test_kill_9_at_random_points_then_resume_gives_identical_bytes(tmp_path, cor
 #: Every stage boundary where a kill leaves a distinct state: candidates written but no record; a
 #: task recorded; a task decided; a task's shards half renamed into place / half copied; a task
 #: finished; the manifest about to be written; the manifest written but the state not yet removed.
-CRASH_POINTS = ["read-candidates", "read-record:3", "decided:2", "finish-renamed:2", "finish-copied",
-                "finish-record:3", "manifest-before", "manifest-after"]
+CRASH_POINTS = [
+    "read-candidates",
+    "read-record:3",
+    "decided:2",
+    "finish-renamed:2",
+    "finish-copied",
+    "finish-record:3",
+    "manifest-before",
+    "manifest-after",
+]
 
 
 def test_kill_9_at_every_stage_then_resume_gives_identical_bytes(tmp_path, core_sources):
     """Fault injection (H5CORPUS_TEST_CRASH_AT): SIGKILL the whole build exactly at each stage
     boundary, then re-run: the result equals an uninterrupted build byte for byte, and no state,
     partial or temporary file is left."""
-    from h5corpus.build import CRASH_ENV
+    from h5corpus.build.runner import CRASH_ENV
 
     srcs = core_sources[:2]  # b.jsonl repeats documents of a.jsonl, so some tasks take the copy path
-    build(config(tmp_path / "ref", srcs, workers=2))
+    build_corpus(config(tmp_path / "ref", srcs, workers=2))
     ref = tree(tmp_path / "ref")
     root = tmp_path / "c"
     cfg = _cfg_json(root, srcs, workers=2)
     for point in CRASH_POINTS:
         shutil.rmtree(root, ignore_errors=True)
-        p = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(cfg)], env=dict(_env(), **{CRASH_ENV: point}),
-                           capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(cfg)],
+            env=dict(subprocess_env(), **{CRASH_ENV: point}),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == -9, (point, p.returncode, p.stderr[-2000:])
-        rep = build(config(root, srcs, workers=2))
+        rep = build_corpus(config(root, srcs, workers=2))
         assert tree(root) == ref, point
         assert rep.resumed, point
         assert not (root / "shards" / ".build").exists(), point
@@ -663,8 +694,14 @@ def test_kill_9_at_every_stage_then_resume_gives_identical_bytes(tmp_path, core_
 def test_cli_main_job_builds_stdlib_offline_validates_and_summarizes(tmp_path):
     """The README's main job on a fresh machine: `h5corpus build --validate` (stdlib, bytes
     tokenizer, no network) -> shards + manifest + summary + validation OK, exit 0."""
-    p = subprocess.run([sys.executable, "-m", "h5corpus", "build", "--validate", "--workers", "2"], cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "h5corpus", "build", "--validate", "--workers", "2"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr
     assert "train" in p.stdout and "validation" in p.stdout and "tokens/s" in p.stdout
     assert ": OK:" in p.stdout
@@ -674,10 +711,21 @@ def test_cli_main_job_builds_stdlib_offline_validates_and_summarizes(tmp_path):
 
 
 def test_cli_json_usage_and_bad_data_exit_codes(tmp_path, core_sources):
-    env = _env()
-    run = lambda *a: subprocess.run([sys.executable, "-m", "h5corpus", "build", *a], cwd=tmp_path, env=env,
-                                    capture_output=True, text=True, timeout=600)
-    p = run(str(core_sources[0]), "--tokenizer", "bytes", "--json", "--validate", "--max-tokens", "train=50k,validation=5k")
+    env = subprocess_env()
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "h5corpus", "build", *a],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    p = run(
+        str(core_sources[0]), "--tokenizer", "bytes", "--json", "--validate", "--max-tokens", "train=50k,validation=5k"
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["validation"]["ok"] and out["splits"]["train"]["tokens"] >= 50_000
@@ -690,9 +738,24 @@ def test_cli_json_usage_and_bad_data_exit_codes(tmp_path, core_sources):
     bad.write_bytes(b'{"text": "a"}\n{"text": \n')
     p = run(str(bad), "--tokenizer", "bytes", "--overwrite")
     assert p.returncode == 1 and f"{bad}:2: malformed JSON" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "h5corpus", "build", str(core_sources[0]), "--shards-dir", "o/s", "--manifest",
-                        "o/m.json"], cwd=tmp_path, env=dict(env, HF_HUB_CACHE=str(tmp_path / "empty-cache")),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h5corpus",
+            "build",
+            str(core_sources[0]),
+            "--shards-dir",
+            "o/s",
+            "--manifest",
+            "o/m.json",
+        ],
+        cwd=tmp_path,
+        env=dict(env, HF_HUB_CACHE=str(tmp_path / "empty-cache")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 2 and "not in the Hugging Face cache" in p.stderr
 
 
@@ -710,28 +773,36 @@ def dev_inputs(tmp_path_factory, dev_dir, dev_texts) -> tuple[list[Path], list[s
     """The dev corpus plus an extras file: literal <|endoftext|> text, and exact copies of dev
     documents (2 of one, 1 of another) and one within the file. Returns (sources, all texts in order)."""
     d = tmp_path_factory.mktemp("dev-extras")
-    extras = [f"The literal text {EOT} is not an end of document. {EOT}", dev_texts[5], "An extra document.",
-              dev_texts[2000], dev_texts[5], "An extra document.", f"{EOT}"]
+    extras = [
+        f"The literal text {EOT} is not an end of document. {EOT}",
+        dev_texts[5],
+        "An extra document.",
+        dev_texts[2000],
+        dev_texts[5],
+        "An extra document.",
+        f"{EOT}",
+    ]
     write_jsonl(d / "extras.jsonl", extras)
     return [dev_dir, d / "extras.jsonl"], list(dev_texts) + extras
 
 
 def _dev_cfg(root: Path, sources, gpt2_json, **kw) -> BuildConfig:
     kw.setdefault("workers", 2)
-    return config(root, sources, tokenizer=str(gpt2_json), task_bytes=4 << 20, chunk_tokens=1 << 16,
-                  shard_tokens=1_500_000, **kw)
+    return config(
+        root, sources, tokenizer=str(gpt2_json), task_bytes=4 << 20, chunk_tokens=1 << 16, shard_tokens=1_500_000, **kw
+    )
 
 
 @pytest.fixture(scope="session")
 def dev_build(tmp_path_factory, dev_inputs, gpt2_json):
     root = tmp_path_factory.mktemp("dev-2w")
-    return root, build(_dev_cfg(root, dev_inputs[0], gpt2_json))
+    return root, build_corpus(_dev_cfg(root, dev_inputs[0], gpt2_json))
 
 
 @pytest.fixture(scope="session")
 def dev_encode(gpt2_json, dev_texts, dev_gpt2_ids):
     """text -> reference ids (HF tokenizers, special-token text as text), from the session cache."""
-    from h5corpus.tokenize import load_tokenizer
+    from h5corpus.build.tokenizer import load_tokenizer
 
     cache = {t: ids for t, ids in zip(dev_texts, dev_gpt2_ids)}
     tok = load_tokenizer(str(gpt2_json))
@@ -760,7 +831,7 @@ def test_dev_corpus_every_document_equals_gpt2_encode_plus_eos(dev_build, dev_in
 
 def test_dev_corpus_one_worker_gives_identical_bytes(tmp_path_factory, dev_build, dev_inputs, gpt2_json):
     root = tmp_path_factory.mktemp("dev-1w")
-    build(_dev_cfg(root, dev_inputs[0], gpt2_json, workers=1))
+    build_corpus(_dev_cfg(root, dev_inputs[0], gpt2_json, workers=1))
     assert tree(root) == tree(dev_build[0])
 
 
@@ -769,7 +840,7 @@ def test_dev_corpus_budgets_and_truncation(tmp_path, dev_inputs, gpt2_json, dev_
     (possibly truncated) documents in input order, last kept whole; truncated documents are the
     first N reference ids without EOS; reading stops early."""
     budgets, mdt = {"train": 1_000_000, "validation": 50_000}, 700
-    rep = build(_dev_cfg(tmp_path, dev_inputs[0], gpt2_json, max_tokens=budgets, max_document_tokens=mdt))
+    rep = build_corpus(_dev_cfg(tmp_path, dev_inputs[0], gpt2_json, max_tokens=budgets, max_document_tokens=mdt))
     assert rep.tasks_read < rep.tasks
     tasks_records = records(dev_inputs[0], 4 << 20)
     ex = model(tasks_records, encode=dev_encode, budgets=budgets, mdt=mdt)
@@ -782,8 +853,11 @@ def test_dev_corpus_budgets_and_truncation(tmp_path, dev_inputs, gpt2_json, dev_
 
 
 def test_dev_corpus_kill_9_then_resume_gives_identical_bytes(tmp_path, dev_build, dev_inputs, gpt2_json):
-    cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(_dev_cfg(tmp_path / "k", dev_inputs[0], gpt2_json)).items()
-           if k != "filters"}
+    cfg = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in asdict(_dev_cfg(tmp_path / "k", dev_inputs[0], gpt2_json)).items()
+        if k != "filters"
+    }
     root, rep = dev_build
     # Reference: the in-process 2-worker build; a subprocess adds ~0.7 s of interpreter start-up.
     assert kill_and_resume(cfg, seed=3, points=2, reference=tree(root), duration=rep.elapsed_s + 0.7) >= 1

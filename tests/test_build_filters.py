@@ -26,10 +26,10 @@ import pytest
 for _mod in ("py3langid", "trafilatura", "ftfy", "rensa", "scipy"):
     pytest.importorskip(_mod)
 
-from h5corpus import format as fmt  # noqa: E402
-from h5corpus.build import BuildConfig, build, document_split, filtered_total, format_report  # noqa: E402
+from h5corpus.build import BuildConfig, build_corpus, document_split, filtered_total, format_report  # noqa: E402
 from h5corpus.filters import DocumentFilter, FilterConfig  # noqa: E402
-from test_build import _env, read_built, tree, write_jsonl  # noqa: E402
+from h5corpus.storage import format as fmt  # noqa: E402
+from tests.helpers import read_built, subprocess_env, tree, write_jsonl  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # Documents written for these tests.
@@ -91,8 +91,16 @@ PAGE = """<!DOCTYPE html>
 </html>
 """ % "\n".join(f"      <p>{p}</p>" for p in ARTICLE)
 
-PAGE_JUNK = ("Subscribe for one dollar", "cookies", "Trending now", "All rights reserved", "Privacy policy",
-             "dataLayer", "Sign up for our morning newsletter", "Derby ends")
+PAGE_JUNK = (
+    "Subscribe for one dollar",
+    "cookies",
+    "Trending now",
+    "All rights reserved",
+    "Privacy policy",
+    "dataLayer",
+    "Sign up for our morning newsletter",
+    "Derby ends",
+)
 
 PII_DOC = (
     "For questions about the spring registration, write to the club secretary at anna.kovacs@example.org "
@@ -101,30 +109,42 @@ PII_DOC = (
     "should point it at the new server 203.0.113.42; the old address 198.51.100.7 will be switched off "
     "at the end of the month. Version 10.0.0.1 of the app and the meeting on 2023-10-12 are not affected."
 )
-PII_SECRETS = ("anna.kovacs@example.org", "m.okoye@mail.example.co.uk", "(555) 212-4477", "+44 20 7946 0958",
-               "203.0.113.42", "198.51.100.7")
+PII_SECRETS = (
+    "anna.kovacs@example.org",
+    "m.okoye@mail.example.co.uk",
+    "(555) 212-4477",
+    "+44 20 7946 0958",
+    "203.0.113.42",
+    "198.51.100.7",
+)
 
 LANG_PARAS = {
     "en": "The committee met on Thursday to discuss the new bridge over the river. Most members agreed that "
-          "the old bridge is no longer safe for heavy traffic and should be replaced within two years.",
+    "the old bridge is no longer safe for heavy traffic and should be replaced within two years.",
     "de": "Der Ausschuss traf sich am Donnerstag, um die neue Brücke über den Fluss zu besprechen. Die meisten "
-          "Mitglieder waren sich einig, dass die alte Brücke für den Schwerverkehr nicht mehr sicher ist.",
+    "Mitglieder waren sich einig, dass die alte Brücke für den Schwerverkehr nicht mehr sicher ist.",
     "fr": "Le comité s'est réuni jeudi pour discuter du nouveau pont sur la rivière. La plupart des membres "
-          "ont convenu que l'ancien pont n'est plus sûr pour les poids lourds et doit être remplacé.",
+    "ont convenu que l'ancien pont n'est plus sûr pour les poids lourds et doit être remplacé.",
     "de_long": "Die Stadtverwaltung hat am Montag einen Plan für den Ausbau der Radwege vorgestellt. Bis zum "
-               "Ende des kommenden Jahres sollen entlang der Hauptstraße getrennte Spuren entstehen, damit "
-               "Schulkinder und Pendler sicherer unterwegs sind. Die Kosten werden auf rund zwei Millionen "
-               "Euro geschätzt; einen Teil davon übernimmt das Land. Anwohner können ihre Vorschläge bis "
-               "Ende des Monats im Rathaus einreichen oder an einer öffentlichen Versammlung teilnehmen.",
+    "Ende des kommenden Jahres sollen entlang der Hauptstraße getrennte Spuren entstehen, damit "
+    "Schulkinder und Pendler sicherer unterwegs sind. Die Kosten werden auf rund zwei Millionen "
+    "Euro geschätzt; einen Teil davon übernimmt das Land. Anwohner können ihre Vorschläge bis "
+    "Ende des Monats im Rathaus einreichen oder an einer öffentlichen Versammlung teilnehmen.",
 }
 
 BOILERPLATE = [
-    ("Home | News | Opinion | Sport | Subscribe\nAdvertisement\n",
-     "\nShare this article: Facebook Twitter Email\n(c) 2025 Daily Herald. All rights reserved."),
-    ("MENU  Sign in  Newsletters  Today's paper\n",
-     "\nRelated stories\nMore from this section\nCookie settings | Privacy | Terms"),
-    ("Skip to content\nBreaking news alerts: sign up now\n",
-     "\nComments are closed.\nPosted in Local News | Tagged water, council"),
+    (
+        "Home | News | Opinion | Sport | Subscribe\nAdvertisement\n",
+        "\nShare this article: Facebook Twitter Email\n(c) 2025 Daily Herald. All rights reserved.",
+    ),
+    (
+        "MENU  Sign in  Newsletters  Today's paper\n",
+        "\nRelated stories\nMore from this section\nCookie settings | Privacy | Terms",
+    ),
+    (
+        "Skip to content\nBreaking news alerts: sign up now\n",
+        "\nComments are closed.\nPosted in Local News | Tagged water, council",
+    ),
 ]
 
 
@@ -197,8 +217,13 @@ def cfg_for(root: Path, sources, filters, **kw) -> BuildConfig:
     kw.setdefault("chunk_tokens", 1 << 14)
     kw.setdefault("shard_tokens", 1 << 20)
     kw.setdefault("explain_drops", root / "drops.jsonl")
-    return BuildConfig(sources=[str(s) for s in sources], shards_dir=root / "shards",
-                       manifest=root / "manifests" / "shards.json", filters=filters, **kw)
+    return BuildConfig(
+        sources=[str(s) for s in sources],
+        shards_dir=root / "shards",
+        manifest=root / "manifests" / "shards.json",
+        filters=filters,
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,7 +255,7 @@ def core_inputs(tmp_path_factory, stdlib_corpus_texts) -> dict:
 @pytest.fixture(scope="module")
 def core_build(tmp_path_factory, core_inputs):
     root = tmp_path_factory.mktemp("core-filter-2w")
-    rep = build(cfg_for(root, core_inputs["sources"], DocumentFilter(CORE_CFG)))
+    rep = build_corpus(cfg_for(root, core_inputs["sources"], DocumentFilter(CORE_CFG)))
     return root, rep
 
 
@@ -306,7 +331,7 @@ def test_core_html_and_pii_become_the_stored_tokens(core_build, core_inputs):
 def test_core_one_and_two_workers_identical(tmp_path, core_build, core_inputs):
     """Manifest, shards and the explain file are byte-identical for 1 and 2 workers."""
     root2, _ = core_build
-    build(cfg_for(tmp_path, core_inputs["sources"], DocumentFilter(CORE_CFG), workers=1))
+    build_corpus(cfg_for(tmp_path, core_inputs["sources"], DocumentFilter(CORE_CFG), workers=1))
     assert tree(tmp_path) == tree(root2)
 
 
@@ -315,10 +340,12 @@ def test_core_language_and_quality_drops_are_counted_and_explained(tmp_path, std
     detected language and probability in the explain line); --quality-filter drops short texts
     (quality:min_words). Per-rule counts in splits.<split>.dropped; the manifest counts stored
     documents per detected language."""
-    src = write_jsonl(tmp_path / "in.jsonl", [LANG_PARAS["en"], LANG_PARAS["de"], LANG_PARAS["fr"], LANG_PARAS["de_long"]])
+    src = write_jsonl(
+        tmp_path / "in.jsonl", [LANG_PARAS["en"], LANG_PARAS["de"], LANG_PARAS["fr"], LANG_PARAS["de_long"]]
+    )
     cfg = FilterConfig(lang=("de",), quality=True)
     cfg.quality_thresholds.min_words = 40
-    rep = build(cfg_for(tmp_path, [src], DocumentFilter(cfg), validation_fraction=0.0))
+    rep = build_corpus(cfg_for(tmp_path, [src], DocumentFilter(cfg), validation_fraction=0.0))
     lines = explain_lines(tmp_path / "drops.jsonl")
     assert [(d["line"], d["reason"]) for d in lines] == [(1, "lang:en"), (2, "quality:min_words"), (3, "lang:fr")]
     assert lines[0]["lang"] == "en" and lines[0]["lang_prob"] > 0.5 and lines[1]["lang"] == "de"
@@ -343,14 +370,20 @@ def test_near_dedup_off_computes_no_signatures(tmp_path, stdlib_corpus_texts):
     assert f.near_duplicate_index() is None
     assert DocumentFilter(FilterConfig(near_dedup=True)).near_duplicate_index() is not None
     src = write_jsonl(tmp_path / "in.jsonl", stdlib_corpus_texts[:30])
-    rep = build(cfg_for(tmp_path, [src], f, explain_drops=None))
+    rep = build_corpus(cfg_for(tmp_path, [src], f, explain_drops=None))
     assert rep.documents > 0 and all(s["near_duplicates"] == 0 for s in rep.splits.values())
 
 
 # -- CLI ------------------------------------------------------------------------------------------
 def _cli(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "h5corpus", "build", *args], cwd=cwd, env=env or _env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "h5corpus", "build", *args],
+        cwd=cwd,
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_cli_filter_flags_end_to_end(tmp_path, core_inputs):
@@ -358,9 +391,28 @@ def test_cli_filter_flags_end_to_end(tmp_path, core_inputs):
     --near-dedup-threshold implies --near-dedup, the JSON report carries per-rule drops and changes,
     --explain-drops writes the file; bad values exit 2."""
     srcs = [str(s) for s in core_inputs["sources"]]
-    p = _cli(tmp_path, *srcs, "--tokenizer", "bytes", "--workers", "2", "--clean", "--fix-unicode",
-             "--normalize-whitespace", "--quality-filter", "--lang", "en,de", "--lang-threshold", "0.3",
-             "--scrub-pii", "--near-dedup-threshold", "0.7", "--explain-drops", "out/drops.jsonl", "--json")
+    p = _cli(
+        tmp_path,
+        *srcs,
+        "--tokenizer",
+        "bytes",
+        "--workers",
+        "2",
+        "--clean",
+        "--fix-unicode",
+        "--normalize-whitespace",
+        "--quality-filter",
+        "--lang",
+        "en,de",
+        "--lang-threshold",
+        "0.3",
+        "--scrub-pii",
+        "--near-dedup-threshold",
+        "0.7",
+        "--explain-drops",
+        "out/drops.jsonl",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     m = json.loads((tmp_path / "manifests" / "shards.json").read_text())
@@ -368,19 +420,41 @@ def test_cli_filter_flags_end_to_end(tmp_path, core_inputs):
     assert (st["clean"], st["fix_unicode"], st["normalize_whitespace"], st["quality"], st["scrub_pii"]) == (True,) * 5
     assert st["lang"] == ["en", "de"] and st["lang_threshold"] == 0.3
     assert st["near_dedup"] is True and st["near_dedup_threshold"] == 0.7
-    assert out["filters"]["dropped"]["exact_dup"] >= 1 and any(k.startswith("quality:") for k in out["filters"]["dropped"])
+    assert out["filters"]["dropped"]["exact_dup"] >= 1 and any(
+        k.startswith("quality:") for k in out["filters"]["dropped"]
+    )
     assert out["filters"]["changed"]["html_extracted"] == 2 and out["filters"]["changed"]["whitespace_normalized"] > 0
     assert sum(out["filters"]["dropped"].values()) + out["documents"] == len(read_texts(srcs))
     assert out["explain_drops"] == "out/drops.jsonl"
     lines = explain_lines(tmp_path / "out" / "drops.jsonl")
     assert len(lines) == out["explained"] == sum(out["filters"]["dropped"].values())
     # re-running a finished build cannot write the drop list: refused, exit 2
-    p = _cli(tmp_path, *srcs, "--tokenizer", "bytes", "--clean", "--fix-unicode", "--normalize-whitespace",
-             "--quality-filter", "--lang", "en,de", "--lang-threshold", "0.3", "--scrub-pii",
-             "--near-dedup-threshold", "0.7", "--explain-drops", "out/drops.jsonl")
+    p = _cli(
+        tmp_path,
+        *srcs,
+        "--tokenizer",
+        "bytes",
+        "--clean",
+        "--fix-unicode",
+        "--normalize-whitespace",
+        "--quality-filter",
+        "--lang",
+        "en,de",
+        "--lang-threshold",
+        "0.3",
+        "--scrub-pii",
+        "--near-dedup-threshold",
+        "0.7",
+        "--explain-drops",
+        "out/drops.jsonl",
+    )
     assert p.returncode == 2 and "--overwrite" in p.stderr
-    for bad in (["--lang", "xx-klingon"], ["--lang-threshold", "0.5"], ["--near-dedup-threshold", "1.5"],
-                ["--lang", "en", "--lang-threshold", "2"]):
+    for bad in (
+        ["--lang", "xx-klingon"],
+        ["--lang-threshold", "0.5"],
+        ["--near-dedup-threshold", "1.5"],
+        ["--lang", "en", "--lang-threshold", "2"],
+    ):
         p = _cli(tmp_path, srcs[0], "--tokenizer", "bytes", "--overwrite", *bad)
         assert p.returncode == 2, (bad, p.stderr)
 
@@ -392,8 +466,14 @@ def test_cli_without_filter_flags_is_the_filter_free_build(tmp_path, core_inputs
     (tmp_path / "cli").mkdir()
     p = _cli(tmp_path / "cli", *srcs, "--tokenizer", "bytes")
     assert p.returncode == 0, p.stderr
-    build(BuildConfig(sources=srcs, tokenizer="bytes", shards_dir=tmp_path / "api" / "shards",
-                      manifest=tmp_path / "api" / "manifests" / "shards.json"))
+    build_corpus(
+        BuildConfig(
+            sources=srcs,
+            tokenizer="bytes",
+            shards_dir=tmp_path / "api" / "shards",
+            manifest=tmp_path / "api" / "manifests" / "shards.json",
+        )
+    )
     assert tree(tmp_path / "cli") == tree(tmp_path / "api")
     m = json.loads((tmp_path / "api" / "manifests" / "shards.json").read_text())
     assert "filters" not in m and m["build"]["settings"]["filters"] is None
@@ -403,11 +483,20 @@ def test_cli_without_filter_flags_is_the_filter_free_build(tmp_path, core_inputs
 def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_list(tmp_path, core_inputs):
     """SIGKILL the filtered build at stage boundaries (H5CORPUS_TEST_CRASH_AT), re-run the same
     command: shards, manifest and explain file equal an uninterrupted run, nothing left over."""
-    from h5corpus.build import CRASH_ENV
+    from h5corpus.build.runner import CRASH_ENV
 
     srcs = [str(s) for s in core_inputs["sources"]]
-    flags = ["--tokenizer", "bytes", "--workers", "2", "--clean", "--scrub-pii", "--near-dedup", "--explain-drops",
-             "drops.jsonl"]
+    flags = [
+        "--tokenizer",
+        "bytes",
+        "--workers",
+        "2",
+        "--clean",
+        "--scrub-pii",
+        "--near-dedup",
+        "--explain-drops",
+        "drops.jsonl",
+    ]
     (tmp_path / "ref").mkdir()
     assert _cli(tmp_path / "ref", *srcs, *flags).returncode == 0
     ref = tree(tmp_path / "ref")
@@ -415,7 +504,7 @@ def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_lis
     for point in ("read-record", "decided", "manifest-before", "manifest-after"):
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir()
-        p = _cli(root, *srcs, *flags, env=dict(_env(), **{CRASH_ENV: point}))
+        p = _cli(root, *srcs, *flags, env=dict(subprocess_env(), **{CRASH_ENV: point}))
         assert p.returncode == -9, (point, p.returncode, p.stderr[-2000:])
         p = _cli(root, *srcs, *flags)
         assert p.returncode == 0, (point, p.stderr)
@@ -426,14 +515,14 @@ def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_lis
 def test_resume_of_a_run_without_explain_rereads_tasks_for_the_drop_list(tmp_path, core_inputs):
     """A build interrupted without --explain-drops and resumed with it re-reads the tasks whose
     records lack locations: the drop list equals a fresh run's."""
-    from h5corpus.build import CRASH_ENV
+    from h5corpus.build.runner import CRASH_ENV
 
     srcs = [str(s) for s in core_inputs["sources"]]
     flags = ["--tokenizer", "bytes", "--workers", "2", "--clean", "--near-dedup"]
     (tmp_path / "ref").mkdir()
     assert _cli(tmp_path / "ref", *srcs, *flags, "--explain-drops", "drops.jsonl").returncode == 0
     (tmp_path / "c").mkdir()
-    p = _cli(tmp_path / "c", *srcs, *flags, env=dict(_env(), **{CRASH_ENV: "decided"}))
+    p = _cli(tmp_path / "c", *srcs, *flags, env=dict(subprocess_env(), **{CRASH_ENV: "decided"}))
     assert p.returncode == -9
     assert _cli(tmp_path / "c", *srcs, *flags, "--explain-drops", "drops.jsonl").returncode == 0
     assert tree(tmp_path / "c") == tree(tmp_path / "ref")
@@ -462,19 +551,31 @@ def dev_extras(tmp_path_factory, dev_dir) -> dict:
     d = tmp_path_factory.mktemp("dev-filter-extras")
     copy = cands[1]  # not one of the articles
     extras = write_jsonl(d / "extras.jsonl", crafted[:4] + [copy, PAGE] + crafted[4:] + [PII_DOC])
-    return {"sources": [dev_dir / n for n in DEV_FILES] + [extras], "crafted": crafted, "articles": articles,
-            "copy": copy}
+    return {
+        "sources": [dev_dir / n for n in DEV_FILES] + [extras],
+        "crafted": crafted,
+        "articles": articles,
+        "copy": copy,
+    }
 
 
 def _dev_cfg(root: Path, sources, gpt2_json, workers: int) -> BuildConfig:
-    return cfg_for(root, sources, DocumentFilter(DEV_CFG), tokenizer=str(gpt2_json), workers=workers,
-                   task_bytes=1 << 20, chunk_tokens=1 << 16, shard_tokens=1 << 20)
+    return cfg_for(
+        root,
+        sources,
+        DocumentFilter(DEV_CFG),
+        tokenizer=str(gpt2_json),
+        workers=workers,
+        task_bytes=1 << 20,
+        chunk_tokens=1 << 16,
+        shard_tokens=1 << 20,
+    )
 
 
 @pytest.fixture(scope="session")
 def dev_filter_build(tmp_path_factory, dev_extras, gpt2_json):
     root = tmp_path_factory.mktemp("dev-filter-2w")
-    return root, build(_dev_cfg(root, dev_extras["sources"], gpt2_json, workers=2))
+    return root, build_corpus(_dev_cfg(root, dev_extras["sources"], gpt2_json, workers=2))
 
 
 @pytest.fixture(scope="session")
@@ -544,7 +645,7 @@ def test_dev_pii_is_scrubbed_in_the_stored_tokens(dev_filter_build, gpt2_decode)
 def test_dev_one_and_two_workers_identical(tmp_path_factory, dev_filter_build, dev_extras, gpt2_json):
     """Manifest, shards and explain file: identical bytes for 1 and 2 workers."""
     root = tmp_path_factory.mktemp("dev-filter-1w")
-    build(_dev_cfg(root, dev_extras["sources"], gpt2_json, workers=1))
+    build_corpus(_dev_cfg(root, dev_extras["sources"], gpt2_json, workers=1))
     assert tree(root) == tree(dev_filter_build[0])
 
 
@@ -554,8 +655,19 @@ def test_dev_cli_lang_keeps_korean_wikipedia_and_drops_other_languages(tmp_path,
     other 128 UDHR translations and the English stories are dropped, each explained with its
     detected language at its file:line; the manifest counts the stored languages."""
     srcs = [str(dev_dir / n) for n in ("wiki-ko.jsonl", "multi-udhr.jsonl", "story-tinystories.jsonl")]
-    p = _cli(tmp_path, *srcs, "--tokenizer", "bytes", "--lang", "ko", "--explain-drops", "drops.jsonl",
-             "--workers", "2", "--json")
+    p = _cli(
+        tmp_path,
+        *srcs,
+        "--tokenizer",
+        "bytes",
+        "--lang",
+        "ko",
+        "--explain-drops",
+        "drops.jsonl",
+        "--workers",
+        "2",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     udhr = [json.loads(line) for line in open(dev_dir / "multi-udhr.jsonl", encoding="utf-8")]
@@ -567,11 +679,13 @@ def test_dev_cli_lang_keeps_korean_wikipedia_and_drops_other_languages(tmp_path,
     kor_line = next(i for i, d in enumerate(udhr, 1) if d["id"] == "udhr2-kor")
     assert [(Path(d["source"]).name, d["line"]) for d in lines] == (
         [("multi-udhr.jsonl", i) for i in range(1, len(udhr) + 1) if i != kor_line]
-        + [("story-tinystories.jsonl", i) for i in range(1, len(stories) + 1)])
+        + [("story-tinystories.jsonl", i) for i in range(1, len(stories) + 1)]
+    )
     for d in lines:  # another language, or Korean below the probability threshold
         assert (d["reason"] == f"lang:{d['lang']}" and d["lang"] != "ko") or (
-            d["reason"] == "lang:low_confidence" and d["lang"] == "ko" and d["lang_prob"] < 0.5), d
-    assert {d["lang"] for d in lines[-len(stories):]} == {"en"}
+            d["reason"] == "lang:low_confidence" and d["lang"] == "ko" and d["lang_prob"] < 0.5
+        ), d
+    assert {d["lang"] for d in lines[-len(stories) :]} == {"en"}
     check_explain_locations(lines)
     m = json.loads((tmp_path / "manifests" / "shards.json").read_text())
     assert sum(m["splits"][s]["languages"].get("ko", 0) for s in fmt.SPLITS) == len(korean) == 120
@@ -588,16 +702,21 @@ def test_build_does_not_hang_when_the_parent_used_the_minhash_thread_pool(tmp_pa
     src = write_jsonl(tmp_path / "in.jsonl", paras)  # short documents: batches of 256 (multi-row calls hung)
     script = (
         "import sys, numpy as np, rensa\n"
-        "from h5corpus.build import BuildConfig, build\n"
+        "from h5corpus.build import BuildConfig, build_corpus\n"
         "from h5corpus.filters import DocumentFilter, FilterConfig\n"
         "flat = np.arange(2_000_000, dtype=np.uint64)\n"
         "rensa.RMinHash.digest_matrix_from_flat_token_hashes(flat, (np.arange(1001) * 2000).astype(np.uint64), 128, 1)\n"
-        "r = build(BuildConfig(sources=[sys.argv[1]], tokenizer='bytes', workers=2, shards_dir=sys.argv[2] + '/s',\n"
+        "r = build_corpus(BuildConfig(sources=[sys.argv[1]], tokenizer='bytes', workers=2, shards_dir=sys.argv[2] + '/s',\n"
         "                      manifest=sys.argv[2] + '/m.json', filters=DocumentFilter(FilterConfig(near_dedup=True))))\n"
         "print(r.documents)\n"
     )
-    p = subprocess.run([sys.executable, "-c", script, str(src), str(tmp_path / "o")], env=_env(), capture_output=True,
-                       text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(src), str(tmp_path / "o")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr
     assert 0.9 * len(set(paras)) < int(p.stdout.split()[-1]) <= len(set(paras))
 
@@ -609,9 +728,11 @@ def test_explain_drops_without_filters_lists_empty_duplicate_and_over_budget_doc
     t = stdlib_corpus_texts[:40]
     src = write_jsonl(tmp_path / "in.jsonl", t[:20] + ["", t[3]] + t[20:] + [t[25]])
     kw = dict(validation_fraction=0.0, max_tokens={"train": 800_000}, workers=2, task_bytes=10 << 20)
-    rep = build(cfg_for(tmp_path / "a", [src], None, **kw))
-    build(cfg_for(tmp_path / "b", [src], None, explain_drops=None, **kw))
-    assert (tmp_path / "a" / "manifests" / "shards.json").read_bytes() == (tmp_path / "b" / "manifests" / "shards.json").read_bytes()
+    rep = build_corpus(cfg_for(tmp_path / "a", [src], None, **kw))
+    build_corpus(cfg_for(tmp_path / "b", [src], None, explain_drops=None, **kw))
+    assert (tmp_path / "a" / "manifests" / "shards.json").read_bytes() == (
+        tmp_path / "b" / "manifests" / "shards.json"
+    ).read_bytes()
     lines = explain_lines(tmp_path / "a" / "drops.jsonl")
     tr = rep.splits["train"]
     assert [d["line"] for d in lines] == sorted(d["line"] for d in lines)

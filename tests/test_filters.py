@@ -17,21 +17,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corpus_util import stdlib_texts
+from tests.helpers import reference_quality_reason
 
 pytest.importorskip("py3langid")
 pytest.importorskip("trafilatura")
 pytest.importorskip("ftfy")
 pytest.importorskip("rensa")
 
-from h5corpus import clean, langid, pii, quality, words  # noqa: E402
-from h5corpus.filters import (  # noqa: E402
-    DocumentFilter, FilterConfig, dropped_counts, merge_stats, parse_lang_codes,
+from h5corpus.filters import (  # noqa: E402  # noqa: E402
+    DocumentFilter,
+    FilterConfig,
+    clean,
+    dropped_counts,
+    langid,
+    merge_stats,
+    parse_lang_codes,
+    pii,
+    words,
 )
-from h5corpus.neardedup import (  # noqa: E402
-    MinHasher, NearDedupIndex, estimated_jaccard, is_empty_signature, optimal_bands,
+from h5corpus.filters.neardedup import (  # noqa: E402
+    MinHasher,
+    NearDedupIndex,
+    estimated_jaccard,
+    is_empty_signature,
+    optimal_bands,
 )
-from h5corpus.quality import QualityThresholds, quality_batch, quality_reason  # noqa: E402
+from h5corpus.filters.quality import QualityThresholds, quality_batch, quality_reason  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # Text written for these tests (an invented local news article, boilerplate, a web page).
@@ -95,12 +106,18 @@ PAGE = """<!DOCTYPE html>
 """ % "\n".join(f"      <p>{p}</p>" for p in ARTICLE.split("\n"))
 
 BOILERPLATE = [
-    ("Home | World | Business | Sport | Subscribe\nAdvertisement\n",
-     "\nShare this article: Facebook Twitter Email\n(c) 2025 Daily Harbor. All rights reserved."),
-    ("MENU  Sign in  Newsletters  Today's paper\n",
-     "\nRelated stories\nMore from this section\nCookie settings | Privacy | Terms"),
-    ("Skip to content\nBreaking news alerts: sign up now\n",
-     "\nComments are closed.\nPosted in Local News | Tagged seawall, council"),
+    (
+        "Home | World | Business | Sport | Subscribe\nAdvertisement\n",
+        "\nShare this article: Facebook Twitter Email\n(c) 2025 Daily Harbor. All rights reserved.",
+    ),
+    (
+        "MENU  Sign in  Newsletters  Today's paper\n",
+        "\nRelated stories\nMore from this section\nCookie settings | Privacy | Terms",
+    ),
+    (
+        "Skip to content\nBreaking news alerts: sign up now\n",
+        "\nComments are closed.\nPosted in Local News | Tagged seawall, council",
+    ),
 ]
 
 
@@ -117,7 +134,7 @@ def python_license_prose() -> str:
         pytest.skip(f"{lic} not found")
     paras = lic.read_text(encoding="utf-8").split("\n\n")
     start = next(i for i, p in enumerate(paras) if "Guido van Rossum" in p)
-    return "\n\n".join(paras[start:start + 3])
+    return "\n\n".join(paras[start : start + 3])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,18 +158,24 @@ def test_html_page_yields_main_text_without_boilerplate():
 def test_html_fragment_and_empty_page():
     """A tiny fragment below trafilatura's thresholds still yields its text; a page without text
     is dropped as clean:no_main_text."""
-    assert clean.html_to_text("<p>Hello <b>world</b>, this is a short fragment.</p>") == "Hello world, this is a short fragment."
+    assert (
+        clean.html_to_text("<p>Hello <b>world</b>, this is a short fragment.</p>")
+        == "Hello world, this is a short fragment."
+    )
     f = DocumentFilter(FilterConfig(clean=True))
     assert f.process("<html><body><script>var x = 1;</script></body></html>") == (None, "clean:no_main_text")
     assert dropped_counts(f.stats()) == {"clean:no_main_text": 1}
 
 
-@pytest.mark.parametrize("text", [
-    "use <b> for bold text and <i> for italics",
-    "<table>: The Table element\n\nThe <table> HTML element represents tabular data.",
-    "<3 thanks for the help",
-    "plain\ttext  with   odd spacing\r\nand a Windows line end\n\n\n\nand blank lines ",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "use <b> for bold text and <i> for italics",
+        "<table>: The Table element\n\nThe <table> HTML element represents tabular data.",
+        "<3 thanks for the help",
+        "plain\ttext  with   odd spacing\r\nand a Windows line end\n\n\n\nand blank lines ",
+    ],
+)
 def test_plain_text_passes_clean_unchanged(text):
     """--clean only touches documents that are HTML: plain text (even text mentioning tags, or
     with messy whitespace) comes back byte-identical."""
@@ -177,13 +200,16 @@ def test_whitespace_normalization():
     assert clean.normalize_whitespace(want) == want
 
 
-@pytest.mark.parametrize("text", [
-    "caf\u00c3\u00a9 au lait\nline two \x1b[31mred\x1b[0m end\x03",
-    "\ufb01ne \u0080 x\n\u00c3\u00a9t\u00c3\u00a9 d\u00c3\u00a9j\u00c3\u00a0",
-    "plain \x0c form\x0b feed\x00",
-    "\u201cquotes\u201d and \uff21\uff22 full width stay",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "caf\u00c3\u00a9 au lait\nline two \x1b[31mred\x1b[0m end\x03",
+        "\ufb01ne \u0080 x\n\u00c3\u00a9t\u00c3\u00a9 d\u00c3\u00a9j\u00c3\u00a0",
+        "plain \x0c form\x0b feed\x00",
+        "\u201cquotes\u201d and \uff21\uff22 full width stay",
+        "",
+    ],
+)
 def test_fix_unicode_equals_ftfy(text):
     """fix_unicode (with its ASCII and no-mojibake fast paths) returns exactly what
     ftfy.fix_text does under the same configuration."""
@@ -214,32 +240,47 @@ def test_fix_unicode_equals_ftfy_on_dev_corpus(dev_texts):
 # PII
 
 
-@pytest.mark.parametrize("text, want, counts", [
-    ("Contact john.doe+news@example.co.uk or jane_d@mail.example.com today.",
-     "Contact <EMAIL> or <EMAIL> today.", {"email": 2}),
-    ("Call +1 202-555-0143 or +44 20 7946 0958 now.", "Call <PHONE> or <PHONE> now.", {"phone": 2}),
-    ("Office: (555) 123-4567, fax 555.123.4567.", "Office: <PHONE>, fax <PHONE>.", {"phone": 2}),
-    ("Tel: 030 1234 5678 and Fax. 089/123456.", "Tel: <PHONE> and Fax. <PHONE>.", {"phone": 2}),
-    ("Server 203.0.113.45 answered.", "Server <IP> answered.", {"ip": 1}),
-    ("Hosts 2001:db8:85a3::8a2e:370:7334 and ::ffff:192.0.2.128 and fe80::1ff:fe23:4567:890a.",
-     "Hosts <IP> and <IP> and <IP>.", {"ip": 3}),
-    ("Mail admin@example.org from 198.51.100.7 or call (212) 555-0199.",
-     "Mail <EMAIL> from <IP> or call <PHONE>.", {"email": 1, "ip": 1, "phone": 1}),
-])
+@pytest.mark.parametrize(
+    "text, want, counts",
+    [
+        (
+            "Contact john.doe+news@example.co.uk or jane_d@mail.example.com today.",
+            "Contact <EMAIL> or <EMAIL> today.",
+            {"email": 2},
+        ),
+        ("Call +1 202-555-0143 or +44 20 7946 0958 now.", "Call <PHONE> or <PHONE> now.", {"phone": 2}),
+        ("Office: (555) 123-4567, fax 555.123.4567.", "Office: <PHONE>, fax <PHONE>.", {"phone": 2}),
+        ("Tel: 030 1234 5678 and Fax. 089/123456.", "Tel: <PHONE> and Fax. <PHONE>.", {"phone": 2}),
+        ("Server 203.0.113.45 answered.", "Server <IP> answered.", {"ip": 1}),
+        (
+            "Hosts 2001:db8:85a3::8a2e:370:7334 and ::ffff:192.0.2.128 and fe80::1ff:fe23:4567:890a.",
+            "Hosts <IP> and <IP> and <IP>.",
+            {"ip": 3},
+        ),
+        (
+            "Mail admin@example.org from 198.51.100.7 or call (212) 555-0199.",
+            "Mail <EMAIL> from <IP> or call <PHONE>.",
+            {"email": 1, "ip": 1, "phone": 1},
+        ),
+    ],
+)
 def test_pii_is_scrubbed(text, want, counts):
     """E-mails, phone numbers and IPv4/IPv6 addresses become placeholders, counted per kind."""
     assert pii.scrub_pii(text) == (want, counts)
 
 
-@pytest.mark.parametrize("text", [
-    "Released version 1.2.3.4 on 2023-10-12; v10.0.0.1 and build 4.3.2.1 followed.",
-    "Python 3.11.2 and numpy 2.4.6; see section 1.2.3.4.5 and 300.1.1.1.",
-    "Meet at 12:30:45 on 12/10/2023, or 10.12.2023, during 1990-1995.",
-    "Revenue rose 1,234,567 dlrs to 5551234567 shares; ISBN 978-3-16-148410-0.",
-    "scores of 100 200 3000, 3+4=7, +5 points, 98.6 F, 0.5 pct",
-    "std::vector and a::b and dead::beef are C++ paths; loopback 127.0.0.1 and ::1 are not PII.",
-    "user@localhost and @handle and foo@bar are not addresses",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Released version 1.2.3.4 on 2023-10-12; v10.0.0.1 and build 4.3.2.1 followed.",
+        "Python 3.11.2 and numpy 2.4.6; see section 1.2.3.4.5 and 300.1.1.1.",
+        "Meet at 12:30:45 on 12/10/2023, or 10.12.2023, during 1990-1995.",
+        "Revenue rose 1,234,567 dlrs to 5551234567 shares; ISBN 978-3-16-148410-0.",
+        "scores of 100 200 3000, 3+4=7, +5 points, 98.6 F, 0.5 pct",
+        "std::vector and a::b and dead::beef are C++ paths; loopback 127.0.0.1 and ::1 are not PII.",
+        "user@localhost and @handle and foo@bar are not addresses",
+    ],
+)
 def test_pii_leaves_numbers_versions_dates_alone(text):
     """Version strings, dates, times, amounts, ISBNs, code paths and non-addresses survive."""
     assert pii.scrub_pii(text) == (text, {})
@@ -270,7 +311,7 @@ QUALITY_CASES = {
     "alpha_words": " ".join(f"{i} {i * 7}.{i % 10} {i * 13}" for i in range(40)) + " total count.",
     "special_chars": " ".join(f"{w}[]{{}}" for w in PROSE_WORDS[:80]),
     "symbols": " ".join(f"#{w}" if i % 6 == 0 else w for i, w in enumerate(PROSE_WORDS)),
-    "line_punct": _lines(*(" ".join(PROSE_WORDS[i:i + 8]).rstrip(".,") for i in range(0, 200, 8))),
+    "line_punct": _lines(*(" ".join(PROSE_WORDS[i : i + 8]).rstrip(".,") for i in range(0, 200, 8))),
     "dup_lines": _lines(*(ARTICLE.split("\n") + ["Read more."] * 6)),
     "dup_line_chars": _lines(*(ARTICLE.split("\n") + [ARTICLE.split("\n")[1]] * 2)),
     "top_ngram": " ".join(PROSE_WORDS[:60] + ["click here"] * 40) + ".",
@@ -315,7 +356,11 @@ def test_word_hashes_are_stable_constants():
     h = words.split_words("Hello world HELLO").hashes
     assert h[0] == h[2]
     # The literal values, so that a change of the hash function cannot go unnoticed:
-    assert h.tolist()[:2] == words.split_words("hello world").hashes.tolist() == [2838170395950136461, 13708746466347090021]
+    assert (
+        h.tolist()[:2]
+        == words.split_words("hello world").hashes.tolist()
+        == [2838170395950136461, 13708746466347090021]
+    )
 
 
 def test_segmentation_is_independent_of_piece_size(monkeypatch, stdlib_corpus_texts):
@@ -329,47 +374,13 @@ def test_segmentation_is_independent_of_piece_size(monkeypatch, stdlib_corpus_te
         assert np.array_equal(getattr(got, k), getattr(want, k)), k
 
 
-def _reference_reason(text: str, t: QualityThresholds) -> str | None:
-    """The rules one by one from their definitions (no batching, no bounds, plain sorts)."""
-    from h5corpus.quality import _text_rules
-    from h5corpus.words import CJK, LOWER, NONASCII, UPPER
-
-    w = words.split_words(text)
-    nw = len(w)
-    if nw < t.min_words:
-        return "min_words"
-    if t.max_words is not None and nw > t.max_words:
-        return "max_words"
-    if nw == 0:
-        return None
-    single = ((w.bits & CJK) != 0) & (w.chars == 1)
-    nc = int(single.sum())
-    if 2 * nc < nw:
-        mean = (int(w.chars.sum()) - nc) / max(nw - nc, 1)
-        if not t.min_mean_word_length <= mean <= t.max_mean_word_length:
-            return "mean_word_length"
-    if int(((w.bits & (UPPER | LOWER)) == UPPER).sum()) > t.max_uppercase_words * nw:
-        return "uppercase_words"
-    if int(((w.bits & (UPPER | LOWER | NONASCII)) != 0).sum()) < t.min_alpha_words * nw:
-        return "alpha_words"
-    r = _text_rules(text, t, nw)
-    if r is not None:
-        return r
-    k = quality.CJK_NGRAM_SCALE if 2 * nc >= nw else 1
-    if any(quality.top_ngram_fraction(w, n * k) > lim for n, lim in t.max_top_ngram.items()):
-        return "top_ngram"
-    if any(quality.dup_ngram_fraction(w, n * k) > lim for n, lim in t.max_dup_ngram.items()):
-        return "dup_ngram"
-    return None
-
-
 def test_quality_batch_equals_rule_definitions_on_dev_corpus(dev_texts):
     """The vectorized, bound-pruned quality filter decides exactly like the rules computed one
     document at a time from their definitions, on a third of the dev corpus (all sources)."""
     t = QualityThresholds()
     sample = dev_texts[::3]
     got, _ = quality_batch(sample, t)
-    want = [_reference_reason(x, t) for x in sample]
+    want = [reference_quality_reason(x, t) for x in sample]
     assert got == want
     assert len({r for r in got if r}) >= 8  # many rules fire on real data
 
@@ -410,9 +421,14 @@ def test_langid_matches_py3langid_on_short_texts():
     import py3langid.langid as pl
 
     ref = pl.LanguageIdentifier.from_model_file(pl.MODEL_FILE, norm_probs=True)
-    texts = [ARTICLE, "Der schnelle braune Fuchs springt über den faulen Hund.",
-             "Le renard brun rapide saute par-dessus le chien paresseux.", "吾輩は猫である。名前はまだ無い。",
-             "SHOUTING IN ENGLISH IS STILL ENGLISH", "12345 67890"]
+    texts = [
+        ARTICLE,
+        "Der schnelle braune Fuchs springt über den faulen Hund.",
+        "Le renard brun rapide saute par-dessus le chien paresseux.",
+        "吾輩は猫である。名前はまだ無い。",
+        "SHOUTING IN ENGLISH IS STILL ENGLISH",
+        "12345 67890",
+    ]
     batch = langid.detect_languages(texts, 500)
     for text, (code, prob) in zip(texts, batch):
         want_code, want_prob = ref.classify(text[:500])
@@ -449,8 +465,19 @@ def test_lang_filter_on_udhr(dev_dir):
     wanted = ("de", "it", "ru", "ja", "ko", "el", "he", "vi", "cs", "sv", "da")
     f2 = DocumentFilter(FilterConfig(lang=wanted, lang_threshold=0.8))
     kept = {d["id"] for d, r in zip(docs, f2.process_batch(texts)) if r.text is not None}
-    assert kept == {"udhr2-deu_1901", "udhr2-ita", "udhr2-rus", "udhr2-jpn", "udhr2-kor", "udhr2-ell_monotonic",
-                    "udhr2-heb", "udhr2-vie", "udhr2-ces", "udhr2-swe", "udhr2-dan"}
+    assert kept == {
+        "udhr2-deu_1901",
+        "udhr2-ita",
+        "udhr2-rus",
+        "udhr2-jpn",
+        "udhr2-kor",
+        "udhr2-ell_monotonic",
+        "udhr2-heb",
+        "udhr2-vie",
+        "udhr2-ces",
+        "udhr2-swe",
+        "udhr2-dan",
+    }
 
 
 def test_lang_filter_keeps_english_documents(dev_dir):
@@ -480,8 +507,14 @@ def test_lang_codes_are_validated():
 def test_lsh_parameters_match_datasketch():
     """(bands, rows) minimize datasketch's weighted false-positive/negative areas; expected values
     produced by datasketch 2.0.0 MinHashLSH._optimal_param(threshold, num_perm, 0.5, 0.5)."""
-    for (t, n), want in {(0.8, 128): (9, 13), (0.7, 128): (14, 9), (0.9, 128): (5, 25),
-                         (0.8, 256): (17, 15), (0.5, 64): (14, 4), (0.8, 64): (5, 11)}.items():
+    for (t, n), want in {
+        (0.8, 128): (9, 13),
+        (0.7, 128): (14, 9),
+        (0.9, 128): (5, 25),
+        (0.8, 256): (17, 15),
+        (0.5, 64): (14, 4),
+        (0.8, 64): (5, 11),
+    }.items():
         assert optimal_bands(t, n) == want
     assert FilterConfig(near_dedup=True).lsh_params() == (9, 13)
     assert FilterConfig(near_dedup=True, bands=16, rows=8).lsh_params() == (16, 8)
@@ -512,10 +545,10 @@ def test_near_duplicates_with_different_boilerplate_are_removed_core(stdlib_corp
     variants = [with_boilerplate(t, k) for t in base for k in range(2)]
     distinct = list(stdlib_corpus_texts[:60])
     flags = _near_dup_flags(f, distinct + variants)
-    assert not any(flags[:len(distinct)])
+    assert not any(flags[: len(distinct)])
     dup_of_distinct = [t in distinct for t in base]
-    for j, t in enumerate(base):
-        pair = flags[len(distinct) + 2 * j: len(distinct) + 2 * j + 2]
+    for j in range(len(base)):
+        pair = flags[len(distinct) + 2 * j : len(distinct) + 2 * j + 2]
         assert pair == ([True, True] if dup_of_distinct[j] else [False, True])
 
 
@@ -550,12 +583,12 @@ def test_crafted_near_duplicates_are_removed_on_dev_corpus(dev_near_dup_setup, d
     texts, flags, base_flags, articles = dev_near_dup_setup
     n = len(dev_texts)
     assert flags[0] is False  # the early copy came first
-    crafted_flags = flags[1 + n:]
+    crafted_flags = flags[1 + n :]
     assert crafted_flags == [True] * len(crafted_flags)
     first_article = dev_texts.index(articles[0])
     expect = list(base_flags)
     expect[first_article] = True
-    assert flags[1:1 + n] == expect
+    assert flags[1 : 1 + n] == expect
     assert 40 <= sum(base_flags) <= 150  # the dev corpus' own near-duplicates (Reuters re-issues)
 
 
@@ -588,7 +621,7 @@ ALL_ON = dict(clean=True, quality=True, lang=("en",), scrub_pii=True, near_dedup
 
 
 def _run_in_processes(filt: DocumentFilter, texts, workers: int, chunk: int):
-    chunks = [texts[i:i + chunk] for i in range(0, len(texts), chunk)]
+    chunks = [texts[i : i + chunk] for i in range(0, len(texts), chunk)]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         outs = list(pool.map(_worker, [pickle.dumps(filt)] * len(chunks), chunks))
@@ -603,18 +636,27 @@ def _worker(filt_bytes: bytes, texts):
 
 
 def _same(a, b) -> bool:
-    return (a.text == b.text and a.reason == b.reason and
-            (a.signature is None) == (b.signature is None) and
-            (a.signature is None or np.array_equal(a.signature, b.signature)))
+    return (
+        a.text == b.text
+        and a.reason == b.reason
+        and (a.signature is None) == (b.signature is None)
+        and (a.signature is None or np.array_equal(a.signature, b.signature))
+    )
 
 
 def test_two_processes_equal_one_process_core(stdlib_corpus_texts):
     """Results, signatures, near-dup verdicts and merged counters are identical whether the
     documents are filtered in one process or split over two spawned worker processes."""
     texts = list(stdlib_corpus_texts[:80]) + [with_boilerplate(ARTICLE, k) for k in range(3)] + [PAGE]
-    cfg = FilterConfig(clean=True, quality=True, scrub_pii=True, near_dedup=True,
-                       quality_thresholds=QualityThresholds(min_words=20, min_alpha_words=0.5,
-                                                            max_special_chars=0.5, min_line_punct=0.0))
+    cfg = FilterConfig(
+        clean=True,
+        quality=True,
+        scrub_pii=True,
+        near_dedup=True,
+        quality_thresholds=QualityThresholds(
+            min_words=20, min_alpha_words=0.5, max_special_chars=0.5, min_line_punct=0.0
+        ),
+    )
     one = DocumentFilter(cfg)
     want = one.process_batch(texts, signatures=True)
     got, stats = _run_in_processes(DocumentFilter(cfg), texts, workers=2, chunk=23)
@@ -643,7 +685,7 @@ def test_results_do_not_depend_on_batching(dev_texts):
     texts = dev_texts[::41]
     f = DocumentFilter(FilterConfig(**ALL_ON))
     whole = f.process_batch(texts, signatures=True)
-    pieces = [r for i in range(0, len(texts), 17) for r in f.process_batch(texts[i:i + 17], signatures=True)]
+    pieces = [r for i in range(0, len(texts), 17) for r in f.process_batch(texts[i : i + 17], signatures=True)]
     assert all(_same(a, b) for a, b in zip(whole, pieces))
     for t, r in list(zip(texts, whole))[:60]:
         out, reason = f.process(t)
@@ -674,10 +716,12 @@ def test_config_json_round_trip_and_validation():
     assert json.loads(json.dumps(d)) == d
     back = FilterConfig.from_json(d)
     assert back.to_json() == d
-    for bad, field in [(dict(near_dedup_threshold=1.0), "near_dedup_threshold"),
-                       (dict(lang_threshold=2.0), "lang_threshold"),
-                       (dict(bands=20, rows=20), "bands x rows"),
-                       (dict(quality_thresholds=QualityThresholds(max_uppercase_words=3.0)), "max_uppercase_words")]:
+    for bad, field in [
+        (dict(near_dedup_threshold=1.0), "near_dedup_threshold"),
+        (dict(lang_threshold=2.0), "lang_threshold"),
+        (dict(bands=20, rows=20), "bands x rows"),
+        (dict(quality_thresholds=QualityThresholds(max_uppercase_words=3.0)), "max_uppercase_words"),
+    ]:
         with pytest.raises(ValueError, match=field):
             FilterConfig(**bad).validate()
     assert not FilterConfig().enabled and FilterConfig(scrub_pii=True).enabled
@@ -689,15 +733,18 @@ def test_filters_off_keep_everything(stdlib_corpus_texts):
     assert f.stats() == {"docs": 20, "kept": 20}
 
 
-@pytest.mark.parametrize("text", [
-    "call 555-123-4567 or (555) 212-4477, fax +44 20 7946 0958",
-    "naïve café: call 555-123-4567 — “quoted” 😀 1234567 and 12 34 56 78",
-    "رقم ٠١٢٣-٤٥٦-٧٨٩٠ and 555-123-4567 é",
-    "全角 ０３-１２３４-５６７８ or 03-1234-5678",
-    "math 𝟏𝟐𝟑𝟒𝟓𝟔𝟕 and deva १२३४५६७८ then 9876543",
-    "lone \ud800 surrogate 555 123 4567 x",
-    "no digits here at all, only words ✓",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "call 555-123-4567 or (555) 212-4477, fax +44 20 7946 0958",
+        "naïve café: call 555-123-4567 — “quoted” 😀 1234567 and 12 34 56 78",
+        "رقم ٠١٢٣-٤٥٦-٧٨٩٠ and 555-123-4567 é",
+        "全角 ０３-１２３４-５６７８ or 03-1234-5678",
+        "math 𝟏𝟐𝟑𝟒𝟓𝟔𝟕 and deva १२३४५६७८ then 9876543",
+        "lone \ud800 surrogate 555 123 4567 x",
+        "no digits here at all, only words ✓",
+    ],
+)
 def test_phone_candidate_regions_fast_path_equals_the_regex(text):
     """The byte-level fast path for candidate phone regions gives exactly the spans of the
     Unicode regex (non-ASCII decimal digits send a text to the regex itself)."""

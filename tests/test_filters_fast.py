@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("rensa")
 pytest.importorskip("py3langid")
 
-from h5corpus import langid, pii, quality, words  # noqa: E402
-from h5corpus.neardedup import MinHasher  # noqa: E402
-from h5corpus.quality import QualityThresholds, quality_batch  # noqa: E402
-from test_filters import _reference_reason  # noqa: E402
+from h5corpus.filters import langid, pii, quality, words  # noqa: E402
+from h5corpus.filters.neardedup import MinHasher  # noqa: E402
+from h5corpus.filters.quality import QualityThresholds, quality_batch  # noqa: E402
+from tests.helpers import reference_quality_reason  # noqa: E402
 
 # Lines and characters that str.splitlines()/str.strip() treat specially, duplicates that differ
 # only in case or inner spacing (equal word hashes, different bytes), terminal punctuation of
@@ -37,7 +37,7 @@ EDGE_TEXTS = [
     "Dup\ndup\nDUP\ndup\nDup",
     "a  b\na b\na\tb\na b\na  b",
     "end quote\u201d\nend apostrophe\u2019\nellipsis\u2026\nkuten\u3002\nbang\uff01\nq\uff1f\n\u300d\n\u300f\n\uff09",
-    "two byte \u00e9\nfour byte \U0001F600\nfour byte \U0001F600\n\u00e9.\n\u00e9.",
+    "two byte \u00e9\nfour byte \U0001f600\nfour byte \U0001f600\n\u00e9.\n\u00e9.",
     "nbsp\u00a0inside\nnbsp\u00a0inside\nline\u2028separator\u2029paragraph\x85next",
     "ideographic\u3000space\u3000\n\u3000\n",
     "... .... ...... .. # ## \u2026\u2026 #.#...",
@@ -83,24 +83,36 @@ def test_line_statistics_equal_splitlines_and_strip(stdlib_corpus_texts):
 
 def test_line_statistics_equal_definitions_on_dev_corpus(dev_texts):
     for i in range(0, len(dev_texts), 300):
-        _check_line_stats(dev_texts[i:i + 300])
+        _check_line_stats(dev_texts[i : i + 300])
 
 
-_reference = _reference_reason  # the rules one by one from their definitions (tests/test_filters.py)
+_reference = reference_quality_reason  # the rules one by one from their definitions
 
 
-_LOOSE = dict(min_words=0, max_special_chars=1.0, max_symbols_per_word=1e9, min_line_punct=0.0, max_dup_lines=1.0,
-              max_dup_line_chars=1.0, min_mean_word_length=0.0, max_mean_word_length=1e9, min_alpha_words=0.0,
-              max_uppercase_words=1.0, max_top_ngram={}, max_dup_ngram={})
+_LOOSE = dict(
+    min_words=0,
+    max_special_chars=1.0,
+    max_symbols_per_word=1e9,
+    min_line_punct=0.0,
+    max_dup_lines=1.0,
+    max_dup_line_chars=1.0,
+    min_mean_word_length=0.0,
+    max_mean_word_length=1e9,
+    min_alpha_words=0.0,
+    max_uppercase_words=1.0,
+    max_top_ngram={},
+    max_dup_ngram={},
+)
 THRESHOLD_SETS = {
     "defaults": QualityThresholds(),
     "special_chars": QualityThresholds(**{**_LOOSE, "max_special_chars": 0.04}),
     "symbols": QualityThresholds(**{**_LOOSE, "max_symbols_per_word": 0.003}),
-    "lines": QualityThresholds(**{**_LOOSE, "min_line_punct": 0.6, "line_punct_min_lines": 2,
-                                  "max_dup_lines": 0.02}),
+    "lines": QualityThresholds(**{**_LOOSE, "min_line_punct": 0.6, "line_punct_min_lines": 2, "max_dup_lines": 0.02}),
     "dup_line_chars": QualityThresholds(**{**_LOOSE, "max_dup_line_chars": 0.01}),
     "top_ngram": QualityThresholds(**{**_LOOSE, "max_top_ngram": {1: 0.3, 2: 0.05, 3: 0.04, 5: 0.03}}),
-    "dup_ngram": QualityThresholds(**{**_LOOSE, "max_dup_ngram": {1: 0.5, 2: 0.3, 5: 0.08, 6: 0.07, 9: 0.02, 12: 0.01}}),
+    "dup_ngram": QualityThresholds(
+        **{**_LOOSE, "max_dup_ngram": {1: 0.5, 2: 0.3, 5: 0.08, 6: 0.07, 9: 0.02, 12: 0.01}}
+    ),
 }
 
 
@@ -108,11 +120,11 @@ def _repetitive_texts() -> list[str]:
     rng = random.Random(7)
     vocab = [f"w{i}" for i in range(300)]
     out = []
-    for k in range(12):
+    for _ in range(12):
         base = [rng.choice(vocab) for _ in range(rng.randint(20, 400))]
-        phrase = " ".join(base[:rng.randint(2, 12)])
+        phrase = " ".join(base[: rng.randint(2, 12)])
         out.append(" ".join(base) + (" " + phrase) * rng.randint(0, 30))
-        out.append("\n".join(" ".join(base[j:j + 9]) + rng.choice([".", "", "!"]) for j in range(0, len(base), 9)))
+        out.append("\n".join(" ".join(base[j : j + 9]) + rng.choice([".", "", "!"]) for j in range(0, len(base), 9)))
     out.append("\u5f3e\u8f29\u306f\u732b\u3067\u3042\u308b\u3002" * 40)  # CJK: n-grams of 2n characters
     return out
 
@@ -128,7 +140,7 @@ def test_batched_rules_equal_definitions(name, stdlib_corpus_texts):
     got, hashes = quality_batch(texts, t)
     assert got == want
     assert 10 <= sum(r is not None for r in got) <= len(got) - 10  # the rules do decide
-    pieces = [r for i in range(0, len(texts), 7) for r in quality_batch(texts[i:i + 7], t)[0]]
+    pieces = [r for i in range(0, len(texts), 7) for r in quality_batch(texts[i : i + 7], t)[0]]
     assert pieces == want
     # every text's word hashes come back (rejected ones included)
     assert all(np.array_equal(h, words.split_words(x).hashes) for x, h in zip(texts, hashes))
@@ -152,7 +164,9 @@ def test_segmentation_layout(stdlib_corpus_texts, monkeypatch):
         assert np.array_equal(sg.words.hashes, words.split_words_batch(texts).hashes)
         for i, t in enumerate(texts):
             a, b = int(sg.words.offsets[i]), int(sg.words.offsets[i + 1])
-            toks = [sg.data[s:e].decode("utf-8") for s, e in zip(sg.word_start[a:b].tolist(), sg.word_end[a:b].tolist())]
+            toks = [
+                sg.data[s:e].decode("utf-8") for s, e in zip(sg.word_start[a:b].tolist(), sg.word_end[a:b].tolist())
+            ]
             assert all(tok and not any(c.isspace() for c in tok) for tok in toks)
             if t.isascii() and max(map(len, t.split()), default=0) < chunk:
                 assert toks == t.split()
@@ -166,9 +180,41 @@ _PATTERNS = {
     "ipv4": (pii._IPV4_RE, pii._IPV4_GATE, pii._IPV4_RUN, 3),
     "ipv6": (pii._IPV6_RE, pii._IPV6_GATE, pii._IPV6_RUN, 4),
 }
-_PIECES = ["1", "25", "255", "256", "300", "0", ".", ".", ":", "::", "a", "f", "F", "g", "@", "x.y", "-", "_",
-           "%", " ", "\n", "v", "\u00e9", "\u0663", "\uff11", "192.168.1.1", "10.0.0", "2001:db8", "fe80::",
-           "a@b.co", "first.last+tag@mail.example.org", "a" * 70, "@@"]
+_PIECES = [
+    "1",
+    "25",
+    "255",
+    "256",
+    "300",
+    "0",
+    ".",
+    ".",
+    ":",
+    "::",
+    "a",
+    "f",
+    "F",
+    "g",
+    "@",
+    "x.y",
+    "-",
+    "_",
+    "%",
+    " ",
+    "\n",
+    "v",
+    "\u00e9",
+    "\u0663",
+    "\uff11",
+    "192.168.1.1",
+    "10.0.0",
+    "2001:db8",
+    "fe80::",
+    "a@b.co",
+    "first.last+tag@mail.example.org",
+    "a" * 70,
+    "@@",
+]
 
 
 @pytest.mark.parametrize("kind", list(_PATTERNS))
@@ -179,7 +225,9 @@ def test_anchored_pii_search_equals_a_full_scan(kind):
     rng = random.Random(kind)
     for _ in range(20000):
         text = "".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 16)))
-        assert [m.span() for m in pii._anchored(text, regex, gate, run, back)] == [m.span() for m in regex.finditer(text)], repr(text)
+        assert [m.span() for m in pii._anchored(text, regex, gate, run, back)] == [
+            m.span() for m in regex.finditer(text)
+        ], repr(text)
 
 
 def test_batched_signatures_equal_one_row_at_a_time(stdlib_corpus_texts):
@@ -187,7 +235,7 @@ def test_batched_signatures_equal_one_row_at_a_time(stdlib_corpus_texts):
     signatures, for empty texts, texts shorter than a shingle and any shingle size."""
     texts = ["", "one", "two words", "a b c d", "a b c d e"] + list(stdlib_corpus_texts[:70]) + ["", "x"]
     wb = words.split_words_batch(texts)
-    hashes = [wb.hashes[wb.offsets[i]:wb.offsets[i + 1]] for i in range(len(texts))]
+    hashes = [wb.hashes[wb.offsets[i] : wb.offsets[i + 1]] for i in range(len(texts))]
     for size in (1, 3, 5):
         m = MinHasher(shingle_size=size)
         want = np.array([m.signature(t) for t in texts])
@@ -202,15 +250,20 @@ def test_batched_signatures_never_start_rensa_thread_pool():
     sets the smallest size (no thread is started)."""
     script = (
         "import os, numpy as np\n"
-        "from h5corpus.neardedup import MinHasher\n"
+        "from h5corpus.filters.neardedup import MinHasher\n"
         "n0 = len(os.listdir('/proc/self/task'))\n"
         "rng = np.random.default_rng(0)\n"
         "hs = [rng.integers(0, 2**63, 300, dtype=np.uint64) for _ in range(500)]\n"
         "MinHasher().signatures_of_word_hashes(hs)\n"
         "print(n0, len(os.listdir('/proc/self/task')))\n"
     )
-    env = dict(os.environ, RENSA_DOC_PAR_BATCH_SIZE="32", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+    env = dict(
+        os.environ,
+        RENSA_DOC_PAR_BATCH_SIZE="32",
+        OPENBLAS_NUM_THREADS="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]),
+    )
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     before, after = map(int, p.stdout.split())
@@ -223,8 +276,14 @@ def test_langid_features_equal_py3langid_counts():
     import py3langid.langid as pl
 
     ref = pl.LanguageIdentifier.from_model_file(pl.MODEL_FILE, norm_probs=True)
-    texts = EDGE_TEXTS[2:] + ["Der schnelle braune Fuchs springt \u00fcber den faulen Hund.", "\u0391\u03b8\u03ae\u03bd\u03b1",
-                              "a", "ab", "abc", "\U0001F600" * 3]
+    texts = EDGE_TEXTS[2:] + [
+        "Der schnelle braune Fuchs springt \u00fcber den faulen Hund.",
+        "\u0391\u03b8\u03ae\u03bd\u03b1",
+        "a",
+        "ab",
+        "abc",
+        "\U0001f600" * 3,
+    ]
     for t in texts:
         data = langid.encode_for_langid(t)
         want = pl.visit_counts(ref.tk_nextmove, ref._rowbase, ref.tk_output, data) or {}
@@ -240,6 +299,6 @@ def test_unicode_space_detection_on_bytes_equals_the_regex():
     for c in spaces:
         assert words._encode("x" + c)[1]
     for i in range(0, len(every), 2000):
-        chunk = "".join(c for c in every[i:i + 2000] if c not in spaces)
+        chunk = "".join(c for c in every[i : i + 2000] if c not in spaces)
         assert words._encode(chunk)[1] is False
     assert re.sub(r"\s", "", "".join(sorted(spaces))) == ""

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from h5corpus.batch import IGNORE_INDEX, VarlenBatch, collate_varlen
-from h5corpus.packing import BestFitDataset
-from h5corpus.reader import open_corpus
-from h5corpus.window import SlidingWindowDataset
+from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, collate_varlen
+from h5corpus.loaders.bestfit import BestFitDataset
+from h5corpus.loaders.window import SlidingWindowDataset
+from h5corpus.storage.reader import open_corpus
 
 FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
 
@@ -161,7 +161,7 @@ def test_varlen_attn_matches_the_per_segment_reference(dtype_name, kv_heads):
     outputs and in q/k/v gradients, within half-precision tolerance, GQA included."""
     import torch
 
-    from h5corpus.attention import available_backends, causal_attention, reference_causal_attention
+    from h5corpus.loaders.attention import available_backends, causal_attention, reference_causal_attention
 
     if "varlen_attn" not in available_backends("cuda"):
         pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
@@ -185,7 +185,7 @@ def test_varlen_attn_isolates_segments_on_cuda():
     """On the GPU, new values in one segment's q/k/v change only that segment's outputs."""
     import torch
 
-    from h5corpus.attention import available_backends, causal_attention
+    from h5corpus.loaders.attention import available_backends, causal_attention
 
     if "varlen_attn" not in available_backends("cuda"):
         pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")

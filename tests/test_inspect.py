@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
-from h5corpus import packing
-from h5corpus.inspect import format_report, inspect_corpus, plot_report
-from h5corpus.manifest import Manifest, ShardEntry, read_manifest, write_manifest
-from h5corpus.writer import ShardWriter
+from h5corpus.inspection import format_report, inspect_corpus
+from h5corpus.loaders import bestfit as packing
+from h5corpus.storage.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.storage.writer import ShardWriter
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
 
 
 def naive_best_fit(lengths: list[int], capacity: int, buffer: int) -> list[int]:
@@ -87,10 +87,18 @@ def test_seed_examples_chunk_lengths():
 
 # -- each check can be made to fail -----------------------------------------------------------------
 
+
 @pytest.fixture
 def small_manifest(tmp_path) -> Path:
-    return write_corpus(tmp_path, stdlib_texts(80), byte_encode, BYTE_IDENTITY, chunk_tokens=4096,
-                        shard_tokens=300_000, validation_every=8)
+    return write_corpus(
+        tmp_path,
+        stdlib_texts(80),
+        byte_encode,
+        BYTE_IDENTITY,
+        chunk_tokens=4096,
+        shard_tokens=300_000,
+        validation_every=8,
+    )
 
 
 def _failed(rep) -> set[str]:
@@ -106,7 +114,9 @@ def test_document_in_both_splits_fails_the_leakage_check(tmp_path):
     texts = stdlib_texts(12)
     m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096)
     for split, part in (("train", texts[:8]), ("validation", texts[7:])):  # texts[7] in both
-        with ShardWriter(tmp_path / "shards" / f"{split}.h5", split=split, tokenizer=BYTE_IDENTITY, chunk_tokens=4096) as w:
+        with ShardWriter(
+            tmp_path / "shards" / f"{split}.h5", split=split, tokenizer=BYTE_IDENTITY, chunk_tokens=4096
+        ) as w:
             for t, ids in zip(part, byte_encode(part)):
                 w.add_document(np.append(ids, 256), doc_id(t))
         m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))
@@ -168,7 +178,9 @@ def test_misplaced_eos_fails_the_eos_check(small_manifest):
 
 
 def test_cli_table_json_plot_and_exit_codes(small_manifest, tmp_path, monkeypatch):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "h5corpus", "inspect", *a], capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "h5corpus", "inspect", *a], capture_output=True, text=True)
+
     png, out = tmp_path / "stats.png", tmp_path / "stats.json"
     r = run(str(small_manifest), "--seq-len", "1024", "--batch-size", "4", "--plot", str(png), "--output", str(out))
     assert r.returncode == 0, r.stderr

@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from corpus_util import BYTE_IDENTITY
 from h5corpus import BestFitDataset, open_corpus, split_tokens
-from h5corpus.format import TokenizerIdentity
-from h5corpus.manifest import Manifest, ShardEntry, write_manifest
-from h5corpus.packing import (
+from h5corpus.loaders.bestfit import (
     BufferPacker,
     best_fit_packs,
     bfd_packs,
@@ -23,8 +20,11 @@ from h5corpus.packing import (
     epoch_order,
     pack_fill,
 )
-from h5corpus.partition import Consumer
-from h5corpus.writer import ShardWriter
+from h5corpus.loaders.partition import Consumer
+from h5corpus.storage.format import TokenizerIdentity
+from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+from h5corpus.storage.writer import ShardWriter
+from tests.helpers import BYTE_IDENTITY
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -32,15 +32,24 @@ StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").Statef
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-def tiny_corpus(root: Path, docs: list[list[int]], truncated: set[int] = frozenset(),
-                identity: TokenizerIdentity = BYTE_IDENTITY, per_shard: int = 1000) -> Path:
+def tiny_corpus(
+    root: Path,
+    docs: list[list[int]],
+    truncated: set[int] = frozenset(),
+    identity: TokenizerIdentity = BYTE_IDENTITY,
+    per_shard: int = 1000,
+) -> Path:
     """Write ``docs`` (token lists, EOS already in place unless truncated) as a train split."""
     mpath = root / "manifests" / "shards.json"
     m = Manifest(tokenizer=identity, dtype="uint16", chunk_tokens=64)
     for s in range(0, len(docs), per_shard):
-        w = ShardWriter(root / "shards" / f"train-{s // per_shard:05d}.h5", split="train", tokenizer=identity, chunk_tokens=64)
+        w = ShardWriter(
+            root / "shards" / f"train-{s // per_shard:05d}.h5", split="train", tokenizer=identity, chunk_tokens=64
+        )
         for i in range(s, min(s + per_shard, len(docs))):
-            w.add_document(np.asarray(docs[i], dtype=np.int64), hashlib.sha256(str(i).encode()).digest(), truncated=i in truncated)
+            w.add_document(
+                np.asarray(docs[i], dtype=np.int64), hashlib.sha256(str(i).encode()).digest(), truncated=i in truncated
+            )
         m.shards.append(ShardEntry.from_info(w.close(), mpath.parent))
     m.splits["train"] = {"documents": len(docs), "tokens": sum(len(d) for d in docs)}
     write_manifest(mpath, m)
@@ -62,8 +71,9 @@ def assert_epoch_exact(corpus, outputs, max_seq_len: int, batch_size: int) -> No
         assert 1 <= b.num_packs <= batch_size and int(b.pack_lengths.max()) <= max_seq_len
         assert b.max_seqlen <= max_seq_len
         pairs = lens[doc] - 1
-        assert np.all(start % max_seq_len == 0) and np.array_equal(n, np.minimum(pairs - start, max_seq_len)), \
+        assert np.all(start % max_seq_len == 0) and np.array_equal(n, np.minimum(pairs - start, max_seq_len)), (
             "a segment is neither a whole document nor one of its max_seq_len chunks"
+        )
         g = np.repeat(offs[doc] + start - cu[:-1], n) + np.arange(cu[-1])
         assert np.array_equal(b.input_ids.numpy(), tokens[g]), "inputs are not the document's tokens"
         assert np.array_equal(b.targets.numpy(), tokens[g + 1]), "targets are not the next tokens"
@@ -71,7 +81,9 @@ def assert_epoch_exact(corpus, outputs, max_seq_len: int, batch_size: int) -> No
     expected = np.ones(corpus.num_tokens, dtype=np.int64)  # every position but a document's last starts a pair
     expected[offs[1:][lens > 0] - 1] = 0
     count = np.bincount(np.concatenate(seen), minlength=corpus.num_tokens) if seen else np.zeros_like(expected)
-    assert int(count.sum()) == int(expected.sum()), f"{int(count.sum()):,} pairs seen, the epoch has {int(expected.sum()):,}"
+    assert int(count.sum()) == int(expected.sum()), (
+        f"{int(count.sum()):,} pairs seen, the epoch has {int(expected.sum()):,}"
+    )
     bad = np.flatnonzero(count != expected)
     assert bad.size == 0, f"pair at global position {int(bad[0]):,} seen {int(count[bad[0]])} times"
 
@@ -96,8 +108,13 @@ def own(x):
 
 
 def batches_equal(a, b) -> bool:
-    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in
-               ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")) and a.max_seqlen == b.max_seqlen
+    return (
+        all(
+            torch.equal(getattr(a, f), getattr(b, f))
+            for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
+        )
+        and a.max_seqlen == b.max_seqlen
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,12 +134,15 @@ def test_split_tokens_seed_example_keeps_every_pair_with_lookahead():
     assert [len(c.inputs) for c in split_tokens(tokens, max_seq_len=4)] == [4, 1]
 
 
-@pytest.mark.parametrize("n_tokens, expected", [
-    pytest.param(9000 + 1, [4096, 4096, 808], id="9000-text-tokens+EOS"),
-    pytest.param(8991, [4096, 4096, 798], id="8991-tokens-with-EOS"),
-    pytest.param(4097, [4096], id="exactly-4096-pairs"),
-    pytest.param(4098, [4096, 1], id="4097-pairs"),
-])
+@pytest.mark.parametrize(
+    "n_tokens, expected",
+    [
+        pytest.param(9000 + 1, [4096, 4096, 808], id="9000-text-tokens+EOS"),
+        pytest.param(8991, [4096, 4096, 798], id="8991-tokens-with-EOS"),
+        pytest.param(4097, [4096], id="exactly-4096-pairs"),
+        pytest.param(4098, [4096, 1], id="4097-pairs"),
+    ],
+)
 def test_split_tokens_seed_long_documents(n_tokens, expected):
     """Long documents split into consecutive 4,096-input chunks; pairs = tokens - 1, none lost."""
     doc = np.arange(n_tokens) % 50000
@@ -141,7 +161,11 @@ def test_chunk_layout_matches_split_tokens_and_skips_single_token_documents():
     for L in (1, 2, 7, 64):
         lengths = np.concatenate([[0, 1, 2, L, L + 1, L + 2, 2 * L + 1], rng.integers(0, 5 * L, 200)])
         doc, start, n = chunk_layout(lengths, L)
-        ref = [(d, c.start, len(c.inputs)) for d, N in enumerate(lengths) for c in split_tokens(np.arange(N), max_seq_len=L)]
+        ref = [
+            (d, c.start, len(c.inputs))
+            for d, N in enumerate(lengths)
+            for c in split_tokens(np.arange(N), max_seq_len=L)
+        ]
         assert list(zip(doc.tolist(), start.tolist(), n.tolist())) == ref
         assert int(n.sum()) == int(np.maximum(lengths - 1, 0).sum())
         assert 0 not in doc.tolist() and 1 not in doc.tolist()
@@ -371,8 +395,16 @@ def test_pack_fill_accounts_every_token(stdlib_manifest):
 def test_every_pair_once_across_two_ranks_and_two_workers_stdlib(stdlib_manifest, mode):
     """2 ranks x 2 DataLoader workers: every pair of every document exactly once per epoch, tokens
     equal the documents', batches padding-free and within capacity."""
-    out = run_consumers(stdlib_manifest, world_size=2, num_workers=2, max_seq_len=1024, batch_size=16,
-                        packing_buffer=64 if mode == "buffer" else 500, seed=11, mode=mode)
+    out = run_consumers(
+        stdlib_manifest,
+        world_size=2,
+        num_workers=2,
+        max_seq_len=1024,
+        batch_size=16,
+        packing_buffer=64 if mode == "buffer" else 500,
+        seed=11,
+        mode=mode,
+    )
     assert_epoch_exact(open_corpus(stdlib_manifest, "train"), out, 1024, 16)
 
 
@@ -417,8 +449,11 @@ def reference_batches(corpus, *, max_seq_len, batch_size, packing_buffer, seed, 
     naive packers above (BFD per block of ``packing_buffer`` chunks, packs shuffled with the
     consumer's RNG), ``batch_size`` packs per microbatch, tokens read document by document."""
     order = np.random.default_rng([seed, epoch]).permutation(corpus.num_documents)[rank::world_size]
-    chunks = [(d, c.start, len(c.inputs)) for d in order.tolist()
-              for c in split_tokens(d, corpus.document(d), max_seq_len=max_seq_len)]
+    chunks = [
+        (d, c.start, len(c.inputs))
+        for d in order.tolist()
+        for c in split_tokens(d, corpus.document(d), max_seq_len=max_seq_len)
+    ]
     lens = [n for _, _, n in chunks]
     if mode == "buffer":
         packs = naive_buffer_packs(lens, max_seq_len, packing_buffer)
@@ -433,11 +468,17 @@ def reference_batches(corpus, *, max_seq_len, batch_size, packing_buffer, seed, 
         mb = packs[m : m + batch_size]
         segs = [chunks[i] for p in mb for i in p]
         rows = [corpus.document(d)[s : s + n + 1].astype(np.int64) for d, s, n in segs]
-        out.append({"input_ids": np.concatenate([r[:-1] for r in rows]), "targets": np.concatenate([r[1:] for r in rows]),
-                    "position_ids": np.concatenate([np.arange(n) for _, _, n in segs]),
-                    "cu_seqlens": np.cumsum([0] + [n for _, _, n in segs]),
-                    "pack_lengths": [sum(lens[i] for i in p) for p in mb],
-                    "max_seqlen": max(n for _, _, n in segs), "segments": np.array(segs, dtype=np.int64)})
+        out.append(
+            {
+                "input_ids": np.concatenate([r[:-1] for r in rows]),
+                "targets": np.concatenate([r[1:] for r in rows]),
+                "position_ids": np.concatenate([np.arange(n) for _, _, n in segs]),
+                "cu_seqlens": np.cumsum([0] + [n for _, _, n in segs]),
+                "pack_lengths": [sum(lens[i] for i in p) for p in mb],
+                "max_seqlen": max(n for _, _, n in segs),
+                "segments": np.array(segs, dtype=np.int64),
+            }
+        )
     return out
 
 
@@ -458,7 +499,7 @@ def crossing_chunks(corpus, max_seq_len) -> int:
     """Chunks whose tokens cross a shard end or a gap between file-contiguous HDF5 chunk runs
     (read apart from the others)."""
     doc, start, n = chunk_layout(corpus.doc_lengths, max_seq_len)
-    _, _, room = corpus._range_table().locate(np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start)
+    _, _, room = corpus.run_table().locate(np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start)
     return int(np.count_nonzero(n + 1 > room))
 
 
@@ -470,8 +511,16 @@ def test_batches_equal_a_reference_implementation_stdlib(stdlib_manifest, mode, 
     corpus = open_corpus(stdlib_manifest, "train")
     assert crossing_chunks(corpus, 1024) > 0
     for rank in range(2):
-        assert_equals_reference(corpus, max_seq_len=1024, batch_size=6, packing_buffer=packing_buffer, seed=7,
-                                mode=mode, rank=rank, world_size=2)
+        assert_equals_reference(
+            corpus,
+            max_seq_len=1024,
+            batch_size=6,
+            packing_buffer=packing_buffer,
+            seed=7,
+            mode=mode,
+            rank=rank,
+            world_size=2,
+        )
 
 
 def test_batches_equal_a_reference_implementation_dev_corpus(dev_manifest):
@@ -488,7 +537,7 @@ def test_only_chunks_that_span_two_runs_leave_the_memory_map(stdlib_manifest, mo
     located by its own position (also the later chunks of a long document that starts in an
     earlier run); only a chunk whose tokens really span two runs is read through Corpus.tokens."""
     corpus = open_corpus(stdlib_manifest, "train")
-    table = corpus._range_table()
+    table = corpus.run_table()
     doc, start, n = chunk_layout(corpus.doc_lengths, 512)
     pos = np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start
     first_run = table.locate(pos)[0]
@@ -588,7 +637,9 @@ def test_stateful_dataloader_resume_with_workers(stdlib_manifest):
     kw = dict(max_seq_len=2048, batch_size=4, packing_buffer=48, seed=4)
 
     def loader():
-        return StatefulDataLoader(BestFitDataset(open_corpus(stdlib_manifest, "train"), **kw), batch_size=None, num_workers=2)
+        return StatefulDataLoader(
+            BestFitDataset(open_corpus(stdlib_manifest, "train"), **kw), batch_size=None, num_workers=2
+        )
 
     ref = [own(b) for b in loader()]
     got, state = [], None

@@ -14,14 +14,16 @@ import h5py
 import numpy as np
 import pytest
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, oracle_stream
-from h5corpus.format import FormatError, TokenizerIdentity
-from h5corpus.manifest import Manifest, ShardEntry, read_manifest, write_manifest
-from h5corpus.reader import open_corpus, open_live
-from h5corpus.writer import ShardWriter
+from h5corpus.storage.format import FormatError, TokenizerIdentity
+from h5corpus.storage.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.storage.reader import open_corpus, open_live
+from h5corpus.storage.writer import ShardWriter
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, oracle_stream, stdlib_texts
 
 
-def random_ranges(n_tokens: int, shard_starts: np.ndarray, chunk: int, count: int, seed: int = 0) -> list[tuple[int, int]]:
+def random_ranges(
+    n_tokens: int, shard_starts: np.ndarray, chunk: int, count: int, seed: int = 0
+) -> list[tuple[int, int]]:
     """Ranges that start/end at and around chunk and shard boundaries, plus random ones."""
     rng = np.random.default_rng(seed)
     edges = sorted(set(shard_starts.tolist()) | set(range(0, n_tokens, chunk)))
@@ -43,8 +45,13 @@ def recompress(manifest: Path, root: Path, compression: str) -> Path:
     for s in m.shards:
         with h5py.File(m.shard_path(s), "r") as f:
             toks, offs, ids, flags = f["tokens"][:], f["doc_offsets"][:], f["doc_ids"][:], f["doc_flags"][:]
-        with ShardWriter(root / "shards" / s.path.split("/", 2)[-1], split=s.split, tokenizer=m.tokenizer,
-                         chunk_tokens=m.chunk_tokens, compression=compression) as w:
+        with ShardWriter(
+            root / "shards" / s.path.split("/", 2)[-1],
+            split=s.split,
+            tokenizer=m.tokenizer,
+            chunk_tokens=m.chunk_tokens,
+            compression=compression,
+        ) as w:
             w.add_documents(toks, np.diff(offs), ids, flags)
         out.shards.append(ShardEntry.from_info(w.info, mpath.parent))
     write_manifest(mpath, out)
@@ -52,6 +59,7 @@ def recompress(manifest: Path, root: Path, compression: str) -> Path:
 
 
 # -- the global stream ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("read_path", ["auto", "h5py"])
 def test_tokens_equal_concatenated_shards_across_chunk_and_shard_boundaries(stdlib_manifest, read_path):
@@ -140,6 +148,7 @@ def test_dev_corpus_gpt2_tokens_equal_stream_on_mmap_path(dev_manifest):
 
 # -- checks on open ---------------------------------------------------------------------------------
 
+
 def test_open_refuses_other_tokenizer_and_index_disagreeing_with_manifest(stdlib_manifest):
     """A different tokenizer identity, or a shard whose index disagrees with the manifest, is refused
     with an error naming the manifest or shard; out-of-range reads raise IndexError."""
@@ -172,6 +181,7 @@ def test_reads_while_the_caller_holds_a_shard_open_without_swmr(stdlib_manifest)
 
 
 # -- processes --------------------------------------------------------------------------------------
+
 
 def _child_read(corpus_bytes: bytes, ranges, q) -> None:
     c = pickle.loads(corpus_bytes)
@@ -215,8 +225,12 @@ def test_refresh_follows_shards_appended_to_the_manifest(stdlib_manifest, tmp_pa
     m = read_manifest(stdlib_manifest)
     texts = [t[::-1] for t in stdlib_texts(10)]  # new documents
     ids = byte_encode(texts)
-    with ShardWriter(stdlib_manifest.parent.parent / "shards" / "train" / "train-99999.h5", split="train",
-                     tokenizer=BYTE_IDENTITY, chunk_tokens=m.chunk_tokens) as w:
+    with ShardWriter(
+        stdlib_manifest.parent.parent / "shards" / "train" / "train-99999.h5",
+        split="train",
+        tokenizer=BYTE_IDENTITY,
+        chunk_tokens=m.chunk_tokens,
+    ) as w:
         for t, a in zip(texts, ids):
             w.add_document(np.append(a, 256), doc_id(t))
     m.shards.append(ShardEntry.from_info(w.info, stdlib_manifest.parent))
@@ -232,6 +246,7 @@ def test_refresh_follows_shards_appended_to_the_manifest(stdlib_manifest, tmp_pa
 
 
 # -- live reading -----------------------------------------------------------------------------------
+
 
 def _live_writer(path: str, source_manifest: str, chunk_tokens: int, max_docs: int, pause_s: float) -> None:
     """Write the first ``max_docs`` documents of ``source_manifest``'s train split to ``path``,

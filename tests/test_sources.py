@@ -11,16 +11,30 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from h5corpus.sources import (
-    BadRecord, SourceError, TaskReader, parse_hf_spec, plan_tasks, resolve_sources, stdlib_files,
+from h5corpus.build.sources import (
+    BadRecord,
+    SourceError,
+    TaskReader,
+    parse_hf_spec,
+    plan_tasks,
+    resolve_sources,
+    stdlib_files,
 )
 
 FINEWEB_REV = "9bb295ddab0e05d785b879661af7260fed5140fc"
-FINEWEB_SCHEMA = pa.schema([
-    ("text", pa.string()), ("id", pa.string()), ("dump", pa.string()), ("url", pa.string()),
-    ("date", pa.string()), ("file_path", pa.string()), ("language", pa.string()),
-    ("language_score", pa.float64()), ("token_count", pa.int64()),
-])
+FINEWEB_SCHEMA = pa.schema(
+    [
+        ("text", pa.string()),
+        ("id", pa.string()),
+        ("dump", pa.string()),
+        ("url", pa.string()),
+        ("date", pa.string()),
+        ("file_path", pa.string()),
+        ("language", pa.string()),
+        ("language_score", pa.float64()),
+        ("token_count", pa.int64()),
+    ]
+)
 
 
 def read_all(specs, *, task_bytes=1 << 30, text_field="text", **kw) -> list:
@@ -42,12 +56,20 @@ def write_jsonl(path: Path, texts, **extra) -> Path:
 
 def write_fineweb_parquet(path: Path, texts, row_group_size: int) -> Path:
     n = len(texts)
-    table = pa.table({
-        "text": texts, "id": [f"<urn:uuid:{i:08d}>" for i in range(n)], "dump": ["CC-MAIN-2024-10"] * n,
-        "url": [f"https://example.org/{i}" for i in range(n)], "date": ["2024-02-20T00:00:00Z"] * n,
-        "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n, "language": ["en"] * n,
-        "language_score": [0.9] * n, "token_count": [len(t) // 4 for t in texts],
-    }, schema=FINEWEB_SCHEMA)
+    table = pa.table(
+        {
+            "text": texts,
+            "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
+            "dump": ["CC-MAIN-2024-10"] * n,
+            "url": [f"https://example.org/{i}" for i in range(n)],
+            "date": ["2024-02-20T00:00:00Z"] * n,
+            "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n,
+            "language": ["en"] * n,
+            "language_score": [0.9] * n,
+            "token_count": [len(t) // 4 for t in texts],
+        },
+        schema=FINEWEB_SCHEMA,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, row_group_size=row_group_size)
     return path
@@ -74,7 +96,7 @@ def test_jsonl_block_reads_give_the_same_records_and_line_numbers(tmp_path, text
     """The JSONL reader splits lines out of fixed-size blocks: any block size (lines spanning many
     blocks, blank and CRLF lines, a last line without a newline, byte ranges) gives exactly the
     records, order and line numbers of whole-file reading."""
-    import h5corpus.sources as src
+    import h5corpus.build.sources as src
 
     rows = [json.dumps({"text": t}, ensure_ascii=False) for t in texts[:30]]
     rows[7] = '{"text": broken'
@@ -84,7 +106,9 @@ def test_jsonl_block_reads_give_the_same_records_and_line_numbers(tmp_path, text
     p.write_text("\n".join(rows), encoding="utf-8")  # no newline after the last line
     want = read_all([str(p)], task_bytes=2_000)
     assert [r.where for r in want if isinstance(r, BadRecord)] == [f"{p}:8"]
-    assert [r for r in want if not isinstance(r, BadRecord)] == [t for i, t in enumerate(texts[:30]) if i not in (7, 12)]
+    assert [r for r in want if not isinstance(r, BadRecord)] == [
+        t for i, t in enumerate(texts[:30]) if i not in (7, 12)
+    ]
     monkeypatch.setattr(src, "_JSONL_BLOCK", block)
     assert read_all([str(p)], task_bytes=2_000) == want
 
@@ -136,9 +160,9 @@ def test_bad_jsonl_records_name_file_and_line(tmp_path):
         b'{"text": "ok one"}',
         b'{"text": "bad \xff utf8"}',
         b'{"text": "unterminated',
-        b'',
-        b'   ',
-        b'[1, 2]',
+        b"",
+        b"   ",
+        b"[1, 2]",
         b'{"body": "no text field"}',
         b'{"text": 42}',
         b'{"text": null}',
@@ -197,7 +221,9 @@ def test_parquet_nulls_and_missing_columns_are_bad_rows(tmp_path):
     assert recs[0] == "a" and recs[2] == "c"
     assert isinstance(recs[1], BadRecord) and recs[1].where == f"{p} row 1"
     recs = read_all([str(p)], text_field="content")
-    assert [r.where for r in recs] == [f"{p} row {i}" for i in range(3)] and all(r.code == "missing_field" for r in recs)
+    assert [r.where for r in recs] == [f"{p} row {i}" for i in range(3)] and all(
+        r.code == "missing_field" for r in recs
+    )
 
 
 def test_a_million_character_document_streams_whole(tmp_path, stdlib_corpus_texts):
@@ -209,7 +235,10 @@ def test_a_million_character_document_streams_whole(tmp_path, stdlib_corpus_text
 
 def test_hf_spec_requires_a_pinned_commit():
     assert parse_hf_spec(f"hf://datasets/HuggingFaceFW/fineweb@{FINEWEB_REV}/sample/10BT") == (
-        "HuggingFaceFW/fineweb", FINEWEB_REV, "sample/10BT")
+        "HuggingFaceFW/fineweb",
+        FINEWEB_REV,
+        "sample/10BT",
+    )
     with pytest.raises(SourceError, match="pin the dataset to a commit"):
         parse_hf_spec("hf://datasets/HuggingFaceFW/fineweb@main/sample/10BT")
     with pytest.raises(SourceError, match="hf://datasets/ORG/NAME@REVISION/PATH"):
@@ -248,28 +277,57 @@ _TRICKY_JSONL_LINES = [
     b'{"text": "first", "text": "last wins", "x": 1}',
     b'{"text": 1, "text": "string last"}',
     b'{"text": "string first", "text": 2}',
-    b'{"text": "lone \\ud800 high"}', b'{"text": "lone \\udc00 low"}', b'{"text": "\\udc00\\ud800 reversed"}',
+    b'{"text": "lone \\ud800 high"}',
+    b'{"text": "lone \\udc00 low"}',
+    b'{"text": "\\udc00\\ud800 reversed"}',
     b'{"text": "pair \\ud83d\\ude00 ok"}',
-    b'{"text": "raw\ttab and \x01 and \x1f"}', b'{"text": "nul\\u0000escape"}',
+    b'{"text": "raw\ttab and \x01 and \x1f"}',
+    b'{"text": "nul\\u0000escape"}',
     b'{"text": "del\x7f and c1 \xc2\x85"}',
-    b'{"text": NaN}', b'{"text": Infinity}', b'{"text": -Infinity}', b'{"text": 1e999}',
-    b'{"text": 123456789012345678901234567890}', b'{"text": 18446744073709551616}', b'{"text": -9223372036854775809}',
-    b'{"text": "ok", "n": 123456789012345678901234567890}', b'{"text": "ok", "f": NaN}',
-    b'\xef\xbb\xbf{"text": "bom"}', b'{"text": "bad \xff byte"}', b'{"text": "surrogate \xed\xa0\x80 bytes"}',
-    b'{"text": "overlong \xc0\xaf"}', b'{"text": "beyond \xf4\x90\x80\x80"}', b'{"other": "\xff", "text": "ok"}',
-    b'{"text": "x"} trailing', b'{"text": "x"}\x00', b'{"text": "x",}', b"{'text': 'single'}", b'{"text": "x" /* c */}',
-    b'{"text": 01}', b'[{"text": "in a list"}]', b'"just a string"', b'null', b'42',
-    b'{"text": null}', b'{"text": true}', b'{"text": ["a"]}', b'{"text": {"a": 1}}', b'{"body": "no text field"}',
-    b'{"text": "escapes \\" \\\\ \\/ \\b \\f \\n \\r \\t \\u00e9 \\u65e5"}', b'{"text": "<|endoftext|>"}', b'{"text": ""}',
-    b' \t {"text": "padded"} \t ', b'{"text": "crlf"}\r', b'\x0c{"text": "form feed before"}',
+    b'{"text": NaN}',
+    b'{"text": Infinity}',
+    b'{"text": -Infinity}',
+    b'{"text": 1e999}',
+    b'{"text": 123456789012345678901234567890}',
+    b'{"text": 18446744073709551616}',
+    b'{"text": -9223372036854775809}',
+    b'{"text": "ok", "n": 123456789012345678901234567890}',
+    b'{"text": "ok", "f": NaN}',
+    b'\xef\xbb\xbf{"text": "bom"}',
+    b'{"text": "bad \xff byte"}',
+    b'{"text": "surrogate \xed\xa0\x80 bytes"}',
+    b'{"text": "overlong \xc0\xaf"}',
+    b'{"text": "beyond \xf4\x90\x80\x80"}',
+    b'{"other": "\xff", "text": "ok"}',
+    b'{"text": "x"} trailing',
+    b'{"text": "x"}\x00',
+    b'{"text": "x",}',
+    b"{'text': 'single'}",
+    b'{"text": "x" /* c */}',
+    b'{"text": 01}',
+    b'[{"text": "in a list"}]',
+    b'"just a string"',
+    b"null",
+    b"42",
+    b'{"text": null}',
+    b'{"text": true}',
+    b'{"text": ["a"]}',
+    b'{"text": {"a": 1}}',
+    b'{"body": "no text field"}',
+    b'{"text": "escapes \\" \\\\ \\/ \\b \\f \\n \\r \\t \\u00e9 \\u65e5"}',
+    b'{"text": "<|endoftext|>"}',
+    b'{"text": ""}',
+    b' \t {"text": "padded"} \t ',
+    b'{"text": "crlf"}\r',
+    b'\x0c{"text": "form feed before"}',
     b'{"text": "' + "ünïcödé 日本語 👍🏽".encode() + b'"}',
-    b'{"a": ' * 2000 + b'1' + b'}' * 2000,  # deeper than orjson's limit; the json module takes it
+    b'{"a": ' * 2000 + b"1" + b"}" * 2000,  # deeper than orjson's limit; the json module takes it
 ]
 
 
 def _records_both_ways(monkeypatch, specs, *, task_bytes=1 << 30) -> tuple[list, list]:
     """Every record, (text, utf8) or BadRecord, read with orjson and with the json module alone."""
-    import h5corpus.sources as src
+    import h5corpus.build.sources as src
 
     def records() -> list:
         tasks = plan_tasks(resolve_sources(specs), task_bytes=task_bytes)

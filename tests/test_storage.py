@@ -17,13 +17,13 @@ import h5py
 import numpy as np
 import pytest
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
-from h5corpus import format as fmt
-from h5corpus.format import FormatError
-from h5corpus.manifest import read_manifest
-from h5corpus.reader import open_corpus
-from h5corpus.validate import validate_corpus
-from h5corpus.writer import ShardWriter
+from h5corpus.storage import format as fmt
+from h5corpus.storage.format import FormatError
+from h5corpus.storage.manifest import read_manifest
+from h5corpus.storage.reader import open_corpus
+from h5corpus.storage.validate import validate_corpus
+from h5corpus.storage.writer import ShardWriter
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
 
 
 def independent_hashes(path: Path) -> tuple[str, str]:
@@ -37,6 +37,7 @@ def independent_hashes(path: Path) -> tuple[str, str]:
 
 
 # -- round trip ------------------------------------------------------------------------------------
+
 
 def test_round_trip_gpt2_dev_corpus_documents_and_boundaries_exact(dev_manifest, dev_texts, gpt2_encode):
     """Documents written and read back are identical, boundaries exact, ids = sha256(text)."""
@@ -114,6 +115,7 @@ def test_moving_shards_and_manifests_together_keeps_manifest_valid(stdlib_manife
 
 # -- writer contract --------------------------------------------------------------------------------
 
+
 def test_writer_refuses_eos_inside_document_and_missing_eos(tmp_path):
     w = ShardWriter(tmp_path / "s.h5", split="train", tokenizer=BYTE_IDENTITY, chunk_tokens=8)
     with pytest.raises(ValueError, match="inside"):
@@ -165,6 +167,7 @@ def test_reader_refuses_other_format_versions(stdlib_manifest):
 
 
 # -- validate: every corruption kind names the shard ------------------------------------------------
+
 
 def _shard_file(manifest: Path, k: int = 0) -> tuple[str, Path]:
     m = read_manifest(manifest)
@@ -257,7 +260,9 @@ def test_each_corruption_is_detected_and_names_the_shard(stdlib_manifest, corrup
 
 
 def test_cli_exit_codes_and_json(stdlib_manifest, tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "h5corpus", *a], capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "h5corpus", *a], capture_output=True, text=True)
+
     ok = run("validate", str(stdlib_manifest), "--json")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["ok"] is True
@@ -274,9 +279,9 @@ def test_cli_exit_codes_and_json(stdlib_manifest, tmp_path):
 _KILL_WRITER = r"""
 import sys, numpy as np
 sys.path.insert(0, sys.argv[3])
-from corpus_util import BYTE_IDENTITY, byte_encode, stdlib_texts
-from h5corpus.writer import ShardWriter
-from h5corpus.manifest import Manifest, ShardEntry, write_manifest
+from tests.helpers import BYTE_IDENTITY, byte_encode, stdlib_texts
+from h5corpus.storage.writer import ShardWriter
+from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
 from pathlib import Path
 out = Path(sys.argv[1]); n = int(sys.argv[2])
 w = ShardWriter(out / "shards" / "train-00000.h5", split="train", tokenizer=BYTE_IDENTITY, chunk_tokens=1024)
@@ -289,8 +294,11 @@ for i, ids in enumerate(byte_encode(stdlib_texts(400)) * 50):
 
 def test_killed_writer_leaves_nothing_that_looks_complete(tmp_path):
     """kill -9 mid-shard: no .h5 appears, only the .partial; the manifest is never half-written."""
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_WRITER, str(tmp_path), "300", str(Path(__file__).parent)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILL_WRITER, str(tmp_path), "300", str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -301,7 +309,7 @@ def test_killed_writer_leaves_nothing_that_looks_complete(tmp_path):
 
 def test_manifest_write_is_atomic(stdlib_manifest, monkeypatch):
     """A crash while writing the manifest leaves the previous one intact and no stray temp file."""
-    from h5corpus import manifest as mm
+    from h5corpus.storage import manifest as mm
 
     before = stdlib_manifest.read_bytes()
     m = read_manifest(stdlib_manifest)
@@ -380,12 +388,17 @@ def test_swmr_reader_sees_only_complete_documents_equal_to_final(tmp_path):
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
 def test_compressed_shards_validate_and_corruption_still_detected(tmp_path, compression):
     """Compressed shards take the h5py read path in validate; hashes are of the decoded tokens."""
-    from h5corpus.manifest import Manifest, ShardEntry, write_manifest
+    from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
 
     texts = stdlib_texts(60)
     m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096)
-    with ShardWriter(tmp_path / "shards" / "train-0.h5", split="train", tokenizer=BYTE_IDENTITY,
-                     chunk_tokens=4096, compression=compression) as w:
+    with ShardWriter(
+        tmp_path / "shards" / "train-0.h5",
+        split="train",
+        tokenizer=BYTE_IDENTITY,
+        chunk_tokens=4096,
+        compression=compression,
+    ) as w:
         for t, ids in zip(texts, byte_encode(texts)):
             w.add_document(np.append(ids, 256), doc_id(t))
     m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))

@@ -9,30 +9,19 @@ import shutil
 import numpy as np
 import pytest
 
-from h5corpus.tokenize import (
-    BYTES_REVISION, GPT2_REPO, GPT2_REVISION, BytesEncoder, TiktokenEncoder, TokenizerError,
-    byte_level_alphabet, bytes_tokenizer_json, fast_encoder, load_tokenizer, prove_same_ids,
+from h5corpus.build.tokenizer import (
+    BYTES_REVISION,
+    GPT2_REPO,
+    GPT2_REVISION,
+    BytesEncoder,
+    TiktokenEncoder,
+    TokenizerError,
+    bytes_tokenizer_json,
+    fast_encoder,
+    load_tokenizer,
+    prove_same_ids,
 )
-
-
-def _bpe_json(merges: list[tuple[str, str]], *, normalizer=None, pre_tokenizer=None) -> dict:
-    """A byte-level BPE tokenizer.json: the 256 byte symbols, then one id per merge, then EOS."""
-    alpha = byte_level_alphabet()
-    vocab = {alpha[b]: b for b in range(256)}
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    eos = len(vocab)
-    return {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": eos, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": True}],
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer or {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-        "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]},
-    }
+from tests.helpers import bpe_tokenizer_json
 
 
 def test_bytes_tokenizer_ids_are_utf8_bytes_with_eos_256():
@@ -89,7 +78,9 @@ def test_gpt2_spec_loads_the_pinned_revision_from_the_hf_cache(tmp_path, gpt2_js
 def test_gpt2_spec_not_cached_offline_is_a_clear_error(tmp_path, monkeypatch):
     """No silent fallback: an uncached `gpt2` offline names the revision and how to pass a path."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(TokenizerError, match=r"openai-community/gpt2@607a30d783df.*not in the Hugging Face cache.*--tokenizer"):
+    with pytest.raises(
+        TokenizerError, match=r"openai-community/gpt2@607a30d783df.*not in the Hugging Face cache.*--tokenizer"
+    ):
         load_tokenizer("gpt2", cache_dir=tmp_path)
 
 
@@ -100,7 +91,7 @@ def test_bad_specs_name_the_problem(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(TokenizerError, match="not valid JSON"):
         load_tokenizer(str(bad))
-    d = _bpe_json([])
+    d = bpe_tokenizer_json([])
     d["added_tokens"] = []
     bad.write_text(json.dumps(d))
     with pytest.raises(TokenizerError, match="no end-of-document token"):
@@ -121,9 +112,15 @@ def test_tiktoken_fast_path_equals_tokenizers_on_the_whole_dev_corpus(gpt2_json,
 def test_fast_path_refused_for_tokenizers_it_cannot_mirror(tmp_path):
     """Normalizers, prefix spaces and non-byte-level models have no fast path (tokenizers is used)."""
     for d, why in (
-        (_bpe_json([("a", "b")], normalizer={"type": "Lowercase"}), "normalizer"),
-        (_bpe_json([("a", "b")], pre_tokenizer={"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}), "prefix space"),
-        (_bpe_json([("b", "c"), ("a", "b")]), None),  # fine: merge order = id order
+        (bpe_tokenizer_json([("a", "b")], normalizer={"type": "Lowercase"}), "normalizer"),
+        (
+            bpe_tokenizer_json(
+                [("a", "b")],
+                pre_tokenizer={"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            ),
+            "prefix space",
+        ),
+        (bpe_tokenizer_json([("b", "c"), ("a", "b")]), None),  # fine: merge order = id order
     ):
         p = tmp_path / "tokenizer.json"
         p.write_text(json.dumps(d))
@@ -138,7 +135,7 @@ def test_proof_catches_a_plausible_fast_path_that_differs(tmp_path):
     """Merges a+b, b+c, a+bc: tokenizers gives [ab, c] for "abc", tiktoken's rank merging [abc].
     The structure looks eligible; only the proof on sample text can tell, and it does."""
     p = tmp_path / "tokenizer.json"
-    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("a", "bc")])))
+    p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("a", "bc")])))
     tok = load_tokenizer(str(p))
     fast, why = fast_encoder(tok)
     assert isinstance(fast, TiktokenEncoder), why
@@ -152,7 +149,7 @@ def test_proof_catches_a_plausible_fast_path_that_differs(tmp_path):
 def _abc_tokenizer(tmp_path):
     p = tmp_path / "abc" / "tokenizer.json"
     p.parent.mkdir(exist_ok=True)
-    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("a", "bc")])))
+    p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("a", "bc")])))
     return p
 
 
@@ -193,7 +190,7 @@ def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch)
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
     good = tmp_path / "good" / "tokenizer.json"
     good.parent.mkdir()
-    good.write_text(json.dumps(_bpe_json([("b", "c"), ("a", "b")])))  # "abc" -> [a, bc] in both encoders
+    good.write_text(json.dumps(bpe_tokenizer_json([("b", "c"), ("a", "b")])))  # "abc" -> [a, bc] in both encoders
     bad = _abc_tokenizer(tmp_path)
     texts = ["the abc song"]
     tg, tb = load_tokenizer(str(good)), load_tokenizer(str(bad))
@@ -206,12 +203,12 @@ def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch)
 def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, stdlib_corpus_texts):
     """The ranks cache (keyed by the JSON's sha256 and this module's source, payload hashed) gives
     the ranks the conversion gives; a damaged file is ignored and rewritten."""
-    from h5corpus import tokenize as tk
+    from h5corpus.build import tokenizer as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
     p = tmp_path / "tokenizer.json"
-    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
+    p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
     tok = load_tokenizer(str(p))
     sha = hashlib.sha256(p.read_bytes()).hexdigest()
     assert tk._load_ranks(sha) is None
@@ -237,12 +234,11 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
     """A second load of the same tokenizer JSON takes its identity (EOS id, vocabulary size) and the
     fast path's verdict from the facts cache without parsing the JSON, and gets the same identity
     and the same ids; a damaged or foreign facts file is ignored (the JSON is parsed again)."""
-    from h5corpus import tokenize as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
     p = tmp_path / "tokenizer.json"
-    p.write_text(json.dumps(_bpe_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
+    p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
     first = load_tokenizer(str(p))
     assert first._json is not None  # parsed
     fast1, why = fast_encoder(first)
@@ -266,7 +262,7 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
 
 def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
     """GPT-2's 50,257-entry vocabulary round-trips through the ranks cache exactly."""
-    from h5corpus import tokenize as tk
+    from h5corpus.build import tokenizer as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)

@@ -12,10 +12,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
-from h5corpus.manifest import Manifest, ShardEntry, read_manifest, write_manifest
-from h5corpus.validate import validate_corpus
-from h5corpus.writer import ShardWriter
+from h5corpus.storage.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.storage.validate import validate_corpus
+from h5corpus.storage.writer import ShardWriter
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
 
 
 def _edit_tokens_and_rehash(manifest: Path, k: int, edits: dict[int, int]) -> str:
@@ -59,8 +59,9 @@ def test_deep_scan_finds_what_only_a_buggy_writer_could_write(stdlib_manifest):
     assert validate_corpus(stdlib_manifest, workers=2).ok
     deep = validate_corpus(stdlib_manifest, workers=2, deep=True)
     assert {(f.shard, f.code) for f in deep.findings} == {(name, "range"), (name, "eos")}, deep.findings
-    cli = subprocess.run([sys.executable, "-m", "h5corpus", "validate", str(stdlib_manifest), "--deep"],
-                         capture_output=True, text=True)
+    cli = subprocess.run(
+        [sys.executable, "-m", "h5corpus", "validate", str(stdlib_manifest), "--deep"], capture_output=True, text=True
+    )
     assert cli.returncode == 1 and f"FAIL {name}: range" in cli.stderr, cli.stderr
 
 
@@ -73,7 +74,9 @@ def test_findings_do_not_depend_on_worker_count(stdlib_manifest):
     with h5py.File(m.shard_path(m.shards[2]), "r+") as f:
         f["doc_offsets"][4] += 1
     reports = [validate_corpus(stdlib_manifest, workers=w) for w in (1, 2, 3)]
-    assert reports[0].findings and all(r.findings == reports[0].findings for r in reports), [r.findings for r in reports]
+    assert reports[0].findings and all(r.findings == reports[0].findings for r in reports), [
+        r.findings for r in reports
+    ]
     assert reports[0].failing_shards == sorted({m.shards[0].path, m.shards[2].path})
 
 
@@ -83,8 +86,13 @@ def test_compressed_shards_validate_in_processes(tmp_path):
     texts = stdlib_texts(90)
     m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096)
     for k, part in enumerate((texts[0::3], texts[1::3], texts[2::3])):
-        with ShardWriter(tmp_path / "shards" / f"train-{k}.h5", split="train", tokenizer=BYTE_IDENTITY,
-                         chunk_tokens=4096, compression="gzip" if k < 2 else None) as w:
+        with ShardWriter(
+            tmp_path / "shards" / f"train-{k}.h5",
+            split="train",
+            tokenizer=BYTE_IDENTITY,
+            chunk_tokens=4096,
+            compression="gzip" if k < 2 else None,
+        ) as w:
             for t, ids in zip(part, byte_encode(part)):
                 w.add_document(np.append(ids, 256), doc_id(t))
         m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))

@@ -10,16 +10,15 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-
-from corpus_util import oracle_stream
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from h5corpus.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches
-from h5corpus.partition import Consumer
-from h5corpus.reader import open_corpus
-from h5corpus.window import SlidingWindowDataset
+from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches
+from h5corpus.loaders.partition import Consumer
+from h5corpus.loaders.window import SlidingWindowDataset
+from h5corpus.storage.reader import open_corpus
+from tests.helpers import oracle_stream
 
 
 def oracle_stream_i64(manifest: Path, split: str = "train"):
@@ -52,8 +51,9 @@ def stream_keys(toks: np.ndarray, starts: np.ndarray, seq_len: int) -> Counter:
     return Counter(window_key(toks[a : a + seq_len], int(toks[a + seq_len])) for a in starts.tolist())
 
 
-def check_batch_against_stream(batch: VarlenBatch, starts: np.ndarray, toks: np.ndarray, offs: np.ndarray,
-                               seq_len: int, document_mask: bool) -> None:
+def check_batch_against_stream(
+    batch: VarlenBatch, starts: np.ndarray, toks: np.ndarray, offs: np.ndarray, seq_len: int, document_mask: bool
+) -> None:
     """The batch holds exactly the windows at ``starts``: inputs/targets are stream slices, and with
     document masking segments/positions/ignored targets follow the document boundaries."""
     batch.check()
@@ -84,6 +84,7 @@ def check_batch_against_stream(batch: VarlenBatch, starts: np.ndarray, toks: np.
 
 
 # -- windows are slices of the stream --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("document_mask", [False, True])
 @pytest.mark.parametrize("mode", ["epoch", "random"])
@@ -153,6 +154,7 @@ def test_dev_corpus_gpt2_windows_equal_stream_slices(dev_manifest):
 
 # -- order and determinism ---------------------------------------------------------------------------
 
+
 def test_same_seed_same_batches_other_seed_or_epoch_same_windows_other_order(stdlib_manifest):
     """Order is a pure function of (seed, epoch): two datasets with one seed yield identical batches;
     another seed or another epoch yields the same windows in a different order."""
@@ -177,6 +179,7 @@ def test_same_seed_same_batches_other_seed_or_epoch_same_windows_other_order(std
 
 
 # -- consumers -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_two_ranks_by_two_workers_disjoint_union_is_the_epoch(stdlib_manifest, drop_last):
@@ -233,8 +236,11 @@ def test_spawned_workers_yield_the_same_windows_as_in_process(stdlib_manifest):
     ds = SlidingWindowDataset(c, L, batch_size=8, seed=2, document_mask=True)
 
     def windows(batches):  # (inputs, targets) of every window, whatever the batch grouping
-        return Counter(bytes(i) + bytes(t) for b in batches for i, t in
-                       zip(b.input_ids.numpy().reshape(-1, L), b.targets.numpy().reshape(-1, L)))
+        return Counter(
+            bytes(i) + bytes(t)
+            for b in batches
+            for i, t in zip(b.input_ids.numpy().reshape(-1, L), b.targets.numpy().reshape(-1, L))
+        )
 
     here = windows(ds)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
@@ -246,6 +252,7 @@ def test_spawned_workers_yield_the_same_windows_as_in_process(stdlib_manifest):
 
 
 # -- resume --------------------------------------------------------------------------------------------
+
 
 def _resume_in_steps(make, steps: list[int]) -> list[bytes]:
     """Iterate ``steps[0]`` batches, checkpoint, rebuild, resume, ... then run to the end."""
@@ -287,8 +294,11 @@ def test_resume_refuses_other_corpus_seed_seq_len_or_consumer(stdlib_manifest):
     ds = SlidingWindowDataset(c, 512, seed=1)
     next(iter(ds))
     st = ds.state_dict()
-    for other in (SlidingWindowDataset(c, 512, seed=2), SlidingWindowDataset(c, 256, seed=1),
-                  SlidingWindowDataset(v, 512, seed=1)):
+    for other in (
+        SlidingWindowDataset(c, 512, seed=2),
+        SlidingWindowDataset(c, 256, seed=1),
+        SlidingWindowDataset(v, 512, seed=1),
+    ):
         with pytest.raises(ValueError, match="cannot resume"):
             other.load_state_dict(st)
     ranked = SlidingWindowDataset(c, 512, seed=1, rank=1, world_size=2)
@@ -343,6 +353,7 @@ def test_stateful_dataloader_resumes_three_times_exactly(dev_manifest, num_worke
 
 # -- batches and collation -------------------------------------------------------------------------
 
+
 def test_collate_varlen_concatenates_dataset_items_into_one_valid_batch(stdlib_manifest):
     """DataLoader(batch_size=2, collate_fn=collate_varlen) joins two VarlenBatches end to end:
     contents, segments and invariants preserved; batch_size=None passes batches through."""
@@ -364,8 +375,12 @@ def test_collate_varlen_concatenates_dataset_items_into_one_valid_batch(stdlib_m
 def test_dataset_argument_checks(stdlib_manifest):
     """Bad arguments are refused with the reason."""
     c = open_corpus(stdlib_manifest, "train")
-    for kw, msg in ((dict(seq_len=0), "seq_len"), (dict(seq_len=8, batch_size=0), "batch_size"),
-                    (dict(seq_len=8, mode="shuffle"), "mode"), (dict(seq_len=8, windows_per_epoch=5), "windows_per_epoch")):
+    for kw, msg in (
+        (dict(seq_len=0), "seq_len"),
+        (dict(seq_len=8, batch_size=0), "batch_size"),
+        (dict(seq_len=8, mode="shuffle"), "mode"),
+        (dict(seq_len=8, windows_per_epoch=5), "windows_per_epoch"),
+    ):
         with pytest.raises(ValueError, match=msg):
             SlidingWindowDataset(c, **kw)
     assert list(SlidingWindowDataset(c, c.num_tokens + 5)) == []

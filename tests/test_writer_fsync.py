@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from corpus_util import BYTE_IDENTITY, byte_encode, doc_id
-from h5corpus.validate import validate_corpus
-from h5corpus.writer import PARTIAL_SUFFIX, ShardWriter, fsync_files
+from h5corpus.storage.validate import validate_corpus
+from h5corpus.storage.writer import PARTIAL_SUFFIX, ShardWriter, fsync_files
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id
 
 
 def _write(path, texts, monkeypatch, **kw) -> tuple[object, int]:
@@ -39,10 +39,17 @@ def test_fsync_false_writes_the_same_bytes_without_fsync(tmp_path, monkeypatch, 
 def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib_corpus_texts):
     """fsync_files: one fsync per file, then one per distinct folder unless dirs=False (for files
     written with fsync=False, e.g. before a manifest lists them); the shards stay valid."""
-    from h5corpus.manifest import Manifest, ShardEntry, write_manifest
+    from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
 
-    infos = [_write(tmp_path / "s" / split / f"{split}-{i:05d}.h5", stdlib_corpus_texts[i * 5:(i + 1) * 5], monkeypatch,
-                    fsync=False)[0] for i, split in enumerate(["train", "train", "validation"])]
+    infos = [
+        _write(
+            tmp_path / "s" / split / f"{split}-{i:05d}.h5",
+            stdlib_corpus_texts[i * 5 : (i + 1) * 5],
+            monkeypatch,
+            fsync=False,
+        )[0]
+        for i, split in enumerate(["train", "train", "validation"])
+    ]
     calls = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
@@ -51,7 +58,11 @@ def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib
     calls.clear()
     assert len(fsync_files((i.path for i in infos), dirs=False)) == 2 and len(calls) == 3
     monkeypatch.undo()
-    m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096,
-                 shards=[ShardEntry.from_info(i, tmp_path) for i in infos])
+    m = Manifest(
+        tokenizer=BYTE_IDENTITY,
+        dtype="uint16",
+        chunk_tokens=4096,
+        shards=[ShardEntry.from_info(i, tmp_path) for i in infos],
+    )
     write_manifest(tmp_path / "shards.json", m)
     assert validate_corpus(tmp_path / "shards.json").ok

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from . import format as fmt
 from .format import FormatError, TokenizerIdentity
@@ -42,22 +43,31 @@ class ShardEntry:
         return {k: getattr(self, k) for k in _SHARD_KEYS}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], where: str) -> "ShardEntry":
+    def from_json(cls, d: Mapping[str, Any], where: str) -> ShardEntry:
         missing = [k for k in _SHARD_KEYS if k not in d]
         if missing:
             raise FormatError(f"{where}: shard entry {d.get('path', '?')!r} lacks keys {missing}")
         return cls(
-            path=str(d["path"]), split=str(d["split"]), tokens=int(d["tokens"]),
-            documents=int(d["documents"]), sha256=str(d["sha256"]),
-            index_sha256=str(d["index_sha256"]), bytes=int(d["bytes"]),
+            path=str(d["path"]),
+            split=str(d["split"]),
+            tokens=int(d["tokens"]),
+            documents=int(d["documents"]),
+            sha256=str(d["sha256"]),
+            index_sha256=str(d["index_sha256"]),
+            bytes=int(d["bytes"]),
         )
 
     @classmethod
-    def from_info(cls, info: ShardInfo, manifest_dir: Path) -> "ShardEntry":
+    def from_info(cls, info: ShardInfo, manifest_dir: Path) -> ShardEntry:
         rel = Path(os.path.relpath(info.path, manifest_dir.absolute())).as_posix()
         return cls(
-            path=rel, split=info.split, tokens=info.tokens, documents=info.documents,
-            sha256=info.sha256, index_sha256=info.index_sha256, bytes=info.bytes,
+            path=rel,
+            split=info.split,
+            tokens=info.tokens,
+            documents=info.documents,
+            sha256=info.sha256,
+            index_sha256=info.index_sha256,
+            bytes=info.bytes,
         )
 
 
@@ -95,19 +105,21 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.extra)
-        d.update({
-            "format": fmt.FORMAT_NAME,
-            "version": fmt.FORMAT_VERSION,
-            "tokenizer": self.tokenizer.to_json(),
-            "dtype": self.dtype,
-            "chunk_tokens": int(self.chunk_tokens),
-            "shards": [s.to_json() for s in self.shards],
-            "splits": self.splits,
-        })
+        d.update(
+            {
+                "format": fmt.FORMAT_NAME,
+                "version": fmt.FORMAT_VERSION,
+                "tokenizer": self.tokenizer.to_json(),
+                "dtype": self.dtype,
+                "chunk_tokens": int(self.chunk_tokens),
+                "shards": [s.to_json() for s in self.shards],
+                "splits": self.splits,
+            }
+        )
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], where: str) -> "Manifest":
+    def from_json(cls, d: Mapping[str, Any], where: str) -> Manifest:
         if not isinstance(d, Mapping):
             raise FormatError(f"{where}: manifest is not a JSON object")
         if d.get("format") != fmt.FORMAT_NAME:

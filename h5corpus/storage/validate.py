@@ -250,7 +250,9 @@ def _check_shard(
         return bad("missing", f"shard file not found at {p}")
     size = p.stat().st_size
     if size != entry.bytes:
-        out.append(Finding(name, "size", f"file is {size:,} bytes, manifest says {entry.bytes:,} (truncated or replaced?)"))
+        out.append(
+            Finding(name, "size", f"file is {size:,} bytes, manifest says {entry.bytes:,} (truncated or replaced?)")
+        )
     try:
         f = h5py.File(p, "r")
     except OSError as e:
@@ -261,8 +263,12 @@ def _check_shard(
         except FormatError as e:
             return bad("format", str(e).split(": ", 1)[-1])
         for key, want in (
-            ("split", entry.split), ("dtype", expect.dtype), ("chunk_tokens", expect.chunk_tokens),
-            ("eos_id", expect.eos_id), ("vocab_size", expect.vocab_size), ("tokenizer_sha256", expect.tokenizer_sha256),
+            ("split", entry.split),
+            ("dtype", expect.dtype),
+            ("chunk_tokens", expect.chunk_tokens),
+            ("eos_id", expect.eos_id),
+            ("vocab_size", expect.vocab_size),
+            ("tokenizer_sha256", expect.tokenizer_sha256),
         ):
             if attrs[key] != want:
                 out.append(Finding(name, "attrs", f"attribute {key} = {attrs[key]!r}, manifest says {want!r}"))
@@ -273,12 +279,16 @@ def _check_shard(
         try:
             tokens = dsets[fmt.TOKENS]
             if tokens.dtype != np.dtype(expect.dtype) or tokens.ndim != 1:
-                return bad("tokens", f"/tokens is {tokens.dtype} with shape {tokens.shape}, expected 1-D {expect.dtype}")
+                return bad(
+                    "tokens", f"/tokens is {tokens.dtype} with shape {tokens.shape}, expected 1-D {expect.dtype}"
+                )
             n = tokens.shape[0]
             if n != entry.tokens:
                 out.append(Finding(name, "tokens", f"/tokens holds {n:,} tokens, manifest says {entry.tokens:,}"))
             if tokens.chunks != (expect.chunk_tokens,):
-                out.append(Finding(name, "tokens", f"/tokens chunks {tokens.chunks}, expected ({expect.chunk_tokens},)"))
+                out.append(
+                    Finding(name, "tokens", f"/tokens chunks {tokens.chunks}, expected ({expect.chunk_tokens},)")
+                )
             if defer_filtered and tokens.id.get_create_plist().get_nfilters():
                 return None
             offsets = scratch.read(dsets[fmt.DOC_OFFSETS])
@@ -288,9 +298,19 @@ def _check_shard(
             if offsets.dtype != np.dtype("int64"):
                 out.append(Finding(name, "offsets", f"/doc_offsets is {offsets.dtype}, expected int64"))
             if docs != entry.documents:
-                out.append(Finding(name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}"))
+                out.append(
+                    Finding(
+                        name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}"
+                    )
+                )
             if ids.shape != (max(docs, 0), fmt.DOC_ID_BYTES) or flags.shape != (max(docs, 0),):
-                out.append(Finding(name, "index", f"/doc_ids {ids.shape} or /doc_flags {flags.shape} do not match {docs:,} documents"))
+                out.append(
+                    Finding(
+                        name,
+                        "index",
+                        f"/doc_ids {ids.shape} or /doc_flags {flags.shape} do not match {docs:,} documents",
+                    )
+                )
             offsets_ok = offsets.dtype == np.dtype("int64")
             if offsets.size == 0 or offsets[0] != 0:
                 out.append(Finding(name, "offsets", "/doc_offsets does not start at 0"))
@@ -299,13 +319,25 @@ def _check_shard(
                 down = offsets[1:] < offsets[:-1]
                 if down.any():
                     i = int(np.argmax(down))
-                    out.append(Finding(name, "offsets", f"/doc_offsets decreases at document {i:,} ({offsets[i]:,} -> {offsets[i + 1]:,})"))
+                    out.append(
+                        Finding(
+                            name,
+                            "offsets",
+                            f"/doc_offsets decreases at document {i:,} ({offsets[i]:,} -> {offsets[i + 1]:,})",
+                        )
+                    )
                     offsets_ok = False
                 if offsets[-1] != n:
-                    out.append(Finding(name, "offsets", f"/doc_offsets ends at {int(offsets[-1]):,}, but /tokens holds {n:,}"))
+                    out.append(
+                        Finding(name, "offsets", f"/doc_offsets ends at {int(offsets[-1]):,}, but /tokens holds {n:,}")
+                    )
                     offsets_ok = False
             if fmt.index_sha256(offsets, ids, flags) != entry.index_sha256:
-                out.append(Finding(name, "index_sha256", "index hash (doc_offsets, doc_ids, doc_flags) differs from the manifest"))
+                out.append(
+                    Finding(
+                        name, "index_sha256", "index hash (doc_offsets, doc_ids, doc_flags) differs from the manifest"
+                    )
+                )
             structure_ok = offsets_ok and ids.shape[0] == docs and flags.shape == (docs,)
             ends = np.zeros(0, dtype=np.int64)
             if structure_ok and docs > 0:
@@ -318,14 +350,26 @@ def _check_shard(
         except (OSError, KeyError, ValueError) as e:
             return bad("unreadable", f"read failed ({e})")
         if scan.sha256 != entry.sha256:
-            out.append(Finding(name, "sha256", f"token hash {scan.sha256[:16]}... differs from the manifest's {entry.sha256[:16]}..."))
+            out.append(
+                Finding(
+                    name,
+                    "sha256",
+                    f"token hash {scan.sha256[:16]}... differs from the manifest's {entry.sha256[:16]}...",
+                )
+            )
         if scan.max_id is not None and scan.max_id >= expect.vocab_size:
             out.append(Finding(name, "range", f"token id {scan.max_id} >= vocab_size {expect.vocab_size}"))
         if structure_ok:
             if scan.bad_ends:
                 doc = int(np.searchsorted(offsets, scan.first_bad_end, side="right")) - 1
-                out.append(Finding(name, "eos", f"{scan.bad_ends:,} documents do not end with EOS {expect.eos_id} "
-                                                f"(first: document {doc:,}, token {scan.first_bad_end:,})"))
+                out.append(
+                    Finding(
+                        name,
+                        "eos",
+                        f"{scan.bad_ends:,} documents do not end with EOS {expect.eos_id} "
+                        f"(first: document {doc:,}, token {scan.first_bad_end:,})",
+                    )
+                )
             elif scan.eos_count is not None and scan.eos_count != ends.size:
                 out.append(Finding(name, "eos", f"{scan.eos_count - ends.size:,} EOS ids inside documents"))
     return out, n * np.dtype(expect.dtype).itemsize
@@ -387,17 +431,26 @@ def validate_corpus(
         if isinstance(fig, dict) and "tokens" in fig:
             have = sum(s.tokens for s in m.shards_of(split))
             if int(fig["tokens"]) != have:
-                report.findings.append(Finding(None, "manifest", f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}"))
+                report.findings.append(
+                    Finding(None, "manifest", f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}")
+                )
     for p in unlisted_shard_files(m):
-        report.findings.append(Finding(os.path.relpath(p, m.root), "unlisted", "shard file present but not listed in the manifest"))
+        report.findings.append(
+            Finding(os.path.relpath(p, m.root), "unlisted", "shard file present but not listed in the manifest")
+        )
     for s in m.shards:
         pp = m.shard_path(s)
         partial = pp.with_name(pp.name + PARTIAL_SUFFIX)
         if partial.exists():
-            report.findings.append(Finding(s.path, "partial", f"an unfinished write is lying beside it ({partial.name})"))
+            report.findings.append(
+                Finding(s.path, "partial", f"an unfinished write is lying beside it ({partial.name})")
+            )
     expect = _Expect(
-        dtype=m.dtype, chunk_tokens=m.chunk_tokens, eos_id=m.tokenizer.eos_id,
-        vocab_size=m.tokenizer.vocab_size, tokenizer_sha256=m.tokenizer.sha256,
+        dtype=m.dtype,
+        chunk_tokens=m.chunk_tokens,
+        eos_id=m.tokenizer.eos_id,
+        vocab_size=m.tokenizer.vocab_size,
+        tokenizer_sha256=m.tokenizer.sha256,
     )
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize

@@ -39,14 +39,15 @@ next batch without reading the skipped ones.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 from torch.utils.data import IterableDataset
 
+from ..storage.reader import Corpus
 from .batch import VarlenBatch, alloc_compact
 from .partition import Consumer, current_consumer
-from .reader import Corpus
 
 Mode = Literal["epoch", "random"]
 MODES = ("epoch", "random")
@@ -234,7 +235,11 @@ class SlidingWindowDataset(IterableDataset):
         num_windows, epoch, consumer: [index, count] or None, windows_done}``. JSON-serializable."""
         d = self._identity()
         if self._resume is not None:
-            d.update(epoch=self._resume["epoch"], consumer=self._resume["consumer"], windows_done=self._resume["windows_done"])
+            d.update(
+                epoch=self._resume["epoch"],
+                consumer=self._resume["consumer"],
+                windows_done=self._resume["windows_done"],
+            )
         elif self._progress is not None:
             d.update(self._progress)
         else:
@@ -250,7 +255,11 @@ class SlidingWindowDataset(IterableDataset):
             raise ValueError("cannot resume SlidingWindowDataset: " + "; ".join(bad))
         self.epoch = int(state["epoch"])
         self._progress = None
-        self._resume = {"epoch": self.epoch, "consumer": state.get("consumer"), "windows_done": int(state["windows_done"])}
+        self._resume = {
+            "epoch": self.epoch,
+            "consumer": state.get("consumer"),
+            "windows_done": int(state["windows_done"]),
+        }
 
     # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[VarlenBatch]:
@@ -363,5 +372,7 @@ class SlidingWindowDataset(IterableDataset):
         return d
 
     def __repr__(self) -> str:
-        return (f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
-                f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})")
+        return (
+            f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
+            f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})"
+        )

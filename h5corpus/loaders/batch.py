@@ -45,7 +45,8 @@ alone. Materializing needs no host-device synchronization (every size is known o
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,9 @@ _CPU_NUMPY = True
 _UNSIGNED_VIEW_DEVICES = ("cpu",)
 
 
-def _layout(rows: int, stored: int, storage: torch.dtype, segments: int | None, packs: int, ignored: int) -> tuple[Layout, int]:
+def _layout(
+    rows: int, stored: int, storage: torch.dtype, segments: int | None, packs: int, ignored: int
+) -> tuple[Layout, int]:
     """Byte layout of a compact buffer (8-byte aligned entries; ``segments=None``: ``cu_seqlens``
     is ``row_cu`` itself). Returns (layout, total bytes); cached per shape."""
     key = (rows, stored, storage, segments, packs, ignored)
@@ -87,9 +90,13 @@ def _layout(rows: int, stored: int, storage: torch.dtype, segments: int | None, 
     if hit is not None:
         return hit
     entries, off = [], 0
-    for name, dt, n in (("ignore", torch.int64, ignored), ("row_cu", torch.int32, rows + 1),
-                        ("cu_seqlens", torch.int32, None if segments is None else segments + 1),
-                        ("pack_lengths", torch.int32, packs), ("tokens", storage, stored)):
+    for name, dt, n in (
+        ("ignore", torch.int64, ignored),
+        ("row_cu", torch.int32, rows + 1),
+        ("cu_seqlens", torch.int32, None if segments is None else segments + 1),
+        ("pack_lengths", torch.int32, packs),
+        ("tokens", storage, stored),
+    ):
         if n is None:  # alias of row_cu
             entries.append((name, dt, entries[-1][2], rows + 1))
             continue
@@ -123,16 +130,18 @@ class CompactParts:
         self.pack_lengths = a[pk[2] : pk[2] + 4 * pk[3]].view(np.int32)
         self.tokens = a[tk[2] : tk[2] + token_view.itemsize * tk[3]].view(token_view)
 
-    def batch(self, max_seqlen: int, row_len: int = 0) -> "VarlenBatch":
+    def batch(self, max_seqlen: int, row_len: int = 0) -> VarlenBatch:
         """The filled buffer as a compact batch. ``row_len``: the common input count of every row
         (0 if rows differ; a hint that lets materialization use reshapes instead of an index)."""
         seg_rows = self.layout[2][2] == self.layout[1][2]  # cu_seqlens aliases row_cu
-        return VarlenBatch._compact(torch.from_numpy(self.buf), self.layout, self.num_tokens, self.rows,
-                                    int(max_seqlen), int(row_len), seg_rows)
+        return VarlenBatch._compact(
+            torch.from_numpy(self.buf), self.layout, self.num_tokens, self.rows, int(max_seqlen), int(row_len), seg_rows
+        )
 
 
-def alloc_compact(rows: int, num_tokens: int, token_dtype: Any, *, packs: int, segments: int | None = None,
-                  ignored: int = 0) -> CompactParts:
+def alloc_compact(
+    rows: int, num_tokens: int, token_dtype: Any, *, packs: int, segments: int | None = None, ignored: int = 0
+) -> CompactParts:
     """Allocate one compact batch of ``rows`` rows holding ``num_tokens`` inputs in total (so
     ``num_tokens + rows`` stored tokens), ``packs`` packs, ``segments`` segments (None: the rows are
     the segments and ``cu_seqlens`` is ``row_cu``) and ``ignored`` ignored targets.
@@ -196,11 +205,23 @@ class VarlenBatch:
 
     __slots__ = ("max_seqlen", "_own", "_lazy", "_buf", "_layout", "_T", "_R", "_row_len", "_seg_rows")
 
-    def __init__(self, input_ids: torch.Tensor, targets: torch.Tensor, position_ids: torch.Tensor,
-                 cu_seqlens: torch.Tensor, max_seqlen: int, pack_lengths: torch.Tensor) -> None:
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        pack_lengths: torch.Tensor,
+    ) -> None:
         self.max_seqlen = max_seqlen
-        self._own: dict[str, torch.Tensor] = {"input_ids": input_ids, "targets": targets, "position_ids": position_ids,
-                                              "cu_seqlens": cu_seqlens, "pack_lengths": pack_lengths}
+        self._own: dict[str, torch.Tensor] = {
+            "input_ids": input_ids,
+            "targets": targets,
+            "position_ids": position_ids,
+            "cu_seqlens": cu_seqlens,
+            "pack_lengths": pack_lengths,
+        }
         self._lazy: dict[str, torch.Tensor] = {}
         self._buf: torch.Tensor | None = None
         self._layout: Layout = ()
@@ -209,8 +230,9 @@ class VarlenBatch:
 
     # -- compact construction ---------------------------------------------------------------------
     @classmethod
-    def _compact(cls, buf: torch.Tensor, layout: Layout, T: int, R: int, max_seqlen: int, row_len: int,
-                 seg_rows: bool) -> "VarlenBatch":
+    def _compact(
+        cls, buf: torch.Tensor, layout: Layout, T: int, R: int, max_seqlen: int, row_len: int, seg_rows: bool
+    ) -> VarlenBatch:
         self = cls.__new__(cls)
         self.max_seqlen = max_seqlen
         self._own, self._lazy = {}, {}
@@ -219,8 +241,15 @@ class VarlenBatch:
         return self
 
     @classmethod
-    def from_compact(cls, tokens: Any, row_cu: Any, cu_seqlens: Any = None, max_seqlen: int | None = None,
-                     pack_lengths: Any = None, ignore: Any = None) -> "VarlenBatch":
+    def from_compact(
+        cls,
+        tokens: Any,
+        row_cu: Any,
+        cu_seqlens: Any = None,
+        max_seqlen: int | None = None,
+        pack_lengths: Any = None,
+        ignore: Any = None,
+    ) -> VarlenBatch:
         """A compact batch from its parts (tensors or numpy arrays; copied into one buffer on the
         device of ``tokens``). Defaults: ``cu_seqlens = row_cu`` (rows are the segments),
         ``max_seqlen`` = longest segment, ``pack_lengths`` = one pack per row, ``ignore`` = none.
@@ -236,7 +265,9 @@ class VarlenBatch:
         if T >= 2**31:
             raise ValueError(f"batch of {T:,} inputs is too large for int32 row_cu/cu_seqlens")
         if tok.numel() != T + R:
-            raise ValueError(f"tokens hold {tok.numel():,} ids; {R} rows of {T:,} inputs need {T + R:,} (one lookahead per row)")
+            raise ValueError(
+                f"tokens hold {tok.numel():,} ids; {R} rows of {T:,} inputs need {T + R:,} (one lookahead per row)"
+            )
         row_lens = np.diff(rc)
         row_len = int(row_lens[0]) if R and (row_lens == row_lens[0]).all() else 0
         seg_rows = cu_seqlens is None
@@ -255,18 +286,44 @@ class VarlenBatch:
         if ig_host.size and (ig_host.min() < 0 or ig_host.max() >= T or np.unique(ig_host).size != ig_host.size):
             raise ValueError(f"ignore must hold distinct input indices in [0, {T:,})")
         ig = ig.to(dev, torch.int64)
-        return cls._assemble(tok, torch.from_numpy(rc.astype(np.int32)).to(dev),
-                             None if seg_rows else torch.from_numpy(cu.astype(np.int32)).to(dev),
-                             pk, ig, T, R, int(max_seqlen), row_len)
+        return cls._assemble(
+            tok,
+            torch.from_numpy(rc.astype(np.int32)).to(dev),
+            None if seg_rows else torch.from_numpy(cu.astype(np.int32)).to(dev),
+            pk,
+            ig,
+            T,
+            R,
+            int(max_seqlen),
+            row_len,
+        )
 
     @classmethod
-    def _assemble(cls, tok: torch.Tensor, row_cu: torch.Tensor, cu: torch.Tensor | None, packs: torch.Tensor,
-                  ignore: torch.Tensor, T: int, R: int, max_seqlen: int, row_len: int) -> "VarlenBatch":
+    def _assemble(
+        cls,
+        tok: torch.Tensor,
+        row_cu: torch.Tensor,
+        cu: torch.Tensor | None,
+        packs: torch.Tensor,
+        ignore: torch.Tensor,
+        T: int,
+        R: int,
+        max_seqlen: int,
+        row_len: int,
+    ) -> VarlenBatch:
         """Copy compact parts (tensors on one device, storage dtypes) into one fresh buffer there."""
-        layout, nbytes = _layout(R, T + R, tok.dtype, None if cu is None else cu.numel() - 1, packs.numel(), ignore.numel())
+        layout, nbytes = _layout(
+            R, T + R, tok.dtype, None if cu is None else cu.numel() - 1, packs.numel(), ignore.numel()
+        )
         buf = torch.empty(nbytes, dtype=torch.uint8, device=tok.device)
         b = cls._compact(buf, layout, T, R, max_seqlen, row_len, cu is None)
-        for name, src in (("tokens", tok), ("row_cu", row_cu), ("cu_seqlens", cu), ("pack_lengths", packs), ("ignore", ignore)):
+        for name, src in (
+            ("tokens", tok),
+            ("row_cu", row_cu),
+            ("cu_seqlens", cu),
+            ("pack_lengths", packs),
+            ("ignore", ignore),
+        ):
             if src is not None and src.numel():
                 b._view(name).copy_(src.reshape(-1))
         return b
@@ -326,16 +383,31 @@ class VarlenBatch:
         if name == "cu_seqlens":
             self._seg_rows = False
 
-    input_ids = property(lambda self: self._field("input_ids"), lambda self, v: self._set("input_ids", v),
-                         doc="(T,) int64 token ids the model reads.")
-    targets = property(lambda self: self._field("targets"), lambda self, v: self._set("targets", v),
-                       doc="(T,) int64 next-token ids, IGNORE_INDEX where no in-document target exists.")
-    position_ids = property(lambda self: self._field("position_ids"), lambda self, v: self._set("position_ids", v),
-                            doc="(T,) int64 positions, restarting at 0 per segment.")
-    cu_seqlens = property(lambda self: self._field("cu_seqlens"), lambda self, v: self._set("cu_seqlens", v),
-                          doc="(segments + 1,) int32 cumulative segment lengths with a leading 0.")
-    pack_lengths = property(lambda self: self._field("pack_lengths"), lambda self, v: self._set("pack_lengths", v),
-                            doc="(packs,) int32 real tokens per pack (logical row).")
+    input_ids = property(
+        lambda self: self._field("input_ids"),
+        lambda self, v: self._set("input_ids", v),
+        doc="(T,) int64 token ids the model reads.",
+    )
+    targets = property(
+        lambda self: self._field("targets"),
+        lambda self, v: self._set("targets", v),
+        doc="(T,) int64 next-token ids, IGNORE_INDEX where no in-document target exists.",
+    )
+    position_ids = property(
+        lambda self: self._field("position_ids"),
+        lambda self, v: self._set("position_ids", v),
+        doc="(T,) int64 positions, restarting at 0 per segment.",
+    )
+    cu_seqlens = property(
+        lambda self: self._field("cu_seqlens"),
+        lambda self, v: self._set("cu_seqlens", v),
+        doc="(segments + 1,) int32 cumulative segment lengths with a leading 0.",
+    )
+    pack_lengths = property(
+        lambda self: self._field("pack_lengths"),
+        lambda self, v: self._set("pack_lengths", v),
+        doc="(packs,) int32 real tokens per pack (logical row).",
+    )
 
     # -- lazy materialization (torch ops on the buffer's device, no host-device sync) ------------------
     def _materialize(self, name: str) -> torch.Tensor:
@@ -388,7 +460,9 @@ class VarlenBatch:
                         _POS_TEMPLATES.clear()
                     tpl = _POS_TEMPLATES[(U, R)] = np.tile(np.arange(U, dtype=np.int64), R)
                 return tpl.copy()
-            cu = (self._own["cu_seqlens"].numpy() if "cu_seqlens" in self._own else self._np("cu_seqlens")).astype(np.int64)
+            cu = (self._own["cu_seqlens"].numpy() if "cu_seqlens" in self._own else self._np("cu_seqlens")).astype(
+                np.int64
+            )
             T = int(cu[-1])
             return np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], np.diff(cu))
         tok = self._np("tokens")
@@ -416,11 +490,13 @@ class VarlenBatch:
         a = self._buf.numpy()[off : off + k * _ITEMSIZE[dt]]  # type: ignore[union-attr]
         return a.view(_NP_VIEW[dt] if name == "tokens" else _NP_OF[dt])
 
-    def eager(self) -> "VarlenBatch":
+    def eager(self) -> VarlenBatch:
         """An eager batch with the same fields (materializes them; returns ``self`` if eager)."""
         if self._buf is None:
             return self
-        return VarlenBatch(self.input_ids, self.targets, self.position_ids, self.cu_seqlens, self.max_seqlen, self.pack_lengths)
+        return VarlenBatch(
+            self.input_ids, self.targets, self.position_ids, self.cu_seqlens, self.max_seqlen, self.pack_lengths
+        )
 
     # -- derived counts (never materialize) -----------------------------------------------------------
     @property
@@ -480,7 +556,7 @@ class VarlenBatch:
         }
 
     # -- movement and pickling ------------------------------------------------------------------------
-    def _map(self, fn) -> "VarlenBatch":
+    def _map(self, fn) -> VarlenBatch:
         """A batch whose tensors are ``fn(tensor)``: the compact buffer and assigned/eager fields;
         lazily materialized fields are dropped (recomputed where the buffer now lives)."""
         new = VarlenBatch.__new__(VarlenBatch)
@@ -491,16 +567,16 @@ class VarlenBatch:
         new._T, new._R, new._row_len, new._seg_rows = self._T, self._R, self._row_len, self._seg_rows
         return new
 
-    def clone(self) -> "VarlenBatch":
+    def clone(self) -> VarlenBatch:
         """A copy owning its memory (e.g. to keep batches received from DataLoader workers, whose
         shared-memory tensors each hold a file descriptor)."""
         return self._map(lambda t: t.clone())
 
-    def pin_memory(self) -> "VarlenBatch":
+    def pin_memory(self) -> VarlenBatch:
         """Page-locked copy (DataLoader's ``pin_memory=True`` calls this); compact: the buffer only."""
         return self._map(lambda t: t.pin_memory())
 
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "VarlenBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> VarlenBatch:
         """Copy to ``device``; the single host-to-device copy site (asynchronous when pinned).
         Compact: one copy of the buffer (~2 bytes per token); fields materialize there on access."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -510,9 +586,16 @@ class VarlenBatch:
         # CPU tensors travel by value (numpy arrays inside the pickle): through DataLoader workers
         # that is 2-4x faster than torch's shared-memory handover, whose fixed cost per tensor
         # (segment, file descriptor, mapping) dominates below INLINE_PICKLE_BYTES.
-        return {"max_seqlen": self.max_seqlen, "own": {k: _inline(v) for k, v in self._own.items()},
-                "buf": None if self._buf is None else _inline(self._buf), "layout": self._layout,
-                "T": self._T, "R": self._R, "row_len": self._row_len, "seg_rows": self._seg_rows}
+        return {
+            "max_seqlen": self.max_seqlen,
+            "own": {k: _inline(v) for k, v in self._own.items()},
+            "buf": None if self._buf is None else _inline(self._buf),
+            "layout": self._layout,
+            "T": self._T,
+            "R": self._R,
+            "row_len": self._row_len,
+            "seg_rows": self._seg_rows,
+        }
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.max_seqlen = d["max_seqlen"]
@@ -524,8 +607,10 @@ class VarlenBatch:
 
     def __repr__(self) -> str:
         kind = f"compact {self.tokens.dtype}, rows={self._R}" if self._buf is not None else "eager"  # type: ignore[union-attr]
-        return (f"VarlenBatch({kind}, tokens={self.num_tokens:,}, segments={self.num_segments}, packs={self.num_packs}, "
-                f"max_seqlen={self.max_seqlen}, device={self.device})")
+        return (
+            f"VarlenBatch({kind}, tokens={self.num_tokens:,}, segments={self.num_segments}, packs={self.num_packs}, "
+            f"max_seqlen={self.max_seqlen}, device={self.device})"
+        )
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
@@ -533,21 +618,27 @@ class VarlenBatch:
         T = self.num_tokens
         for name in ("input_ids", "targets", "position_ids"):
             t = getattr(self, name)
-            assert t.dim() == 1 and t.numel() == T and t.dtype == torch.int64, f"{name}: shape {tuple(t.shape)} dtype {t.dtype}"
+            assert t.dim() == 1 and t.numel() == T and t.dtype == torch.int64, (
+                f"{name}: shape {tuple(t.shape)} dtype {t.dtype}"
+            )
         cu = self.cu_seqlens.cpu()
         assert cu.dtype == torch.int32, f"cu_seqlens dtype {cu.dtype}, expected int32"
         assert cu.numel() >= 1 and int(cu[0]) == 0, "cu_seqlens must start at 0"
         assert int(cu[-1]) == T, f"cu_seqlens ends at {int(cu[-1])}, T = {T}"
         lens = cu[1:] - cu[:-1]
         assert bool((lens > 0).all()), "cu_seqlens must strictly increase (no empty segments)"
-        assert int(lens.max()) == self.max_seqlen if lens.numel() else self.max_seqlen == 0, "max_seqlen != longest segment"
+        assert int(lens.max()) == self.max_seqlen if lens.numel() else self.max_seqlen == 0, (
+            "max_seqlen != longest segment"
+        )
         expect_pos = torch.arange(T) - torch.repeat_interleave(cu[:-1].long(), lens.long())
         assert torch.equal(self.position_ids.cpu(), expect_pos), "position_ids must restart at 0 per segment"
         assert int(self.pack_lengths.sum()) == T, "pack_lengths must sum to the number of inputs"
         if self._buf is not None:
             rc, tok, ig = (t.cpu() for t in (self.row_cu, self.tokens, self.ignore))  # type: ignore[union-attr]
             R = rc.numel() - 1
-            assert rc.dtype == torch.int32 and int(rc[0]) == 0 and bool((rc.diff() > 0).all()), "row_cu: int32, 0, strictly increasing"
+            assert rc.dtype == torch.int32 and int(rc[0]) == 0 and bool((rc.diff() > 0).all()), (
+                "row_cu: int32, 0, strictly increasing"
+            )
             assert int(rc[-1]) == self._T and R == self._R, "row_cu must end at T"
             assert tok.numel() == self._T + R, "tokens must hold n + 1 ids per row"
             assert bool(torch.isin(rc, cu).all()), "every row start must be a segment start"
@@ -563,8 +654,13 @@ _INLINE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def _inline(t: Any) -> Any:
-    if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype in _INLINE_DTYPES and not t.requires_grad
-            and t.numel() * t.element_size() <= INLINE_PICKLE_BYTES):
+    if (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.dtype in _INLINE_DTYPES
+        and not t.requires_grad
+        and t.numel() * t.element_size() <= INLINE_PICKLE_BYTES
+    ):
         return t.numpy()
     return t
 
@@ -590,7 +686,9 @@ def make_batch(
     return from_flat(flat_in, flat_tg, seg_lens, np.asarray(pack_lengths, dtype=np.int64))
 
 
-def from_flat(flat_inputs: np.ndarray, flat_targets: np.ndarray, seg_lens: np.ndarray, pack_lengths: np.ndarray) -> VarlenBatch:
+def from_flat(
+    flat_inputs: np.ndarray, flat_targets: np.ndarray, seg_lens: np.ndarray, pack_lengths: np.ndarray
+) -> VarlenBatch:
     """Build an eager :class:`VarlenBatch` from already flattened int64 arrays and segment lengths."""
     cu = np.zeros(seg_lens.size + 1, dtype=np.int64)
     np.cumsum(seg_lens, out=cu[1:])
@@ -620,8 +718,10 @@ def concat_batches(batches: Sequence[VarlenBatch]) -> VarlenBatch:
     if len(batches) == 1:
         return batches[0]
     b0 = batches[0]
-    if all(b._buf is not None and not b._own and b.tokens.dtype == b0.tokens.dtype and b.device == b0.device  # type: ignore[union-attr]
-           for b in batches):
+    if all(
+        b._buf is not None and not b._own and b.tokens.dtype == b0.tokens.dtype and b.device == b0.device  # type: ignore[union-attr]
+        for b in batches
+    ):
         return _concat_compact(batches)
     cu = [b0.cu_seqlens]
     total = b0.num_tokens
@@ -649,9 +749,15 @@ def _concat_compact(batches: Sequence[VarlenBatch]) -> VarlenBatch:
     seg_rows = all(b._seg_rows for b in batches)
     lens = {b._row_len for b in batches}
     return VarlenBatch._assemble(
-        torch.cat([b.tokens for b in batches]), torch.cat(row_cu), None if seg_rows else torch.cat(cu),  # type: ignore[misc]
-        torch.cat([b.pack_lengths for b in batches]), torch.cat(ign), off, sum(b._R for b in batches),
-        max(b.max_seqlen for b in batches), lens.pop() if len(lens) == 1 else 0,
+        torch.cat([b.tokens for b in batches]),
+        torch.cat(row_cu),
+        None if seg_rows else torch.cat(cu),  # type: ignore[misc]
+        torch.cat([b.pack_lengths for b in batches]),
+        torch.cat(ign),
+        off,
+        sum(b._R for b in batches),
+        max(b.max_seqlen for b in batches),
+        lens.pop() if len(lens) == 1 else 0,
     )
 
 

@@ -59,8 +59,14 @@ def html_to_text(html: str) -> str | None:
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("HTML cleaning needs trafilatura: pip install 'h5corpus[filters]'") from e
     text = trafilatura.extract(
-        html, include_comments=False, include_tables=True, include_images=False,
-        include_links=False, deduplicate=False, with_metadata=False, output_format="txt",
+        html,
+        include_comments=False,
+        include_tables=True,
+        include_images=False,
+        include_links=False,
+        deduplicate=False,
+        with_metadata=False,
+        output_format="txt",
     )
     if not text or not text.strip():
         # Short fragments (a few <p>) are below trafilatura's main-content thresholds: take

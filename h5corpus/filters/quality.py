@@ -39,14 +39,26 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import repeat
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from .words import (
-    _powers, CJK, LOWER, NONASCII, UPPER, Segmented, WordBatch, Words, mix64, ngram_hashes, segment_batch, window_sums,
+    CJK,
+    LOWER,
+    NONASCII,
+    UPPER,
+    Segmented,
+    WordBatch,
+    Words,
+    _powers,
+    mix64,
+    ngram_hashes,
+    segment_batch,
+    window_sums,
 )
 
 CJK_NGRAM_SCALE = 2
@@ -55,15 +67,40 @@ n-grams of ``n * CJK_NGRAM_SCALE`` characters (a Chinese or Japanese word is ~2 
 Japanese novel, 5-character repeats cover 45% of the text, 10-character repeats 2%."""
 
 RULES: tuple[str, ...] = (
-    "min_words", "max_words", "mean_word_length", "uppercase_words", "alpha_words", "special_chars",
-    "symbols", "line_punct", "dup_lines", "dup_line_chars", "top_ngram", "dup_ngram",
+    "min_words",
+    "max_words",
+    "mean_word_length",
+    "uppercase_words",
+    "alpha_words",
+    "special_chars",
+    "symbols",
+    "line_punct",
+    "dup_lines",
+    "dup_line_chars",
+    "top_ngram",
+    "dup_ngram",
 )
 """Every rule name, in evaluation order."""
 
 #: Line endings that count as terminal punctuation (C4 uses . ! ? and closing quotes).
 TERMINAL_PUNCT: tuple[str, ...] = (
-    ".", "!", "?", '"', "'", "\u201d", "\u2019", "\u2026", ")", ":", ";",
-    "\u3002", "\uff01", "\uff1f", "\u300d", "\u300f", "\uff09",
+    ".",
+    "!",
+    "?",
+    '"',
+    "'",
+    "\u201d",
+    "\u2019",
+    "\u2026",
+    ")",
+    ":",
+    ";",
+    "\u3002",
+    "\uff01",
+    "\uff1f",
+    "\u300d",
+    "\u300f",
+    "\uff09",
 )
 
 try:  # the `regex` module (a tiktoken dependency) knows Unicode categories
@@ -124,7 +161,9 @@ class QualityThresholds:
             if f.name in ("max_top_ngram", "max_dup_ngram"):
                 for n, frac in v.items():
                     if int(n) < 1 or not 0.0 <= float(frac) <= 1.0:
-                        raise ValueError(f"QualityThresholds.{f.name}[{n}] = {frac}: need n >= 1 and a fraction in [0, 1]")
+                        raise ValueError(
+                            f"QualityThresholds.{f.name}[{n}] = {frac}: need n >= 1 and a fraction in [0, 1]"
+                        )
             elif f.name in ("min_words", "max_words", "line_punct_min_lines"):
                 if v is not None and int(v) < 0:
                     raise ValueError(f"QualityThresholds.{f.name} = {v}: must be >= 0")
@@ -141,7 +180,7 @@ class QualityThresholds:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "QualityThresholds":
+    def from_json(cls, d: Mapping[str, Any]) -> QualityThresholds:
         d = dict(d)
         for k in ("max_top_ngram", "max_dup_ngram"):
             if k in d:
@@ -154,7 +193,9 @@ def quality_reason(text: str, t: QualityThresholds) -> str | None:
     return _quality_group([text], t)[0][0]
 
 
-_SUB_BATCH_CHARS = 1 << 19  # texts are evaluated in groups of ~512K characters (cache-sized arrays; 1.1x faster than 2M)
+_SUB_BATCH_CHARS = (
+    1 << 19
+)  # texts are evaluated in groups of ~512K characters (cache-sized arrays; 1.1x faster than 2M)
 
 
 def quality_batch(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str | None], list[np.ndarray]]:
@@ -210,8 +251,10 @@ def _quality_group(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str
     word_rules = [
         ("min_words", nw < t.min_words),
         ("max_words", nw > t.max_words if t.max_words is not None else np.zeros(n, dtype=bool)),
-        ("mean_word_length", has & (2 * n_cjk < nw)
-         & ((mean_len < t.min_mean_word_length) | (mean_len > t.max_mean_word_length))),
+        (
+            "mean_word_length",
+            has & (2 * n_cjk < nw) & ((mean_len < t.min_mean_word_length) | (mean_len > t.max_mean_word_length)),
+        ),
         ("uppercase_words", has & (n_upper > t.max_uppercase_words * nw)),
         ("alpha_words", has & (n_alpha < t.min_alpha_words * nw)),
     ]
@@ -229,8 +272,10 @@ def _quality_group(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str
     cjk = 2 * n_cjk >= nw
     groups = [(~cjk, 1), (cjk, CJK_NGRAM_SCALE)]
     grp = _Group(wb)
-    for name, limits, fails in (("top_ngram", t.max_top_ngram, _top_ngram_fails),
-                                ("dup_ngram", t.max_dup_ngram, _dup_ngram_fails)):
+    for name, limits, fails in (
+        ("top_ngram", t.max_top_ngram, _top_ngram_fails),
+        ("dup_ngram", t.max_dup_ngram, _dup_ngram_fails),
+    ):
         for member, scale in groups:
             sel = alive & member
             if limits and sel.any():
@@ -286,12 +331,14 @@ for _p in TERMINAL_PUNCT:
     if len(_b) == 1:
         _TERMINAL_ASCII[_b[0]] = True
     else:
-        _TERMINAL_CODES[len(_b)] = np.union1d(_TERMINAL_CODES.get(len(_b), np.zeros(0, np.int64)),
-                                             [int.from_bytes(_b, "big")])
+        _TERMINAL_CODES[len(_b)] = np.union1d(
+            _TERMINAL_CODES.get(len(_b), np.zeros(0, np.int64)), [int.from_bytes(_b, "big")]
+        )
 
 
-def _text_rule_fails(sg: Segmented, texts: Sequence[str], sel: np.ndarray, nw: np.ndarray,
-                     t: QualityThresholds) -> list[tuple[str, np.ndarray]]:
+def _text_rule_fails(
+    sg: Segmented, texts: Sequence[str], sel: np.ndarray, nw: np.ndarray, t: QualityThresholds
+) -> list[tuple[str, np.ndarray]]:
     """``[(rule, fails)]`` for the character and line rules (``special_chars`` .. ``dup_line_chars``,
     in order) of the selected texts of a group: exactly :func:`_text_rules`' counts, from the
     segmentation's byte layout. Characters: ASCII punctuation bytes of the words; non-ASCII
@@ -453,8 +500,9 @@ def _line_stats_batch(sg: Segmented, arr: np.ndarray, n: int) -> tuple[np.ndarra
             if not run_ok.all():
                 lines = np.sort(np.concatenate([li[~ok], cand[order[first_of_run[~run_ok]]]]))
                 seen: set[tuple[int, bytes]] = set()
-                for o, x, y, ch in zip(owner[lines].tolist(), a[lines].tolist(), b[lines].tolist(),
-                                       chars[lines].tolist()):
+                for o, x, y, ch in zip(
+                    owner[lines].tolist(), a[lines].tolist(), b[lines].tolist(), chars[lines].tolist()
+                ):
                     line = (o, data[x:y])
                     if line in seen:
                         n_dup[o] += 1
@@ -567,15 +615,18 @@ class _Group:
             h = np.repeat(_SALT(np.arange(self.size)), np.diff(self.wb.offsets))
             h ^= self.wb.hashes
             return h
+
         return self._get("salted", make)
 
     @property
     def left(self) -> np.ndarray:
         """Words from each word to the end of its text (itself included)."""
+
         def make() -> np.ndarray:
             r = np.repeat(self.wb.offsets[1:], np.diff(self.wb.offsets))
             r -= np.arange(self.nwords)
             return r
+
         return self._get("left", make)
 
     @property
@@ -594,7 +645,7 @@ class _Group:
         mc = self._min_counts[k]
         base = self._min_counts[1]
         for j in range(k + 1, n + 1):  # min over n words = min(min over n-1 words, the n-th)
-            mc = np.minimum(mc[:-1], base[j - 1:])
+            mc = np.minimum(mc[:-1], base[j - 1 :])
         self._min_counts[n] = mc
         return mc
 
@@ -669,10 +720,10 @@ class _Windows:
                 if pos.size and int(pos[-1]) - int(pos[0]) < 2 * pos.size:
                     # dense selection: the polynomial over contiguous slices, then one gather
                     lo, m = int(pos[0]), int(pos[-1]) - int(pos[0]) + 1
-                    g = h[lo:lo + m].copy()
+                    g = h[lo : lo + m].copy()
                     for j in range(1, self.n):
                         g *= _P
-                        g += h[lo + j:lo + j + m]
+                        g += h[lo + j : lo + j + m]
                     g = g[pos - lo] if m != pos.size else g
                 else:
                     g = h[pos]
@@ -821,7 +872,7 @@ def _dup_ngram_fails(grp: _Group, alive: np.ndarray, total: np.ndarray, limits: 
             runs = base_rep[:0]
             if base_rep.size >= k:
                 runs = base_rep[: base_rep.size - k + 1]
-                runs = runs[base_rep[k - 1:] - runs == k - 1]
+                runs = runs[base_rep[k - 1 :] - runs == k - 1]
                 runs = runs[grp.left[runs] >= n]  # (runs that would leave the text only count less)
             select &= covered_chars(runs, n) > limit * total
         if not select.any():

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,15 @@ class FilterConfig:
     @property
     def enabled(self) -> bool:
         """True when any stage is on."""
-        return bool(self.clean or self.fix_unicode or self.normalize_whitespace or self.quality
-                    or self.lang or self.scrub_pii or self.near_dedup)
+        return bool(
+            self.clean
+            or self.fix_unicode
+            or self.normalize_whitespace
+            or self.quality
+            or self.lang
+            or self.scrub_pii
+            or self.near_dedup
+        )
 
     def lsh_params(self) -> tuple[int, int]:
         """``(bands, rows)``: as configured, or derived (:func:`h5corpus.neardedup.optimal_bands`)."""
@@ -150,7 +158,7 @@ class FilterConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "FilterConfig":
+    def from_json(cls, d: Mapping[str, Any]) -> FilterConfig:
         """Inverse of :meth:`to_json` (ignores the informational keys)."""
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
@@ -378,7 +386,7 @@ class DocumentFilter:
 
                 wb2 = split_words_batch([cur[i] for i in need])
                 for j, i in enumerate(need):
-                    word_hashes[i] = wb2.hashes[int(wb2.offsets[j]):int(wb2.offsets[j + 1])]
+                    word_hashes[i] = wb2.hashes[int(wb2.offsets[j]) : int(wb2.offsets[j + 1])]
             for i, sig in zip(live, hasher.signatures_of_word_hashes([word_hashes[i] for i in live])):
                 sigs[i] = sig
             tm["signature"] += clock() - t0
@@ -415,8 +423,9 @@ class DocumentFilter:
 
         c = self.config
         bands, rows = c.lsh_params()
-        return NearDedupIndex(num_perm=c.num_perm, bands=bands, rows=rows,
-                              threshold=c.near_dedup_threshold, verify=c.verify)
+        return NearDedupIndex(
+            num_perm=c.num_perm, bands=bands, rows=rows, threshold=c.near_dedup_threshold, verify=c.verify
+        )
 
     def near_duplicate_index(self):
         """The build's seam: a fresh :meth:`new_near_dedup_index` when ``near_dedup`` is on, else

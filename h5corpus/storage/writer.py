@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import h5py
 import numpy as np
@@ -134,20 +135,36 @@ class ShardWriter:
         if compression is not None:
             filt = dict(compression=compression, compression_opts=compression_opts)
         self._tokens = f.create_dataset(
-            fmt.TOKENS, shape=(0,), maxshape=(None,), dtype=self.dtype,
-            chunks=(self.chunk_tokens,), track_times=False, **filt,
+            fmt.TOKENS,
+            shape=(0,),
+            maxshape=(None,),
+            dtype=self.dtype,
+            chunks=(self.chunk_tokens,),
+            track_times=False,
+            **filt,
         )
         self._offsets = f.create_dataset(
-            fmt.DOC_OFFSETS, data=np.zeros(1, dtype="<i8"), maxshape=(None,),
-            chunks=(fmt.INDEX_CHUNK_DOCS,), track_times=False,
+            fmt.DOC_OFFSETS,
+            data=np.zeros(1, dtype="<i8"),
+            maxshape=(None,),
+            chunks=(fmt.INDEX_CHUNK_DOCS,),
+            track_times=False,
         )
         self._ids = f.create_dataset(
-            fmt.DOC_IDS, shape=(0, fmt.DOC_ID_BYTES), maxshape=(None, fmt.DOC_ID_BYTES), dtype=np.uint8,
-            chunks=(fmt.INDEX_CHUNK_DOCS, fmt.DOC_ID_BYTES), track_times=False,
+            fmt.DOC_IDS,
+            shape=(0, fmt.DOC_ID_BYTES),
+            maxshape=(None, fmt.DOC_ID_BYTES),
+            dtype=np.uint8,
+            chunks=(fmt.INDEX_CHUNK_DOCS, fmt.DOC_ID_BYTES),
+            track_times=False,
         )
         self._flags = f.create_dataset(
-            fmt.DOC_FLAGS, shape=(0,), maxshape=(None,), dtype=np.uint8,
-            chunks=(fmt.INDEX_CHUNK_DOCS,), track_times=False,
+            fmt.DOC_FLAGS,
+            shape=(0,),
+            maxshape=(None,),
+            dtype=np.uint8,
+            chunks=(fmt.INDEX_CHUNK_DOCS,),
+            track_times=False,
         )
         for k, v in attrs.items():
             f.attrs[k] = v
@@ -167,7 +184,7 @@ class ShardWriter:
         self._closed = False
 
     # -- context manager: publish only on success ---------------------------------------------
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -195,12 +212,15 @@ class ShardWriter:
         no other ``eos_id``; ``doc_id`` is the 32-byte sha256 of the document's UTF-8 text."""
         a = np.asarray(tokens)
         self.add_documents(
-            a, np.array([a.size], dtype=np.int64),
+            a,
+            np.array([a.size], dtype=np.int64),
             np.frombuffer(doc_id, dtype=np.uint8).reshape(1, fmt.DOC_ID_BYTES),
             np.array([fmt.FLAG_TRUNCATED if truncated else 0], dtype=np.uint8),
         )
 
-    def add_documents(self, flat: np.ndarray, lengths: np.ndarray, doc_ids: np.ndarray, flags: np.ndarray | None = None) -> None:
+    def add_documents(
+        self, flat: np.ndarray, lengths: np.ndarray, doc_ids: np.ndarray, flags: np.ndarray | None = None
+    ) -> None:
         """Append a batch of documents given as one flat id array and per-document ``lengths`` (tokens).
 
         ``doc_ids`` is uint8 (n, 32); ``flags`` uint8 (n,) of ``FLAG_*`` bits (default 0). The batch is
@@ -232,7 +252,9 @@ class ShardWriter:
         bad_end = np.flatnonzero(~trunc & ~last_is_eos)
         if bad_end.size:
             i = int(bad_end[0])
-            raise ValueError(f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} does not end with EOS {self.eos_id}")
+            raise ValueError(
+                f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} does not end with EOS {self.eos_id}"
+            )
         eos_count = int(is_eos.sum())
         if eos_count != int(last_is_eos.sum()):
             inner = np.zeros(flat.size, dtype=bool)
@@ -240,7 +262,9 @@ class ShardWriter:
             inner[ends - 1] = False
             pos = int(np.argmax(inner))
             i = int(np.searchsorted(ends, pos, side="right"))
-            raise ValueError(f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it")
+            raise ValueError(
+                f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it"
+            )
 
         self._ends.append(self._n_tokens + ends)
         self._id_blocks.append(doc_ids.copy())

@@ -37,12 +37,19 @@ import os
 import re
 import sys
 import sysconfig
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 #: File name ending -> reader kind.
-EXTENSIONS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".parquet": "parquet", ".txt": "text"}
+EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".jsonl.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
 STDLIB_SPEC = "stdlib"
 HF_PREFIX = "hf://"
 _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
@@ -96,8 +103,11 @@ class Input:
         for f in self.files:
             h.update(f"{f.name}\t{f.size}\n".encode())
         d: dict[str, Any] = {
-            "spec": self.spec, "kind": self.kind, "files": len(self.files),
-            "bytes": sum(f.size for f in self.files), "listing_sha256": h.hexdigest(),
+            "spec": self.spec,
+            "kind": self.kind,
+            "files": len(self.files),
+            "bytes": sum(f.size for f in self.files),
+            "listing_sha256": h.hexdigest(),
         }
         d.update(self.meta)
         return d
@@ -181,7 +191,9 @@ def parse_hf_spec(spec: str) -> tuple[str, str, str]:
         )
     rev = m["rev"]
     if not re.fullmatch(r"[0-9a-f]{40}", rev):
-        raise SourceError(f"{spec}: pin the dataset to a commit (40 hex digits after '@'), not {rev!r}, so the build is reproducible")
+        raise SourceError(
+            f"{spec}: pin the dataset to a commit (40 hex digits after '@'), not {rev!r}, so the build is reproducible"
+        )
     return f"{m['org']}/{m['name']}", rev, (m["path"] or "").strip("/")
 
 
@@ -202,7 +214,7 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
                 files.append(_local_file(Path(m).relative_to(snap).as_posix(), Path(m), "parquet"))
     if files:
         return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
-    from .tokenize import hub_offline
+    from .tokenizer import hub_offline
 
     if hub_offline():
         raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and HF_HUB_OFFLINE is set")
@@ -220,10 +232,18 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
         prefix = f"datasets/{repo}@{rev}/"
         for p in paths:
             info = fs.info(p)
-            files.append(SourceFile(name=p[len(prefix):] if p.startswith(prefix) else p, path=HF_PREFIX + p,
-                                    kind="parquet", size=int(info.get("size") or 0)))
+            files.append(
+                SourceFile(
+                    name=p[len(prefix) :] if p.startswith(prefix) else p,
+                    path=HF_PREFIX + p,
+                    kind="parquet",
+                    size=int(info.get("size") or 0),
+                )
+            )
     except Exception as e:
-        raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and the hub could not be listed ({type(e).__name__}: {e})") from None
+        raise SourceError(
+            f"{spec}: not in the local Hugging Face cache ({local}) and the hub could not be listed ({type(e).__name__}: {e})"
+        ) from None
     if not files:
         raise SourceError(f"{spec}: no parquet files at that path")
     return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
@@ -232,7 +252,7 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
 def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str] | None = None) -> list[Input]:
     """Resolve SOURCE arguments to files, in input order. Raises :class:`SourceError` naming the
     spec for a missing path, an unsupported file type, or a pattern that matches nothing."""
-    from .tokenize import hf_cache_dir as _cache
+    from .tokenizer import hf_cache_dir as _cache
 
     if not specs:
         raise SourceError("no SOURCE given")
@@ -240,8 +260,9 @@ def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str
     for spec in specs:
         if spec == STDLIB_SPEC:
             files = tuple(_local_file(n, p, "text") for n, p in stdlib_files())
-            out.append(Input(spec=spec, kind="stdlib", files=files,
-                             meta={"python": ".".join(map(str, sys.version_info[:3]))}))
+            out.append(
+                Input(spec=spec, kind="stdlib", files=files, meta={"python": ".".join(map(str, sys.version_info[:3]))})
+            )
             continue
         if spec.startswith(HF_PREFIX):
             out.append(_resolve_hf(spec, _cache(hf_cache_dir)))
@@ -270,7 +291,9 @@ def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str
                     continue
                 k = kind_of(m)
                 if k is None:
-                    raise SourceError(f"{spec}: matches {m}, an unsupported file type (supported: {', '.join(EXTENSIONS)})")
+                    raise SourceError(
+                        f"{spec}: matches {m}, an unsupported file type (supported: {', '.join(EXTENSIONS)})"
+                    )
                 files_l.append(_local_file(m, Path(m), k))
             if not files_l:
                 raise SourceError(f"{spec}: pattern matches no files")
@@ -287,7 +310,7 @@ def _open_parquet(path: str):
     if path.startswith(HF_PREFIX):
         from huggingface_hub import HfFileSystem
 
-        fh = HfFileSystem().open(path[len(HF_PREFIX):], "rb", block_size=8 << 20)
+        fh = HfFileSystem().open(path[len(HF_PREFIX) :], "rb", block_size=8 << 20)
         return pq.ParquetFile(fh)
     return pq.ParquetFile(path)
 
@@ -340,8 +363,14 @@ def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
                     acc += s
                     if acc >= task_bytes or i == len(sizes) - 1:
                         whole = a == 0 and i == len(sizes) - 1
-                        add(kind="parquet", files=(f,), start=0 if whole else a, stop=-1 if whole else i + 1,
-                            first_row=first_row, nbytes=acc)
+                        add(
+                            kind="parquet",
+                            files=(f,),
+                            start=0 if whole else a,
+                            stop=-1 if whole else i + 1,
+                            first_row=first_row,
+                            nbytes=acc,
+                        )
                         first_row += sum(rows[a : i + 1])
                         a, acc = i + 1, 0
                 if not sizes:
@@ -449,7 +478,9 @@ class TaskReader:
         try:
             s = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            return BadRecord(where(), f"invalid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start} of the line)", "invalid_utf8")
+            return BadRecord(
+                where(), f"invalid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start} of the line)", "invalid_utf8"
+            )
         try:
             obj = _JSON.decode(s)
         except ValueError as e:
@@ -466,7 +497,11 @@ class TaskReader:
             return BadRecord(where(), f"field {self.text_field!r} is {_type_name(v)}, not a string", "not_string")
         data = _utf8(v)
         if data is None:
-            return BadRecord(where(), f"field {self.text_field!r} holds a lone UTF-16 surrogate escape (not valid Unicode)", "invalid_unicode")
+            return BadRecord(
+                where(),
+                f"field {self.text_field!r} holds a lone UTF-16 surrogate escape (not valid Unicode)",
+                "invalid_unicode",
+            )
         return v, data
 
     def _jsonl(self) -> Iterator[Doc | BadRecord]:
@@ -538,7 +573,9 @@ class TaskReader:
 
             raw = open(f.path, "rb")
             try:
-                return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), buffer_size=1 << 20)
+                return io.BufferedReader(
+                    zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), buffer_size=1 << 20
+                )
             except Exception:
                 raw.close()
                 raise
@@ -587,19 +624,34 @@ class TaskReader:
                         try:
                             values.append(col[i].as_py())
                         except Exception as e:
-                            values.append(BadRecord(f"{f.name} row {row + i}", f"invalid string ({type(e).__name__}: {e})", "invalid_utf8"))
+                            values.append(
+                                BadRecord(
+                                    f"{f.name} row {row + i}",
+                                    f"invalid string ({type(e).__name__}: {e})",
+                                    "invalid_utf8",
+                                )
+                            )
                 for i, v in enumerate(values):
                     if isinstance(v, str):
                         data = _utf8(v)
-                        yield (v, data) if data is not None else BadRecord(
-                            f"{f.name} row {row + i}", f"field {fld!r} is not valid Unicode", "invalid_unicode")
+                        yield (
+                            (v, data)
+                            if data is not None
+                            else BadRecord(
+                                f"{f.name} row {row + i}", f"field {fld!r} is not valid Unicode", "invalid_unicode"
+                            )
+                        )
                     elif isinstance(v, BadRecord):
                         yield v
                     else:
-                        yield BadRecord(f"{f.name} row {row + i}", f"field {fld!r} is {_type_name(v)}, not a string", "not_string")
+                        yield BadRecord(
+                            f"{f.name} row {row + i}", f"field {fld!r} is {_type_name(v)}, not a string", "not_string"
+                        )
                 row += len(values)
         except Exception as e:
-            yield BadRecord(f"{f.name} row {row}", f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
+            yield BadRecord(
+                f"{f.name} row {row}", f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
+            )
 
     # text ---------------------------------------------------------------------------------------
     def _text(self) -> Iterator[Doc | BadRecord]:
@@ -614,4 +666,8 @@ class TaskReader:
                 yield raw.decode("utf-8"), raw
             except UnicodeDecodeError as e:
                 line = raw.count(b"\n", 0, e.start) + 1
-                yield BadRecord(f.name, f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start:,}, line {line})", "invalid_utf8")
+                yield BadRecord(
+                    f.name,
+                    f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start:,}, line {line})",
+                    "invalid_utf8",
+                )

@@ -18,8 +18,8 @@ Backends of :func:`causal_attention`, chosen per call:
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
-from typing import Callable
+from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from .batch import IGNORE_INDEX
 BACKENDS = ("auto", "reference", "varlen_attn", "flash_attn")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _varlen_attn() -> tuple[Callable | None, dict]:
     """(torch's varlen_attn or None, the keyword arguments that make it causal)."""
     try:
@@ -44,7 +44,7 @@ def _varlen_attn() -> tuple[Callable | None, dict]:
     return None, {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _flash_attn() -> Callable | None:
     try:
         from flash_attn import flash_attn_varlen_func
@@ -64,8 +64,9 @@ def available_backends(device: torch.device | str = "cuda") -> list[str]:
     return out
 
 
-def reference_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                               scale: float | None = None) -> torch.Tensor:
+def reference_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """Per-segment causal SDPA: the definition the fused kernels are checked against.
 
     ``q``: (T, H, D); ``k``, ``v``: (T, H_kv, D) with ``H`` a multiple of ``H_kv``; ``cu_seqlens``:
@@ -84,8 +85,16 @@ def reference_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.cat(outs, dim=0)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                     *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Causal attention inside each segment of a flat THD batch; no attention across segments.
 
     Args:
@@ -103,7 +112,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be (tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be (tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"q, k, v token counts differ: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     fused_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
@@ -116,8 +127,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                 kw["enable_gqa"] = True
             return fn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kw)
         if backend == "varlen_attn":
-            raise RuntimeError("varlen_attn needs torch >= 2.10 with CUDA and fp16/bf16 q, k, v "
-                               f"(got device {q.device}, dtype {q.dtype})")
+            raise RuntimeError(
+                "varlen_attn needs torch >= 2.10 with CUDA and fp16/bf16 q, k, v "
+                f"(got device {q.device}, dtype {q.dtype})"
+            )
     if backend in ("auto", "flash_attn"):
         fn = _flash_attn()
         if fn is not None and fused_ok:
@@ -128,7 +141,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return reference_causal_attention(q, k, v, cu_seqlens, scale=scale)
 
 
-def packed_loss(logits: torch.Tensor, targets: torch.Tensor, num_targets: int | torch.Tensor | None = None) -> torch.Tensor:
+def packed_loss(
+    logits: torch.Tensor, targets: torch.Tensor, num_targets: int | torch.Tensor | None = None
+) -> torch.Tensor:
     """Token-weighted mean cross-entropy: sum of CE over real targets / number of real targets.
 
     ``logits``: (T, V) (any leading shape flattened), ``targets``: (T,) with

@@ -38,20 +38,29 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import h5py
 import numpy as np
 
-from . import __version__
-from . import format as fmt
-from .format import TokenizerIdentity
-from .manifest import DEFAULT_MANIFEST, DEFAULT_SHARDS_DIR, Manifest, ShardEntry, read_manifest, write_json_atomic, write_manifest
+from .. import __version__
+from ..storage import format as fmt
+from ..storage.format import TokenizerIdentity
+from ..storage.manifest import (
+    DEFAULT_MANIFEST,
+    DEFAULT_SHARDS_DIR,
+    Manifest,
+    ShardEntry,
+    read_manifest,
+    write_json_atomic,
+    write_manifest,
+)
+from ..storage.writer import PARTIAL_SUFFIX, ShardWriter, fsync_dir, fsync_files
 from .sources import BadRecord, Input, Task, TaskReader, plan_tasks, resolve_sources
-from .tokenize import Encoder, HFEncoder, Tokenizer, fast_encoder, load_tokenizer, prove_same_ids
-from .writer import PARTIAL_SUFFIX, ShardWriter, fsync_dir, fsync_files
+from .tokenizer import Encoder, HFEncoder, Tokenizer, fast_encoder, load_tokenizer, prove_same_ids
 
 DEFAULT_SPLIT_SEED = 20261003
 DEFAULT_VALIDATION_FRACTION = 0.05
@@ -258,7 +267,9 @@ def _split_threshold(validation_fraction: float) -> int:
     return min(int(float(validation_fraction) * (1 << 64)), 1 << 64)
 
 
-def document_split(doc_id: bytes, *, seed: int = DEFAULT_SPLIT_SEED, validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> str:
+def document_split(
+    doc_id: bytes, *, seed: int = DEFAULT_SPLIT_SEED, validation_fraction: float = DEFAULT_VALIDATION_FRACTION
+) -> str:
     """The split of a document: ``validation`` when the first 8 bytes (big-endian) of
     ``sha256(b"h5corpus-split:<seed>:" + doc_id)``, read as a fraction of 2**64, fall below
     ``validation_fraction``; else ``train``. ``doc_id`` is the 32-byte sha256 of the UTF-8 text."""
@@ -267,8 +278,18 @@ def document_split(doc_id: bytes, *, seed: int = DEFAULT_SPLIT_SEED, validation_
 
 
 # -- report -------------------------------------------------------------------------------------
-_SPLIT_KEYS = ("documents", "tokens", "pairs", "characters", "duplicates", "near_duplicates",
-               "over_budget", "truncated", "skipped", "shards")
+_SPLIT_KEYS = (
+    "documents",
+    "tokens",
+    "pairs",
+    "characters",
+    "duplicates",
+    "near_duplicates",
+    "over_budget",
+    "truncated",
+    "skipped",
+    "shards",
+)
 #: Drop reasons of the build's own dedup stages (the rest of ``splits.<split>.dropped`` are the filters').
 DEDUP_REASONS = ("exact_dup", "near_dup")
 
@@ -344,7 +365,7 @@ class BuildReport:
         out: dict[str, int] = {}
         for st in self.splits.values():
             d = st.get("dropped")
-            for k, v in (d.items() if isinstance(d, Mapping) else ()):
+            for k, v in d.items() if isinstance(d, Mapping) else ():
                 out[k] = out.get(k, 0) + int(v)
         return dict(sorted(out.items()))
 
@@ -355,9 +376,16 @@ class BuildReport:
         filters and the tokenizer took in the workers (``x_tokenize`` = filter / encode time)."""
         c = self.filter_counters
         out: dict[str, Any] = {"dropped": self.dropped()}
-        changed = {name: int(c[key]) for name, key in (("html_extracted", "clean:html"), ("unicode_repaired", "clean:unicode"),
-                                                       ("whitespace_normalized", "clean:whitespace"), ("pii_scrubbed", "pii:docs"))
-                   if c.get(key)}
+        changed = {
+            name: int(c[key])
+            for name, key in (
+                ("html_extracted", "clean:html"),
+                ("unicode_repaired", "clean:unicode"),
+                ("whitespace_normalized", "clean:whitespace"),
+                ("pii_scrubbed", "pii:docs"),
+            )
+            if c.get(key)
+        }
         if changed:
             out["changed"] = changed
         pii = {k[4:]: int(v) for k, v in c.items() if k.startswith("pii:") and k != "pii:docs" and v}
@@ -371,7 +399,9 @@ class BuildReport:
             out["languages"] = dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0])))
         sec = self.seconds
         if sec.get("filter") and sec.get("encode"):
-            out["seconds"] = {k: round(v, 3) for k, v in sec.items() if k == "filter" or k.startswith("filter:") or k == "encode"}
+            out["seconds"] = {
+                k: round(v, 3) for k, v in sec.items() if k == "filter" or k.startswith("filter:") or k == "encode"
+            }
             out["x_tokenize"] = round(sec["filter"] / sec["encode"], 3)
         return out
 
@@ -406,7 +436,7 @@ class _Lock:
         self.path = path
         self.fd: int | None = None
 
-    def __enter__(self) -> "_Lock":
+    def __enter__(self) -> _Lock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -543,8 +573,13 @@ class _Progress:
 
 def _p1_paths(state: Path, index: int) -> dict[str, Path]:
     stem = state / "p1" / f"{index:05d}"
-    return {"record": stem.with_suffix(".json"), "docs": stem.with_suffix(".docs"), "sig": stem.with_suffix(".sig"),
-            "meta": stem.with_suffix(".meta"), "cand": stem}
+    return {
+        "record": stem.with_suffix(".json"),
+        "docs": stem.with_suffix(".docs"),
+        "sig": stem.with_suffix(".sig"),
+        "meta": stem.with_suffix(".meta"),
+        "cand": stem,
+    }
 
 
 def _p3_record_path(state: Path, index: int) -> Path:
@@ -560,8 +595,15 @@ def _write_state_json(path: Path, obj: Any) -> None:
 
 
 def _shard_json(info: Any, path: str) -> dict[str, Any]:
-    return {"path": path, "split": info.split, "tokens": info.tokens, "documents": info.documents,
-            "sha256": info.sha256, "index_sha256": info.index_sha256, "bytes": info.bytes}
+    return {
+        "path": path,
+        "split": info.split,
+        "tokens": info.tokens,
+        "documents": info.documents,
+        "sha256": info.sha256,
+        "index_sha256": info.index_sha256,
+        "bytes": info.bytes,
+    }
 
 
 class _ShardSeq:
@@ -569,8 +611,16 @@ class _ShardSeq:
     (greedy, documents whole; a longer single document gets a shard of its own). Phase 1 and the
     phase 3 rewrite both use it, so a shard's boundaries depend only on the documents it holds."""
 
-    def __init__(self, directory: Path, name: Any, split: str, identity: TokenizerIdentity, chunk_tokens: int,
-                 shard_tokens: int, syncer: "_Syncer | None" = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        name: Any,
+        split: str,
+        identity: TokenizerIdentity,
+        chunk_tokens: int,
+        shard_tokens: int,
+        syncer: _Syncer | None = None,
+    ) -> None:
         # The writer does not fsync: each closed shard goes to ``syncer`` (a background thread that
         # fsyncs it while this process goes on tokenizing), or is fsynced by close() itself. The
         # build fsyncs the shards' folders before it writes the manifest that lists them.
@@ -584,8 +634,13 @@ class _ShardSeq:
         i, n, pos = 0, lengths.size, 0
         while i < n:
             if self.w is None:
-                self.w = ShardWriter(self.directory / self.name(len(self.infos)), split=self.split,
-                                     tokenizer=self.identity, chunk_tokens=self.chunk_tokens, fsync=False)
+                self.w = ShardWriter(
+                    self.directory / self.name(len(self.infos)),
+                    split=self.split,
+                    tokenizer=self.identity,
+                    chunk_tokens=self.chunk_tokens,
+                    fsync=False,
+                )
             cs = np.cumsum(lengths[i:])
             k = int(np.searchsorted(cs, self.cap - self.w.tokens, side="right"))
             if k == 0:
@@ -705,8 +760,13 @@ def _newlines_before(tasks: Sequence[Task]) -> dict[int, int]:
     return out
 
 
-def _explain_line(doc_id: str, loc: tuple[str, str | None, int | None], reason: str,
-                  info: Mapping[str, Any] | None = None, dup_of: str | None = None) -> dict[str, Any]:
+def _explain_line(
+    doc_id: str,
+    loc: tuple[str, str | None, int | None],
+    reason: str,
+    info: Mapping[str, Any] | None = None,
+    dup_of: str | None = None,
+) -> dict[str, Any]:
     """One ``--explain-drops`` record: id (sha256 hex of the text as read), source, line/row,
     reason, and what is known and cheap: the detected language, the stored copy of an exact duplicate."""
     d: dict[str, Any] = {"id": doc_id, "source": loc[0]}
@@ -774,8 +834,18 @@ def _read_job(task: Task) -> dict[str, Any]:
     b_split: list[int] = []
     b_size = 0
     syncer = _Syncer()
-    seqs = [_ShardSeq(paths["cand"], (lambda n, s=split: f"{s}-{n:03d}.h5"), split, J.identity, J.chunk_tokens,
-                      J.shard_tokens, syncer) for split in fmt.SPLITS]
+    seqs = [
+        _ShardSeq(
+            paths["cand"],
+            (lambda n, s=split: f"{s}-{n:03d}.h5"),
+            split,
+            J.identity,
+            J.chunk_tokens,
+            J.shard_tokens,
+            syncer,
+        )
+        for split in fmt.SPLITS
+    ]
     docs_tmp = paths["docs"].with_name(paths["docs"].name + tmp)
     docs_fh = open(docs_tmp, "wb")
 
@@ -837,8 +907,16 @@ def _read_job(task: Task) -> dict[str, Any]:
         secs["write"] += clock() - c1
 
     try:
-        def keep(text: str, data: bytes, sig: Any = None, info: Mapping[str, Any] | None = None,
-                 ordinal: int = 0, loc: Any = None, read_id: bytes | None = None) -> None:
+
+        def keep(
+            text: str,
+            data: bytes,
+            sig: Any = None,
+            info: Mapping[str, Any] | None = None,
+            ordinal: int = 0,
+            loc: Any = None,
+            read_id: bytes | None = None,
+        ) -> None:
             """A document past the filters: id, split, empty/duplicate checks, encode batch.
             ``read_id``: id of the text as read, when the filters changed it."""
             doc_id = sha256(data).digest()
@@ -852,8 +930,9 @@ def _read_job(task: Task) -> dict[str, Any]:
             if doc_id in seen:
                 counts[s]["duplicates"] += 1
                 if explain:
-                    ex_drops.append((ordinal, _explain_line((read_id or doc_id).hex(), loc, "exact_dup", info,
-                                                            dup_of=doc_id.hex())))
+                    ex_drops.append(
+                        (ordinal, _explain_line((read_id or doc_id).hex(), loc, "exact_dup", info, dup_of=doc_id.hex()))
+                    )
                 return
             seen.add(doc_id)
             if sig_fn is not None:
@@ -862,8 +941,17 @@ def _read_job(task: Task) -> dict[str, Any]:
                 row_lang.append(info.get("lang") if info else None)
             if explain:
                 lang = info.get("lang") if info else None
-                ex_rows.append([ordinal, (read_id or doc_id).hex(), loc[0], loc[1], loc[2], lang,
-                                None if lang is None else round(float(info["lang_prob"]), 4)])  # type: ignore[index]
+                ex_rows.append(
+                    [
+                        ordinal,
+                        (read_id or doc_id).hex(),
+                        loc[0],
+                        loc[1],
+                        loc[2],
+                        lang,
+                        None if lang is None else round(float(info["lang_prob"]), 4),
+                    ]
+                )  # type: ignore[index]
             push(text, doc_id, s)
 
         def push(text: str, doc_id: bytes, s: int) -> None:
@@ -877,8 +965,16 @@ def _read_job(task: Task) -> dict[str, Any]:
             if len(b_texts) >= _ENCODE_BATCH_DOCS or b_size >= _ENCODE_BATCH_CHARS:
                 flush()
 
-        def filtered(text: str, data: bytes, new: str | None, reason: str | None, sig: Any = None,
-                     info: Mapping[str, Any] | None = None, ordinal: int = 0, loc: Any = None) -> None:
+        def filtered(
+            text: str,
+            data: bytes,
+            new: str | None,
+            reason: str | None,
+            sig: Any = None,
+            info: Mapping[str, Any] | None = None,
+            ordinal: int = 0,
+            loc: Any = None,
+        ) -> None:
             if new is None:
                 read_id = sha256(data).digest()
                 c = counts[split_of(read_id)]["filtered"]
@@ -890,8 +986,15 @@ def _read_job(task: Task) -> dict[str, Any]:
             if new is text:
                 keep(new, data, sig, info, ordinal, loc)
             else:
-                keep(new, new.encode("utf-8"), sig, info, ordinal, loc,
-                     read_id=sha256(data).digest() if explain else None)
+                keep(
+                    new,
+                    new.encode("utf-8"),
+                    sig,
+                    info,
+                    ordinal,
+                    loc,
+                    read_id=sha256(data).digest() if explain else None,
+                )
 
         # documents waiting for a filters.process_batch call: (text, data, ordinal, location)
         pending: list[tuple[str, bytes, int, Any]] = []
@@ -904,12 +1007,17 @@ def _read_job(task: Task) -> dict[str, Any]:
                 results = batch_fn([p[0] for p in pending], signatures=sig_fn is not None)
                 secs["filter"] += clock() - c0
                 for (text, data, k, loc), r in zip(pending, results):
-                    filtered(text, data, r.text, r.reason, getattr(r, "signature", None), getattr(r, "info", None), k, loc)
+                    filtered(
+                        text, data, r.text, r.reason, getattr(r, "signature", None), getattr(r, "info", None), k, loc
+                    )
                 pending.clear()
                 pending_chars = 0
 
-        reader = _LocatingReader(task, J.text_field, (J.newlines_before or {}).get(task.index, 0)) if explain \
+        reader = (
+            _LocatingReader(task, J.text_field, (J.newlines_before or {}).get(task.index, 0))
+            if explain
             else TaskReader(task, J.text_field)
+        )
         loc: Any = None
 
         def bad(rec: BadRecord) -> None:
@@ -1031,12 +1139,19 @@ def _task_shard_files(shards_dir: Path, index: int) -> list[Path]:
     return out
 
 
-def _shards_intact(directory: Path, shards: Sequence[Mapping[str, Any]], identity: TokenizerIdentity, chunk_tokens: int) -> bool:
+def _shards_intact(
+    directory: Path, shards: Sequence[Mapping[str, Any]], identity: TokenizerIdentity, chunk_tokens: int
+) -> bool:
     """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
-    from .validate import _Expect, check_shard
+    from ..storage.validate import _Expect, check_shard
 
-    expect = _Expect(dtype=fmt.dtype_name(fmt.token_dtype(identity.vocab_size)), chunk_tokens=chunk_tokens,
-                     eos_id=identity.eos_id, vocab_size=identity.vocab_size, tokenizer_sha256=identity.sha256)
+    expect = _Expect(
+        dtype=fmt.dtype_name(fmt.token_dtype(identity.vocab_size)),
+        chunk_tokens=chunk_tokens,
+        eos_id=identity.eos_id,
+        vocab_size=identity.vocab_size,
+        tokenizer_sha256=identity.sha256,
+    )
     for s in shards:
         findings, _ = check_shard(str(directory / s["path"]), ShardEntry.from_json(s, "state record"), expect)
         if findings:
@@ -1048,8 +1163,9 @@ def _final_name(split: str, index: int, n: int) -> str:
     return f"{split}/{split}-{index:05d}-{n:03d}.h5"
 
 
-def _finish_job(index: int, key: str, decision: np.ndarray, p1: dict[str, Any], p1_reused: bool,
-                reuse: dict[str, Any] | None) -> dict[str, Any]:
+def _finish_job(
+    index: int, key: str, decision: np.ndarray, p1: dict[str, Any], p1_reused: bool, reuse: dict[str, Any] | None
+) -> dict[str, Any]:
     """Phase 3 for one task: its final shards. Reuses a completed write record whose shards verify;
     else, when the task keeps every candidate document, renames the candidate shards into place;
     else writes a filtered copy of them. Returns the write record, or ``{"candidates_missing": True}``
@@ -1066,7 +1182,9 @@ def _finish_job(index: int, key: str, decision: np.ndarray, p1: dict[str, Any], 
         p.unlink(missing_ok=True)
     cand_dir = _p1_paths(state, index)["cand"]
     cands = [dict(c, path=c["path"]) for c in p1["candidates"]]
-    present = all((cand_dir / c["path"]).is_file() and (cand_dir / c["path"]).stat().st_size == c["bytes"] for c in cands)
+    present = all(
+        (cand_dir / c["path"]).is_file() and (cand_dir / c["path"]).stat().st_size == c["bytes"] for c in cands
+    )
     if not present or (p1_reused and not _shards_intact(cand_dir, cands, J.identity, J.chunk_tokens)):
         return {"candidates_missing": True}
     shards: list[dict[str, Any]] = []
@@ -1084,8 +1202,14 @@ def _finish_job(index: int, key: str, decision: np.ndarray, p1: dict[str, Any], 
             keep = decision[docs["split"] == s] != 0
             if not keep.any():
                 continue
-            seq = _ShardSeq(shards_dir, (lambda n, sp=split: _final_name(sp, index, n)), split, J.identity,
-                            J.chunk_tokens, J.shard_tokens)
+            seq = _ShardSeq(
+                shards_dir,
+                (lambda n, sp=split: _final_name(sp, index, n)),
+                split,
+                J.identity,
+                J.chunk_tokens,
+                J.shard_tokens,
+            )
             at = 0  # position of the current candidate shard's first document among this split's documents
             try:
                 for c in (c for c in cands if c["split"] == split):
@@ -1108,7 +1232,12 @@ def _finish_job(index: int, key: str, decision: np.ndarray, p1: dict[str, Any], 
                             block = tokens[lo:hi]
                             part = lens[i:j]
                             rel = np.repeat(offs[sel[i:j]] - lo - (np.cumsum(part) - part), part)
-                            seq.add(block[rel + np.arange(int(part.sum()), dtype=np.int64)], part, ids[sel[i:j]], flags[sel[i:j]])
+                            seq.add(
+                                block[rel + np.arange(int(part.sum()), dtype=np.int64)],
+                                part,
+                                ids[sel[i:j]],
+                                flags[sel[i:j]],
+                            )
                             i = j
                 for info in seq.close():
                     shards.append(_shard_json(info, Path(os.path.relpath(info.path, shards_dir)).as_posix()))
@@ -1131,7 +1260,9 @@ class _Decider:
         self.seen = _SeenIds()
         f = cfg.filters
         # A filters object may return None here: near-dedup is off.
-        self.index = f.near_duplicate_index() if f is not None and callable(getattr(f, "near_duplicate_index", None)) else None
+        self.index = (
+            f.near_duplicate_index() if f is not None and callable(getattr(f, "near_duplicate_index", None)) else None
+        )
         b = cfg.max_tokens or {}
         self.budget = [b.get(s) for s in fmt.SPLITS]
         self.used = [0, 0]
@@ -1156,8 +1287,9 @@ class _Decider:
     def filled(self) -> bool:
         return all((not need) or (b is not None and u >= b) for b, u, need in zip(self.budget, self.used, self.needs))
 
-    def feed(self, docs: np.ndarray, sigs: list[Any] | None, rec: Mapping[str, Any],
-             meta: Mapping[str, Any] | None = None) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    def feed(
+        self, docs: np.ndarray, sigs: list[Any] | None, rec: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> tuple[np.ndarray, list[dict[str, Any]]]:
         """Decide one task's documents (table order): 0 = not stored, 1 = train, 2 = validation.
         Also returns the task's ``--explain-drops`` lines in input order (when asked for)."""
         for split in fmt.SPLITS:
@@ -1218,8 +1350,14 @@ class _Decider:
                 o, read_id, src, lk, lv, lang, prob = rows[i]
                 reason = "exact_dup" if dup[i] else "near_dup" if near[i] else "over_budget"
                 info = {"lang": lang, "lang_prob": prob} if lang is not None else None
-                mine.append((o, _explain_line(read_id, (src, lk, lv), reason, info,
-                                              dup_of=bytes(ids[i]).hex() if dup[i] else None)))
+                mine.append(
+                    (
+                        o,
+                        _explain_line(
+                            read_id, (src, lk, lv), reason, info, dup_of=bytes(ids[i]).hex() if dup[i] else None
+                        ),
+                    )
+                )
             merged = sorted([tuple(x) for x in ex.get("drops") or []] + mine, key=lambda x: x[0])
             lines = [d for _, d in merged]
         return decision, lines
@@ -1264,7 +1402,8 @@ class _Pool:
     def submit(self, kind: str, index: int, fn: Any, *args: Any) -> None:
         self.outstanding += 1
         self.pool.apply_async(
-            fn, args,
+            fn,
+            args,
             callback=lambda r: self.q.put((kind, index, r)),
             error_callback=lambda e: self.q.put((kind, index, e)),
         )
@@ -1317,19 +1456,25 @@ def _read_p1(state: Path, task: Task) -> dict[str, Any] | None:
     return rec
 
 
-def _load_docs(state: Path, task: Task, rec: Mapping[str, Any]) -> tuple[np.ndarray, list[Any] | None, dict[str, Any] | None]:
+def _load_docs(
+    state: Path, task: Task, rec: Mapping[str, Any]
+) -> tuple[np.ndarray, list[Any] | None, dict[str, Any] | None]:
     """A read task's table, signatures and meta (languages, explain data), hash-checked."""
     p = _p1_paths(state, task.index)
     raw = p["docs"].read_bytes()
     if hashlib.sha256(raw).hexdigest() != rec["files"]["docs"]:
-        raise BuildConflict(f"{p['docs']}: a build state file changed during the build (is another process writing there?)")
+        raise BuildConflict(
+            f"{p['docs']}: a build state file changed during the build (is another process writing there?)"
+        )
     docs = np.frombuffer(raw, dtype=DOC_DTYPE)
     sigs = pickle.loads(p["sig"].read_bytes()) if rec["files"].get("sig") else None
     meta = None
     if rec["files"].get("meta"):
         mraw = p["meta"].read_bytes()
         if hashlib.sha256(mraw).hexdigest() != rec["files"]["meta"]:
-            raise BuildConflict(f"{p['meta']}: a build state file changed during the build (is another process writing there?)")
+            raise BuildConflict(
+                f"{p['meta']}: a build state file changed during the build (is another process writing there?)"
+            )
         meta = json.loads(mraw)
     return docs, sigs, meta
 
@@ -1386,7 +1531,7 @@ def _diff_keys(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6]) or "inputs"
 
 
-def build(config: BuildConfig) -> BuildReport:
+def build_corpus(config: BuildConfig) -> BuildReport:
     """Build (or resume, or confirm up to date) the corpus ``config`` describes.
 
     Raises ValueError (bad settings), :class:`~h5corpus.tokenize.TokenizerError` /
@@ -1437,8 +1582,11 @@ def build(config: BuildConfig) -> BuildReport:
                     raise _tokenizer_conflict(manifest_path, m.tokenizer, ident)
                 b = m.extra.get("build") or {}
                 if b.get("fingerprint") == fingerprint:
-                    gone = [e.path for e in m.shards
-                            if not m.shard_path(e).is_file() or m.shard_path(e).stat().st_size != e.bytes]
+                    gone = [
+                        e.path
+                        for e in m.shards
+                        if not m.shard_path(e).is_file() or m.shard_path(e).stat().st_size != e.bytes
+                    ]
                     if gone:
                         raise BuildConflict(
                             f"{manifest_path} describes this build, but {len(gone)} of its shards are missing or "
@@ -1474,13 +1622,40 @@ def build(config: BuildConfig) -> BuildReport:
                 p.unlink(missing_ok=True)
 
         tasks = plan_tasks(inputs, task_bytes=int(cfg.task_bytes))
-        return _run(cfg, tok, inputs, tasks, shards_dir, manifest_path, state, workers, settings, sources_desc,
-                    fingerprint, resumed, lock, t_start)
+        return _run(
+            cfg,
+            tok,
+            inputs,
+            tasks,
+            shards_dir,
+            manifest_path,
+            state,
+            workers,
+            settings,
+            sources_desc,
+            fingerprint,
+            resumed,
+            lock,
+            t_start,
+        )
 
 
-def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task], shards_dir: Path, manifest_path: Path,
-         state: Path, workers: int, settings: dict[str, Any], sources_desc: dict[str, Any], fingerprint: str,
-         resumed: bool, lock: _Lock, t_start: float) -> BuildReport:
+def _run(
+    cfg: BuildConfig,
+    tok: Tokenizer,
+    inputs: list[Input],
+    tasks: list[Task],
+    shards_dir: Path,
+    manifest_path: Path,
+    state: Path,
+    workers: int,
+    settings: dict[str, Any],
+    sources_desc: dict[str, Any],
+    fingerprint: str,
+    resumed: bool,
+    lock: _Lock,
+    t_start: float,
+) -> BuildReport:
     ident = tok.identity
     T = len(tasks)
     workers = min(workers, max(T, 1))
@@ -1518,17 +1693,37 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
     warm_up = getattr(cfg.filters, "warm_up", None)
     if callable(warm_up):
         warm_up()  # load models once, before forking: the workers share them
-    report = BuildReport(manifest=str(manifest_path), shards_dir=str(shards_dir), tokenizer=ident.to_json(),
-                         splits={}, tasks=T, resumed=resumed)
+    report = BuildReport(
+        manifest=str(manifest_path),
+        shards_dir=str(shards_dir),
+        tokenizer=ident.to_json(),
+        splits={},
+        tasks=T,
+        resumed=resumed,
+    )
 
     def make_job(enc: Encoder) -> _Job:
-        return _Job(encoder=enc, identity=ident, state=str(state), shards_dir=str(shards_dir), text_field=cfg.text_field,
-                    seed=int(cfg.split_seed), fraction=float(cfg.validation_fraction), on_error=cfg.on_error,
-                    filters=cfg.filters, chunk_tokens=int(cfg.chunk_tokens), shard_tokens=int(cfg.shard_tokens),
-                    max_document_tokens=cfg.max_document_tokens, progress=progress_arr, lock_fd=lock.fd,
-                    parent_pid=os.getpid(),
-                    want_signatures=decider.index is not None and callable(getattr(cfg.filters, "signature", None)),
-                    explain=explain, newlines_before=newlines, record_lang=decider.languages)
+        return _Job(
+            encoder=enc,
+            identity=ident,
+            state=str(state),
+            shards_dir=str(shards_dir),
+            text_field=cfg.text_field,
+            seed=int(cfg.split_seed),
+            fraction=float(cfg.validation_fraction),
+            on_error=cfg.on_error,
+            filters=cfg.filters,
+            chunk_tokens=int(cfg.chunk_tokens),
+            shard_tokens=int(cfg.shard_tokens),
+            max_document_tokens=cfg.max_document_tokens,
+            progress=progress_arr,
+            lock_fd=lock.fd,
+            parent_pid=os.getpid(),
+            want_signatures=decider.index is not None and callable(getattr(cfg.filters, "signature", None)),
+            explain=explain,
+            newlines_before=newlines,
+            record_lang=decider.languages,
+        )
 
     def usable(rec: Mapping[str, Any]) -> bool:
         # A record from an interrupted run without --explain-drops lacks the locations: read again.
@@ -1538,13 +1733,14 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
     if cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=None, unit="tok", unit_scale=True, desc="build", file=sys.stderr, dynamic_ncols=True,
-                   mininterval=0.25)
+        bar = tqdm(
+            total=None, unit="tok", unit_scale=True, desc="build", file=sys.stderr, dynamic_ncols=True, mininterval=0.25
+        )
     explain_path = Path(cfg.explain_drops).absolute() if cfg.explain_drops is not None else None
     explain_tmp = explain_path.with_name(f".{explain_path.name}.tmp{os.getpid()}") if explain_path else None
     if explain_path is not None and explain_path.parent.is_dir():
         for p in explain_path.parent.glob(f".{explain_path.name}.tmp*"):
-            if p.name[len(explain_path.name) + 5:].isdigit():
+            if p.name[len(explain_path.name) + 5 :].isdigit():
                 p.unlink(missing_ok=True)  # left by a killed build
     explain_fh = None  # opened at the first decision (after every fork of the pool)
     pool = _Pool(workers, make_job(encoder))
@@ -1603,8 +1799,10 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
                 i = next_decide
                 rec = p1[i]
                 if cfg.on_error == "fail" and rec["skipped_total"]:
-                    raise BuildError(f"{rec['skipped_records'][0]} (recorded by an earlier run with --on-error skip; "
-                                     "pass --on-error skip, or fix the input)")
+                    raise BuildError(
+                        f"{rec['skipped_records'][0]} (recorded by an earlier run with --on-error skip; "
+                        "pass --on-error skip, or fix the input)"
+                    )
                 docs, sigs, meta = _load_docs(state, tasks[i], rec)
                 decisions[i], lines = decider.feed(docs, sigs, rec, meta)
                 if explain_tmp is not None:
@@ -1719,8 +1917,14 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
     extra: dict[str, Any] = {"source": sources_desc, "build": build_info}
     if cfg.filters is not None:
         extra["filters"] = {"settings": settings["filters"], "counters": dict(sorted(fcount.items()))}
-    m = Manifest(tokenizer=ident, dtype=fmt.dtype_name(fmt.token_dtype(ident.vocab_size)), chunk_tokens=int(cfg.chunk_tokens),
-                 shards=entries, splits=splits, extra=extra)
+    m = Manifest(
+        tokenizer=ident,
+        dtype=fmt.dtype_name(fmt.token_dtype(ident.vocab_size)),
+        chunk_tokens=int(cfg.chunk_tokens),
+        shards=entries,
+        splits=splits,
+        extra=extra,
+    )
     if explain_tmp is not None and explain_path is not None:
         if explain_fh is None:  # no task was decided
             explain_fh = open(explain_tmp, "w", encoding="utf-8")
@@ -1755,10 +1959,17 @@ def _run(cfg: BuildConfig, tok: Tokenizer, inputs: list[Input], tasks: list[Task
 def _report_from_manifest(m: Manifest, shards_dir: Path, elapsed: float) -> BuildReport:
     b = m.extra.get("build") or {}
     return BuildReport(
-        manifest=str(m.path), shards_dir=str(shards_dir), tokenizer=m.tokenizer.to_json(), splits=m.splits,
-        tasks=int(b.get("tasks", 0)), tasks_read=int(b.get("tasks_read", 0)),
-        skipped_total=int(b.get("skipped_records_total", 0)), skipped_records=list(b.get("skipped_records", [])),
-        filter_counters=dict((m.extra.get("filters") or {}).get("counters", {})), elapsed_s=elapsed, up_to_date=True,
+        manifest=str(m.path),
+        shards_dir=str(shards_dir),
+        tokenizer=m.tokenizer.to_json(),
+        splits=m.splits,
+        tasks=int(b.get("tasks", 0)),
+        tasks_read=int(b.get("tasks_read", 0)),
+        skipped_total=int(b.get("skipped_records_total", 0)),
+        skipped_records=list(b.get("skipped_records", [])),
+        filter_counters=dict((m.extra.get("filters") or {}).get("counters", {})),
+        elapsed_s=elapsed,
+        up_to_date=True,
     )
 
 
@@ -1772,8 +1983,11 @@ def format_report(report: BuildReport) -> str:
             cols.insert(-1, extra)
     head = "up to date" if report.up_to_date else ("resumed and built" if report.resumed else "built")
     tok = report.tokenizer
-    lines = [f"{head} {report.manifest} (tokenizer {tok.get('name')}"
-             + (f", encoder {report.encoder}" if report.encoder else "") + ")"]
+    lines = [
+        f"{head} {report.manifest} (tokenizer {tok.get('name')}"
+        + (f", encoder {report.encoder}" if report.encoder else "")
+        + ")"
+    ]
     if report.encoder_note:
         lines.append(f"  note: {report.encoder_note}")
     width = {c: max(len(c), 12) for c in cols}
@@ -1800,8 +2014,10 @@ def format_report(report: BuildReport) -> str:
             shown = ", ".join(f"{k} {v:,}" for k, v in top[:6]) + (f", {len(top) - 6} more" if len(top) > 6 else "")
             parts.append(f"lang {sum(lang.values()):,} ({shown})")
         c = report.filter_counters
-        lines.append(f"  filters: {int(c.get('docs', 0)):,} documents in, {int(c.get('kept', 0)):,} out; "
-                     f"dropped: {', '.join(parts) or 'none'}")
+        lines.append(
+            f"  filters: {int(c.get('docs', 0)):,} documents in, {int(c.get('kept', 0)):,} out; "
+            f"dropped: {', '.join(parts) or 'none'}"
+        )
         changed = fs.get("changed", {})
         if changed:
             txt = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in changed.items())
@@ -1811,17 +2027,29 @@ def format_report(report: BuildReport) -> str:
             lines.append(f"  filters changed documents: {txt}")
         if fs.get("languages"):
             top = list(fs["languages"].items())
-            lines.append("  languages stored: " + ", ".join(f"{k} {v:,}" for k, v in top[:8])
-                         + (f", {len(top) - 8} more" if len(top) > 8 else ""))
+            lines.append(
+                "  languages stored: "
+                + ", ".join(f"{k} {v:,}" for k, v in top[:8])
+                + (f", {len(top) - 8} more" if len(top) > 8 else "")
+            )
         if "x_tokenize" in fs:
             sec = fs["seconds"]
             stages = ", ".join(f"{k[7:]} {v:.2f}" for k, v in sec.items() if k.startswith("filter:"))
-            lines.append(f"  filter time {sec['filter']:.2f} s ({stages}) = {fs['x_tokenize']:.2f}x "
-                         f"tokenization {sec['encode']:.2f} s (worker CPU seconds)")
+            lines.append(
+                f"  filter time {sec['filter']:.2f} s ({stages}) = {fs['x_tokenize']:.2f}x "
+                f"tokenization {sec['encode']:.2f} s (worker CPU seconds)"
+            )
     if report.explain_drops:
         lines.append(f"  explained {report.explained:,} dropped documents in {report.explain_drops}")
     if report.skipped_total:
-        lines.append(f"  skipped {report.skipped_total:,} bad records" + (
-            f" (first {len(report.skipped_records)} listed)" if len(report.skipped_records) < report.skipped_total else "") + ":")
+        lines.append(
+            f"  skipped {report.skipped_total:,} bad records"
+            + (
+                f" (first {len(report.skipped_records)} listed)"
+                if len(report.skipped_records) < report.skipped_total
+                else ""
+            )
+            + ":"
+        )
         lines.extend(f"    {r}" for r in report.skipped_records)
     return "\n".join(lines)

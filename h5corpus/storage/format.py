@@ -7,8 +7,9 @@ so that the three cannot drift apart. Bump :data:`FORMAT_VERSION` on any layout 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class TokenizerIdentity:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "TokenizerIdentity":
+    def from_json(cls, d: Mapping[str, Any]) -> TokenizerIdentity:
         try:
             return cls(
                 name=str(d["name"]),
@@ -110,7 +111,7 @@ class TokenizerIdentity:
         except KeyError as e:
             raise FormatError(f"tokenizer identity lacks key {e.args[0]!r}") from None
 
-    def same_ids(self, other: "TokenizerIdentity") -> bool:
+    def same_ids(self, other: TokenizerIdentity) -> bool:
         """True when both produce the same ids (name and revision may differ for one JSON)."""
         return (self.sha256, self.vocab_size, self.eos_id) == (other.sha256, other.vocab_size, other.eos_id)
 
@@ -158,7 +159,7 @@ def check_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
     return got
 
 
-def tokens_sha256_update(h: "hashlib._Hash", tokens: np.ndarray) -> None:
+def tokens_sha256_update(h: hashlib._Hash, tokens: np.ndarray) -> None:
     """Feed ``tokens`` to ``h`` as little-endian bytes (the manifest's ``sha256`` definition)."""
     a = np.ascontiguousarray(tokens)
     if a.dtype.byteorder == ">":

@@ -9,14 +9,15 @@ the seed's checks, each reported pass/fail with the figure behind it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from . import format as fmt
-from .manifest import Manifest, read_manifest
+from .storage import format as fmt
+from .storage.manifest import Manifest, read_manifest
 
 #: Tokens read per block while streaming a shard.
 BLOCK_TOKENS = 1 << 22
@@ -47,15 +48,26 @@ class InspectReport:
 
     def to_json(self) -> dict[str, Any]:
         splits = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in self.splits.items()}
-        return {"manifest": self.manifest, "settings": self.settings, "ok": self.ok, "splits": splits,
-                "checks": [asdict(c) for c in self.checks]}
+        return {
+            "manifest": self.manifest,
+            "settings": self.settings,
+            "ok": self.ok,
+            "splits": splits,
+            "checks": [asdict(c) for c in self.checks],
+        }
 
 
 def _quantiles(lengths: np.ndarray) -> dict[str, int]:
     if lengths.size == 0:
         return {"min": 0, "median": 0, "p90": 0, "p99": 0, "max": 0}
     q = np.percentile(lengths, [50, 90, 99], method="nearest")
-    return {"min": int(lengths.min()), "median": int(q[0]), "p90": int(q[1]), "p99": int(q[2]), "max": int(lengths.max())}
+    return {
+        "min": int(lengths.min()),
+        "median": int(q[0]),
+        "p90": int(q[1]),
+        "p99": int(q[2]),
+        "max": int(lengths.max()),
+    }
 
 
 def _stream_split(corpus, progress) -> dict[str, Any]:
@@ -79,7 +91,12 @@ def _stream_split(corpus, progress) -> dict[str, Any]:
         bad_ends += int(np.count_nonzero(view[ends[lo:hi] - a] != eos))
         if progress:
             progress(b - a)
-    return {"hist": hist, "bad_ends": bad_ends, "eos_inside": eos_total - (ends.size - bad_ends), "whole_docs": int(ends.size)}
+    return {
+        "hist": hist,
+        "bad_ends": bad_ends,
+        "eos_inside": eos_total - (ends.size - bad_ends),
+        "whole_docs": int(ends.size),
+    }
 
 
 def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tuple[bool, str]:
@@ -93,15 +110,19 @@ def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tup
     of the longest real documents is also split with :func:`split_tokens` and compared token by
     token: inputs == doc[:-1], targets == doc[1:].
     """
-    from .packing import chunk_layout, split_tokens
+    from .loaders.bestfit import chunk_layout, split_tokens
 
     lengths = corpus.doc_lengths
     pairs = np.maximum(lengths - 1, 0)
     doc, start, length = chunk_layout(lengths, seq_len)
-    per_doc = np.bincount(doc, weights=length, minlength=lengths.size).astype(np.int64) if doc.size else np.zeros_like(pairs)
+    per_doc = (
+        np.bincount(doc, weights=length, minlength=lengths.size).astype(np.int64) if doc.size else np.zeros_like(pairs)
+    )
     first = np.r_[True, doc[1:] != doc[:-1]] if doc.size else np.zeros(0, bool)
     ends = start + length
-    gaps = int(np.count_nonzero(start[first] != 0)) + int(np.count_nonzero(start[~first] != np.r_[0, ends[:-1]][~first]))
+    gaps = int(np.count_nonzero(start[first] != 0)) + int(
+        np.count_nonzero(start[~first] != np.r_[0, ends[:-1]][~first])
+    )
     bad_len = int(np.count_nonzero((length < 1) | (length > seq_len)))
     lost = int(np.clip(pairs - per_doc, 0, None).sum())
     dup = int(np.clip(per_doc - pairs, 0, None).sum())
@@ -119,18 +140,24 @@ def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tup
             sample_bad += 1
     chunk_pairs = int(length.sum())
     ok = lost == 0 and dup == 0 and gaps == 0 and bad_len == 0 and not_at_end == 0 and bad_ends == 0 and sample_bad == 0
-    fig = (f"{chunk_pairs:,} chunked pairs vs {int(pairs.sum()):,} document pairs: {lost:,} lost, {dup:,} duplicated, "
-           f"{gaps:,} gaps/overlaps; {not_at_end + bad_ends:,} documents whose last target is not their real EOS; "
-           f"{sample_bad}/{len(longest)} longest documents differ from split_tokens")
+    fig = (
+        f"{chunk_pairs:,} chunked pairs vs {int(pairs.sum()):,} document pairs: {lost:,} lost, {dup:,} duplicated, "
+        f"{gaps:,} gaps/overlaps; {not_at_end + bad_ends:,} documents whose last target is not their real EOS; "
+        f"{sample_bad}/{len(longest)} longest documents differ from split_tokens"
+    )
     return ok, fig
 
 
-def _check_batches(corpus, seq_len, batch_size, packing_buffer, seed, mode, n_batches: int = 3) -> tuple[tuple[bool, str], tuple[bool, str]]:
+def _check_batches(
+    corpus, seq_len, batch_size, packing_buffer, seed, mode, n_batches: int = 3
+) -> tuple[tuple[bool, str], tuple[bool, str]]:
     """(model input length == real inputs and positions restart per segment; restoring the
     sampler state continues with the same next batch)."""
-    from .packing import BestFitDataset
+    from .loaders.bestfit import BestFitDataset
 
-    ds = BestFitDataset(corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode)
+    ds = BestFitDataset(
+        corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+    )
     it = iter(ds)
     bad_len = bad_pos = seen = 0
     real = 0
@@ -152,27 +179,41 @@ def _check_batches(corpus, seq_len, batch_size, packing_buffer, seed, mode, n_ba
         except AssertionError:
             bad_pos += 1
     length_ok = seen > 0 and bad_len == 0 and bad_pos == 0
-    length_fig = (f"{seen} microbatches, {real:,} real inputs = model input rows; "
-                  f"{bad_len} with a length mismatch, {bad_pos} with positions not restarting per segment")
+    length_fig = (
+        f"{seen} microbatches, {real:,} real inputs = model input rows; "
+        f"{bad_len} with a length mismatch, {bad_pos} with positions not restarting per segment"
+    )
     # restore: state after one batch -> a fresh dataset continues with the same next batch
-    ds2 = BestFitDataset(corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode)
+    ds2 = BestFitDataset(
+        corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+    )
     it2 = iter(ds2)
     first = next(it2, None)
     state = ds2.state_dict()
     expected = next(it2, None)
-    ds3 = BestFitDataset(corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode)
+    ds3 = BestFitDataset(
+        corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+    )
     ds3.load_state_dict(state)
     got = next(iter(ds3), None)
     if first is None or expected is None:
         restore_ok, fig = True, "split holds fewer than 2 microbatches: nothing to resume"
     else:
-        same = got is not None and all(
-            bool((getattr(got, f) == getattr(expected, f)).all()) if hasattr(getattr(got, f), "shape") else getattr(got, f) == getattr(expected, f)
-            for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "max_seqlen", "pack_lengths")
-        ) and got.input_ids.shape == expected.input_ids.shape
+        same = (
+            got is not None
+            and all(
+                bool((getattr(got, f) == getattr(expected, f)).all())
+                if hasattr(getattr(got, f), "shape")
+                else getattr(got, f) == getattr(expected, f)
+                for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "max_seqlen", "pack_lengths")
+            )
+            and got.input_ids.shape == expected.input_ids.shape
+        )
         restore_ok = bool(same)
-        fig = (f"batch 2 after restoring the state taken after batch 1: "
-               f"{'identical' if same else 'DIFFERENT'} ({expected.num_tokens:,} tokens, {expected.num_segments} segments)")
+        fig = (
+            f"batch 2 after restoring the state taken after batch 1: "
+            f"{'identical' if same else 'DIFFERENT'} ({expected.num_tokens:,} tokens, {expected.num_segments} segments)"
+        )
     return (length_ok, length_fig), (restore_ok, fig)
 
 
@@ -180,7 +221,7 @@ def _decode_top(manifest: Manifest, ids: Sequence[int]) -> list[str] | None:
     """Texts of ``ids`` when the manifest's tokenizer can be loaded offline and is the same one
     (sha256 of its JSON); None otherwise (the table then shows ids)."""
     try:
-        from .tokenize import load_tokenizer
+        from .build.tokenizer import load_tokenizer
 
         tok = load_tokenizer(manifest.tokenizer.name)
         if tok.identity.sha256 != manifest.tokenizer.sha256:
@@ -203,10 +244,8 @@ def inspect_corpus(
     progress: bool = False,
 ) -> InspectReport:
     """Statistics and checks of ``splits`` (default: every split present) of a built corpus."""
-    from .packing import chunk_layout, pack_fill
-    from .reader import open_corpus
-
-    from .packing import default_packing_buffer
+    from .loaders.bestfit import chunk_layout, default_packing_buffer, pack_fill
+    from .storage.reader import open_corpus
 
     packing_buffer = default_packing_buffer(mode, packing_buffer)
     m = read_manifest(manifest)
@@ -215,8 +254,16 @@ def inspect_corpus(
     for s in splits:
         if s not in present:
             raise ValueError(f"{m.path}: split {s!r} has no shards (present: {present})")
-    rep = InspectReport(manifest=str(m.path), settings={
-        "seq_len": seq_len, "batch_size": batch_size, "packing_buffer": packing_buffer, "mode": mode, "seed": seed})
+    rep = InspectReport(
+        manifest=str(m.path),
+        settings={
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "packing_buffer": packing_buffer,
+            "mode": mode,
+            "seed": seed,
+        },
+    )
     total = sum(s.tokens for s in m.shards if s.split in splits)
     bar = None
     if progress:
@@ -236,13 +283,16 @@ def inspect_corpus(
             long_idx = np.flatnonzero(lengths - 1 > seq_len)
             examples = []
             for i in long_idx[np.argsort(-lengths[long_idx], kind="stable")][:5].tolist():
-                examples.append({"document": int(i), "tokens": int(lengths[i]),
-                                 "chunk_lengths": clen[doc == i].tolist()})
+                examples.append(
+                    {"document": int(i), "tokens": int(lengths[i]), "chunk_lengths": clen[doc == i].tolist()}
+                )
             hist = st["hist"]
             top = np.argsort(-hist, kind="stable")[:top_k]
             top = top[hist[top] > 0]
             decoded = _decode_top(m, top.tolist())
-            pf = pack_fill(lengths, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode)
+            pf = pack_fill(
+                lengths, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+            )
             n_chunks = int(clen.size)
             padded_rows = n_chunks * seq_len
             # dynamic padding: segments in shuffled order, batch_size rows per microbatch, each row
@@ -270,18 +320,27 @@ def inspect_corpus(
                 "characters_per_token": (round(chars / c.num_tokens, 3) if chars and c.num_tokens else None),
                 "vocabulary_used": int(np.count_nonzero(hist)),
                 "vocabulary_size": m.tokenizer.vocab_size,
-                "top_tokens": [{"id": int(t), "count": int(hist[t]), **({"text": decoded[k]} if decoded else {})}
-                               for k, t in enumerate(top.tolist())],
+                "top_tokens": [
+                    {"id": int(t), "count": int(hist[t]), **({"text": decoded[k]} if decoded else {})}
+                    for k, t in enumerate(top.tolist())
+                ],
                 "packing": {
-                    "fill": round(pf.fill, 6), "fill_full_microbatches": round(pf.fill_full_microbatches, 6),
-                    "packs": pf.packs, "microbatches": pf.microbatches, "real_tokens": pf.real_tokens,
+                    "fill": round(pf.fill, 6),
+                    "fill_full_microbatches": round(pf.fill_full_microbatches, 6),
+                    "packs": pf.packs,
+                    "microbatches": pf.microbatches,
+                    "real_tokens": pf.real_tokens,
                     "capacity": pf.capacity,
                 },
                 "padding": {
                     "pad_each_segment_to_seq_len_waste": round(1 - pairs / padded_rows, 6) if padded_rows else 0.0,
                     "pad_to_longest_in_microbatch_waste": round(1 - pairs / dyn, 6) if dyn else 0.0,
                 },
-                "eos": {"bad_ends": st["bad_ends"], "eos_inside": st["eos_inside"], "whole_documents": st["whole_docs"]},
+                "eos": {
+                    "bad_ends": st["bad_ends"],
+                    "eos_inside": st["eos_inside"],
+                    "whole_documents": st["whole_docs"],
+                },
                 "_lengths": lengths,
                 "_pack_fill": pf.pack_fill,
             }
@@ -294,23 +353,39 @@ def inspect_corpus(
         a = corpora["train"].doc_ids.view("V32").ravel()
         b = corpora["validation"].doc_ids.view("V32").ravel()
         both = int(np.intersect1d(a, b).size)
-        rep.checks.append(Check("no source document id in both splits", both == 0,
-                                f"{both:,} ids shared by {a.size:,} train and {b.size:,} validation documents"))
+        rep.checks.append(
+            Check(
+                "no source document id in both splits",
+                both == 0,
+                f"{both:,} ids shared by {a.size:,} train and {b.size:,} validation documents",
+            )
+        )
     else:
-        rep.checks.append(Check("no source document id in both splits", True, f"only {splits} inspected: nothing to compare"))
+        rep.checks.append(
+            Check("no source document id in both splits", True, f"only {splits} inspected: nothing to compare")
+        )
     for split, c in corpora.items():
         ok, fig = _check_chunking(c, seq_len, rep.splits[split]["eos"]["bad_ends"])
-        rep.checks.append(Check(f"[{split}] chunking neither drops nor duplicates a pair and keeps the real EOS", ok, fig))
+        rep.checks.append(
+            Check(f"[{split}] chunking neither drops nor duplicates a pair and keeps the real EOS", ok, fig)
+        )
     for split, c in corpora.items():
         (lok, lfig), (rok, rfig) = _check_batches(c, seq_len, batch_size, packing_buffer, seed, mode)
-        rep.checks.append(Check(f"[{split}] model input length = real input count; positions restart per segment", lok, lfig))
+        rep.checks.append(
+            Check(f"[{split}] model input length = real input count; positions restart per segment", lok, lfig)
+        )
         rep.checks.append(Check(f"[{split}] restoring the sampler state continues with the same next batch", rok, rfig))
     for split in corpora:
         e = rep.splits[split]["eos"]
         ok = e["bad_ends"] == 0 and e["eos_inside"] == 0
-        rep.checks.append(Check(f"[{split}] every document ends with EOS and no EOS elsewhere", ok,
-                                f"{e['bad_ends']:,} of {e['whole_documents']:,} documents lack the final EOS; "
-                                f"{e['eos_inside']:,} EOS inside documents"))
+        rep.checks.append(
+            Check(
+                f"[{split}] every document ends with EOS and no EOS elsewhere",
+                ok,
+                f"{e['bad_ends']:,} of {e['whole_documents']:,} documents lack the final EOS; "
+                f"{e['eos_inside']:,} EOS inside documents",
+            )
+        )
     for c in corpora.values():
         c.close()
     return rep
@@ -365,8 +440,9 @@ def format_report(rep: InspectReport) -> str:
                 lines.append(f"  document {e['document']:,}: {e['tokens']:,} tokens -> {_runs(e['chunk_lengths'])}")
         top = rep.splits[n]["top_tokens"][:10]
         if top:
-            lines.append(f"[{n}] most frequent tokens: " + ", ".join(
-                f"{t.get('text', t['id'])!r}:{t['count']:,}" for t in top))
+            lines.append(
+                f"[{n}] most frequent tokens: " + ", ".join(f"{t.get('text', t['id'])!r}:{t['count']:,}" for t in top)
+            )
     lines.append("")
     lines.append("checks:")
     lines.extend(f"  {c}" for c in rep.checks)
@@ -389,7 +465,9 @@ def plot_report(rep: InspectReport, path: str | os.PathLike[str]) -> Path:
             bins = np.logspace(0, np.log10(max(L.max(), 2)), 50)
             ax[0].hist(L, bins=bins, alpha=0.6, label=f"{name} ({s['documents']:,} docs)")
     ax[0].set_xscale("log")
-    ax[0].axvline(rep.settings["seq_len"] + 1, color="k", ls="--", lw=1, label=f"seq_len + 1 = {rep.settings['seq_len'] + 1:,}")
+    ax[0].axvline(
+        rep.settings["seq_len"] + 1, color="k", ls="--", lw=1, label=f"seq_len + 1 = {rep.settings['seq_len'] + 1:,}"
+    )
     ax[0].set_xlabel("document length (tokens, EOS included)")
     ax[0].set_ylabel("documents")
     ax[0].set_title("document lengths")
@@ -397,8 +475,12 @@ def plot_report(rep: InspectReport, path: str | os.PathLike[str]) -> Path:
     for name, s in rep.splits.items():
         pf = s["_pack_fill"]
         if pf.size:
-            ax[1].hist(pf, bins=np.linspace(0, 1, 41), alpha=0.6,
-                       label=f"{name}: fill {s['packing']['fill']:.4f}, {s['packing']['packs']:,} packs")
+            ax[1].hist(
+                pf,
+                bins=np.linspace(0, 1, 41),
+                alpha=0.6,
+                label=f"{name}: fill {s['packing']['fill']:.4f}, {s['packing']['packs']:,} packs",
+            )
     ax[1].set_yscale("log")
     ax[1].set_xlabel("pack fill (real tokens / capacity)")
     ax[1].set_ylabel("packs")

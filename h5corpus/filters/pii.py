@@ -45,15 +45,9 @@ _IPV4_RE = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)")
 _VERSION_CONTEXT = re.compile(r"(?:\bv|\bversion|\bver\.?|\brelease|\bbuild|\brev\.?|\bfirmware)\s*$", re.IGNORECASE)
 _KEEP_IPS = frozenset({"0.0.0.0", "127.0.0.1", "255.255.255.255", "::", "::1"})
 # Candidates only (hex groups and colons, optionally an IPv4 tail); ipaddress decides.
-_IPV6_RE = re.compile(
-    r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{0,4})(?![\w:])"
-)
-_PHONE_INTL_RE = re.compile(
-    r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(\d{1,4}\))?(?:[ .-]?\d{1,5}){1,6}(?![\w])"
-)
-_PHONE_NANP_RE = re.compile(
-    r"(?<![\w.+/-])(?:\(\d{3}\)[ ]?\d{3}-\d{4}|\d{3}([-.])\d{3}\1\d{4})(?![\w]|[-.]\d)"
-)
+_IPV6_RE = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{0,4})(?![\w:])")
+_PHONE_INTL_RE = re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(\d{1,4}\))?(?:[ .-]?\d{1,5}){1,6}(?![\w])")
+_PHONE_NANP_RE = re.compile(r"(?<![\w.+/-])(?:\(\d{3}\)[ ]?\d{3}-\d{4}|\d{3}([-.])\d{3}\1\d{4})(?![\w]|[-.]\d)")
 _PHONE_KEYWORD_RE = re.compile(
     r"(?:\b(?:tel|telephone|phone|ph|fax|mobile|mob|cell|call|whatsapp|t[eé]l[eé]fono|telefon|tél)\b\.?\s*(?:[^\W\d_]+\s*)?:?\s*)"
     r"(\(?\d{2,5}\)?(?:[ ./-]?\d{2,5}){1,5})(?![\w]|[-./]\d)",
@@ -70,14 +64,16 @@ _PLACEHOLDER = {"email": EMAIL, "phone": PHONE, "ip": IP}
 
 # ASCII text: the same spans as _NUMBERISH from a bytes regex over a class map (digit -> "0",
 # separator -> ".", other -> "x"), ~4x faster; for ASCII, \d is [0-9] and byte = character offsets.
-_NUMBERISH_CLASS = bytes(ord("0") if 48 <= c <= 57 else ord(".") if chr(c) in " .()/-" else ord("x") for c in range(256))
+_NUMBERISH_CLASS = bytes(
+    ord("0") if 48 <= c <= 57 else ord(".") if chr(c) in " .()/-" else ord("x") for c in range(256)
+)
 _NUMBERISH_BYTES = re.compile(rb"0[0.]{5,}0")
 
 
-_DIGIT_PREFIXES: "re.Pattern[bytes] | None" = None
+_DIGIT_PREFIXES: re.Pattern[bytes] | None = None
 
 
-def _digit_prefixes() -> "re.Pattern[bytes]":
+def _digit_prefixes() -> re.Pattern[bytes]:
     """A bytes regex matching the first two UTF-8 bytes of every non-ASCII decimal digit (what
     ``\\d`` matches besides 0-9: ``str.isdecimal``, Unicode category Nd), e.g. ``b"\\xd9\\xa0"``
     for U+0660. Built once per process from the running Python's Unicode tables (~0.05 s)."""
@@ -175,8 +171,9 @@ _IPV4_RUN = re.compile(r"[\d.]*")
 _IPV6_RUN = re.compile(r"[0-9A-Fa-f:.\d]*")
 
 
-def _anchored(text: str, regex: "re.Pattern[str]", gate: "re.Pattern[str]", run: "re.Pattern[str]",
-              back: int) -> list["re.Match[str]"]:
+def _anchored(
+    text: str, regex: re.Pattern[str], gate: re.Pattern[str], run: re.Pattern[str], back: int
+) -> list[re.Match[str]]:
     """The matches of ``regex.finditer(text)``, searching only around the anchors (``gate``
     matches, overlapping, in order).
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-_MODEL: "_Model | None" = None
+_MODEL: _Model | None = None
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,11 @@ def _load_model() -> _Model:
     if _MODEL is not None:
         return _MODEL
     try:
-        import py3langid.langid as pl
         from importlib.metadata import version
+
+        import py3langid.langid as pl
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "language identification needs py3langid: pip install 'h5corpus[filters]'"
-        ) from e
+        raise ImportError("language identification needs py3langid: pip install 'h5corpus[filters]'") from e
     ident = pl.LanguageIdentifier.from_model_file(pl.MODEL_FILE, norm_probs=True)
     nextmove = np.frombuffer(ident.tk_nextmove, dtype=np.dtype(ident.tk_nextmove.typecode)).astype(np.int32)
     rowbase = (np.asarray(ident.tk_row, dtype=np.int64) << 8).astype(np.int32)
@@ -92,11 +92,17 @@ def _load_model() -> _Model:
         else:
             first[c] = i
     _MODEL = _Model(
-        next_row=next_row, out_next=out_next, root2=root2, depth=int(depth.max()),
+        next_row=next_row,
+        out_next=out_next,
+        root2=root2,
+        depth=int(depth.max()),
         # float16 on disk; numpy would promote each gathered block to float32 anyway (and BLAS
         # needs float32), so convert once: same numbers, ~10x faster scoring.
-        ptc=np.asarray(ident.nb_ptc, dtype=np.float32), pc=np.asarray(ident.nb_pc, dtype=np.float32),
-        classes=classes, alias_pairs=pairs, version=f"py3langid-{version('py3langid')}",
+        ptc=np.asarray(ident.nb_ptc, dtype=np.float32),
+        pc=np.asarray(ident.nb_pc, dtype=np.float32),
+        classes=classes,
+        alias_pairs=pairs,
+        version=f"py3langid-{version('py3langid')}",
     )
     return _MODEL
 
@@ -128,13 +134,13 @@ def feature_ids(data: bytes, keep_positions: bool = False) -> np.ndarray:
     # Position j replays bytes j-d+1 .. j from the root. d-1 bytes of 0xFF in front (0xFF sends
     # every state to the root) make the first positions replay from the root too.
     b = np.frombuffer(_SEP * (d - 1) + data, dtype=np.uint8).astype(np.int32)
-    r = np.take(m.root2, (b[:n] << 8) | b[1:n + 1], mode="clip")
+    r = np.take(m.root2, (b[:n] << 8) | b[1 : n + 1], mode="clip")
     for k in range(2, d - 1):
         r <<= 8
-        r |= b[k:n + k]
+        r |= b[k : n + k]
         r = np.take(m.next_row, r, mode="clip").astype(np.int32)
     r <<= 8
-    r |= b[d - 1:n + d - 1]
+    r |= b[d - 1 : n + d - 1]
     f = np.take(m.out_next, r, mode="clip")  # indices are in range by construction
     return f if keep_positions else f[f >= 0]
 

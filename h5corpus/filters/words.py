@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -34,9 +34,9 @@ _UNICODE_SPACE = re.compile("[\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205
 UPPER, LOWER, DIGIT, PUNCT, NONASCII, CJK, SPACE, CONT = 1, 2, 4, 8, 16, 32, 64, 128
 
 CLS = np.zeros(256, dtype=np.uint8)
-CLS[ord("A"): ord("Z") + 1] = UPPER
-CLS[ord("a"): ord("z") + 1] = LOWER
-CLS[ord("0"): ord("9") + 1] = DIGIT
+CLS[ord("A") : ord("Z") + 1] = UPPER
+CLS[ord("a") : ord("z") + 1] = LOWER
+CLS[ord("0") : ord("9") + 1] = DIGIT
 for _c in range(128):
     if chr(_c).isspace():
         CLS[_c] = SPACE  # str.isspace() of the ASCII range: \t \n \v \f \r \x1c-\x1f and space
@@ -48,14 +48,16 @@ CLS[0xE3:0xEA] = NONASCII | CJK
 CLS[0xEF] = NONASCII | CJK
 #: Byte + 1 with ASCII letters folded to lowercase; 0 for whitespace (contributes nothing).
 _FOLD1 = np.arange(1, 257, dtype=np.uint64)
-_FOLD1[ord("A"): ord("Z") + 1] += np.uint64(32)
+_FOLD1[ord("A") : ord("Z") + 1] += np.uint64(32)
 _FOLD1[CLS == SPACE] = 0
 
 _P = 0x100000001B3  # FNV-1 64-bit prime (odd, so invertible mod 2**64)
 _MASK64 = (1 << 64) - 1
 _POW = np.ones(1, dtype=np.uint64)  # _POW[i] = P**i mod 2**64, grown on demand
 _IPOW = np.ones(1, dtype=np.uint64)  # _IPOW[i] = P**-i mod 2**64
-_CHUNK = 1 << 17  # bytes segmented per vectorized pass (pieces cut at whitespace); ~1 MiB arrays stay in cache (1.4x faster than 1 MiB pieces)
+_CHUNK = (
+    1 << 17
+)  # bytes segmented per vectorized pass (pieces cut at whitespace); ~1 MiB arrays stay in cache (1.4x faster than 1 MiB pieces)
 
 
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,8 +158,12 @@ _SPACE_E2 = re.compile(b"\xe2(?:\x80[\x80-\x8a\xa8\xa9\xaf]|\x81\x9f)")
 
 
 def _has_unicode_space(data: bytes) -> bool:
-    return ((b"\xc2" in data and _SPACE_C2.search(data) is not None) or b"\xe1\x9a\x80" in data
-            or b"\xe3\x80\x80" in data or _SPACE_E2.search(data) is not None)
+    return (
+        (b"\xc2" in data and _SPACE_C2.search(data) is not None)
+        or b"\xe1\x9a\x80" in data
+        or b"\xe3\x80\x80" in data
+        or _SPACE_E2.search(data) is not None
+    )
 
 
 def _encode(text: str) -> tuple[bytes, bool]:
@@ -196,8 +202,15 @@ def segment_batch(texts: Sequence[str]) -> Segmented:
     offsets = np.empty(len(enc) + 1, dtype=np.int64)
     offsets[:-1] = np.searchsorted(starts, text_start[:-1])
     offsets[-1] = starts.size
-    return Segmented(WordBatch(w.chars, w.bits, w.hashes, offsets), data, text_start, starts, ends, punct,
-                     np.array(respaced, dtype=bool))
+    return Segmented(
+        WordBatch(w.chars, w.bits, w.hashes, offsets),
+        data,
+        text_start,
+        starts,
+        ends,
+        punct,
+        np.array(respaced, dtype=bool),
+    )
 
 
 def _cut(data: bytes, lo: int, hi: int) -> int:
@@ -247,8 +260,9 @@ def _word_starts(cls: np.ndarray, cuts: Sequence[int]) -> np.ndarray:
     return np.flatnonzero(brk)
 
 
-def _words_at(cls: np.ndarray, values: np.ndarray, cuts: Sequence[int],
-              starts: np.ndarray) -> tuple[Words, np.ndarray, np.ndarray]:
+def _words_at(
+    cls: np.ndarray, values: np.ndarray, cuts: Sequence[int], starts: np.ndarray
+) -> tuple[Words, np.ndarray, np.ndarray]:
     """The words starting at ``starts`` (byte offsets into the class and hash-value arrays, cut
     into pieces at ``cuts``): Words, end offsets, PUNCT byte counts. Per piece (cache-sized
     arrays): prefix sums of the hash terms and of the class counts, read at each word's bounds;
@@ -276,11 +290,11 @@ def _words_at(cls: np.ndarray, values: np.ndarray, cuts: Sequence[int],
             last[-1] = n - 1
             pw = _powers(n)[0]
             # acc[i] = sum_{j <= i} v[j] P^j, v[j] = folded byte + 1 (0 for whitespace)
-            acc = np.multiply(values[lo:lo + n], pw[:n], dtype=np.uint64)
+            acc = np.multiply(values[lo : lo + n], pw[:n], dtype=np.uint64)
             np.cumsum(acc, out=acc)
             # per-class byte counts, 8 bits each (one cumulative sum for all classes): each
             # byte's class bits spread to one byte per bit (byte k = bit k), summed as uint64
-            cnt = np.unpackbits(cls[lo:lo + n], bitorder="little").view(np.uint64)
+            cnt = np.unpackbits(cls[lo : lo + n], bitorder="little").view(np.uint64)
             np.cumsum(cnt, out=cnt)
             np.subtract(acc[last], acc[before], out=h[a:b])
             np.subtract(cnt[last], cnt[before], out=d[a:b])
@@ -331,7 +345,7 @@ def ngram_hashes(hashes: np.ndarray, n: int, mix: bool = True) -> np.ndarray:
         g = hashes[:m].copy()
         for j in range(1, n):
             g *= np.uint64(_P)
-            g += hashes[j: j + m]
+            g += hashes[j : j + m]
     return mix64(g) if mix else g
 
 
@@ -352,7 +366,7 @@ def ngram_hashes_batch(hashes: np.ndarray, offsets: np.ndarray, n: int) -> tuple
         g = hashes[:m].copy()
         for j in range(1, n):
             g *= np.uint64(_P)
-            g += hashes[j: j + m]
+            g += hashes[j : j + m]
     if n > 1:  # drop the windows that start in the last n - 1 words of a text
         keep = np.ones(m, dtype=bool)
         bad = (offsets[1:, None] + np.arange(-(n - 1), 0)[None, :]).ravel()

@@ -29,9 +29,9 @@ defaults (~1.9 GB per million kept documents).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from functools import lru_cache
 from itertools import chain
-from typing import Sequence
 
 import numpy as np
 
@@ -111,10 +111,10 @@ class MinHasher:
             pieces = []
             prev = 0
             for i in short.tolist():
-                pieces.append(shingles[sh_off[prev]:sh_off[i]])
+                pieces.append(shingles[sh_off[prev] : sh_off[i]])
                 pieces.append(shingles_from_word_hashes(word_hashes[i], self.shingle_size))
                 prev = i + 1
-            pieces.append(shingles[sh_off[prev]:])
+            pieces.append(shingles[sh_off[prev] :])
             counts = np.diff(sh_off)
             counts[short] = 1
             sh_off = np.zeros(k + 1, dtype=np.int64)
@@ -141,7 +141,7 @@ class MinHasher:
             lo, hi = int(offsets[a]), int(offsets[b])
             if hi == lo:
                 continue
-            m = digest(flat[lo:hi], (offsets[a:b + 1] - lo).astype(np.uint64), self.num_perm, self.seed)
+            m = digest(flat[lo:hi], (offsets[a : b + 1] - lo).astype(np.uint64), self.num_perm, self.seed)
             rows = array(_U32, chain.from_iterable(m.to_rows()))  # 2x faster than np.asarray(list of lists)
             out[a:b] = np.frombuffer(rows, dtype=np.uint32).reshape(b - a, self.num_perm)
         empty = offsets[1:] == offsets[:-1]

@@ -40,9 +40,10 @@ from __future__ import annotations
 import hashlib
 import os
 from bisect import bisect_right, insort
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import getitem
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -125,8 +126,15 @@ def split_tokens(*args: Any, max_seq_len: int = 4096) -> list[Chunk]:
     _, start, length = chunk_layout(np.array([a.size]), max_seq_len)
     out = []
     for s, n in zip(start.tolist(), length.tolist()):
-        out.append(Chunk(inputs=a[s : s + n], targets=a[s + 1 : s + n + 1],
-                         position_ids=np.arange(n, dtype=np.int64), start=s, doc=doc))
+        out.append(
+            Chunk(
+                inputs=a[s : s + n],
+                targets=a[s + 1 : s + n + 1],
+                position_ids=np.arange(n, dtype=np.int64),
+                start=s,
+                doc=doc,
+            )
+        )
     return out
 
 
@@ -141,8 +149,10 @@ def _check_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
         raise ValueError(f"capacity must be >= 1 token, got {capacity}")
     if a.size and (a.min() < 1 or a.max() > capacity):
         bad = int(np.flatnonzero((a < 1) | (a > capacity))[0])
-        raise ValueError(f"chunk {bad:,} has {int(a[bad]):,} tokens; every chunk must hold 1..{capacity:,} "
-                         "(split documents with chunk_layout first)")
+        raise ValueError(
+            f"chunk {bad:,} has {int(a[bad]):,} tokens; every chunk must hold 1..{capacity:,} "
+            "(split documents with chunk_layout first)"
+        )
     return a
 
 
@@ -192,8 +202,9 @@ class BufferPacker:
 
     _BLOCK = 2048
 
-    def __init__(self, lengths: np.ndarray, capacity: int, buffer_size: int, *, cursor: int = 0,
-                 buffer: Sequence[int] = ()) -> None:
+    def __init__(
+        self, lengths: np.ndarray, capacity: int, buffer_size: int, *, cursor: int = 0, buffer: Sequence[int] = ()
+    ) -> None:
         if buffer_size < 1:
             raise ValueError(f"packing_buffer must be >= 1 chunk, got {buffer_size}")
         self.lengths = _check_lengths(lengths, capacity)
@@ -497,8 +508,17 @@ class _Plan:
     ``next_microbatch`` does itself).
     """
 
-    def __init__(self, doc_lengths: np.ndarray, docs: np.ndarray, *, max_seq_len: int, batch_size: int,
-                 packing_buffer: int, mode: str, rng_seed: Sequence[int]) -> None:
+    def __init__(
+        self,
+        doc_lengths: np.ndarray,
+        docs: np.ndarray,
+        *,
+        max_seq_len: int,
+        batch_size: int,
+        packing_buffer: int,
+        mode: str,
+        rng_seed: Sequence[int],
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if batch_size < 1:
@@ -629,13 +649,22 @@ class _Plan:
         if not 0 <= cursor <= self.num_chunks:
             raise ValueError(f"state cursor {cursor} outside [0, {self.num_chunks}] chunks")
         if self.packer is not None:
-            self.packer = BufferPacker(self.chunk_len, self.max_seq_len, self.packing_buffer, cursor=cursor,
-                                       buffer=np.asarray(st["buffer"], dtype=np.int64))
+            self.packer = BufferPacker(
+                self.chunk_len,
+                self.max_seq_len,
+                self.packing_buffer,
+                cursor=cursor,
+                buffer=np.asarray(st["buffer"], dtype=np.int64),
+            )
         else:
             self.cursor = cursor
         chunks = np.asarray(st["pending_chunks"], dtype=np.int64).reshape(-1)
         sizes = np.asarray(st["pending_lengths"], dtype=np.int64).reshape(-1)
-        if int(sizes.sum()) != chunks.size or (sizes < 1).any() or (chunks.size and not 0 <= chunks.min() <= chunks.max() < self.num_chunks):
+        if (
+            int(sizes.sum()) != chunks.size
+            or (sizes < 1).any()
+            or (chunks.size and not 0 <= chunks.min() <= chunks.max() < self.num_chunks)
+        ):
             raise ValueError("state's pending packs do not fit this plan")
         self._pend_chunks, self._pend_sizes = chunks.copy(), sizes.copy()
         self._pend_pack = self._pend_at = 0
@@ -672,8 +701,17 @@ class PackFill:
     """(packs,) float64 real tokens / max_seq_len per pack, in emission order."""
 
 
-def pack_fill(lengths: np.ndarray, max_seq_len: int = 4096, batch_size: int = 35, packing_buffer: int | None = None,
-              seed: int = 0, mode: str = "buffer", *, epoch: int = 0, shuffle: bool = True) -> PackFill:
+def pack_fill(
+    lengths: np.ndarray,
+    max_seq_len: int = 4096,
+    batch_size: int = 35,
+    packing_buffer: int | None = None,
+    seed: int = 0,
+    mode: str = "buffer",
+    *,
+    epoch: int = 0,
+    shuffle: bool = True,
+) -> PackFill:
     """Simulate one epoch of :class:`BestFitDataset` (one consumer) over document lengths.
 
     ``lengths`` are tokens per document, EOS included (``Corpus.doc_lengths``). The plan is the
@@ -683,8 +721,15 @@ def pack_fill(lengths: np.ndarray, max_seq_len: int = 4096, batch_size: int = 35
     lengths = np.asarray(lengths, dtype=np.int64)
     buf = default_packing_buffer(mode, packing_buffer)
     order = epoch_order(lengths.size, seed, epoch, shuffle)
-    plan = _Plan(lengths, order, max_seq_len=max_seq_len, batch_size=batch_size, packing_buffer=buf, mode=mode,
-                 rng_seed=_rng_seed(seed, epoch, Consumer(0, 1, 0, 1)))
+    plan = _Plan(
+        lengths,
+        order,
+        max_seq_len=max_seq_len,
+        batch_size=batch_size,
+        packing_buffer=buf,
+        mode=mode,
+        rng_seed=_rng_seed(seed, epoch, Consumer(0, 1, 0, 1)),
+    )
     loads: list[np.ndarray] = []
     mbs: list[int] = []
     while (mb := plan.next_microbatch()) is not None:
@@ -697,8 +742,12 @@ def pack_fill(lengths: np.ndarray, max_seq_len: int = 4096, batch_size: int = 35
     real_full = int(load[:n_full_packs].sum())  # only the final microbatch can be partial
     padded_cap = len(mbs) * batch_size * int(max_seq_len)
     return PackFill(
-        packs=int(load.size), microbatches=len(mbs), chunks=plan.num_chunks,
-        skipped_documents=int(np.count_nonzero(lengths < 2)), real_tokens=real, capacity=cap,
+        packs=int(load.size),
+        microbatches=len(mbs),
+        chunks=plan.num_chunks,
+        skipped_documents=int(np.count_nonzero(lengths < 2)),
+        real_tokens=real,
+        capacity=cap,
         fill=real / cap if cap else 0.0,
         fill_full_microbatches=real_full / (n_full_packs * max_seq_len) if n_full_packs else 0.0,
         fill_padded_last=real / padded_cap if padded_cap else 0.0,
@@ -727,10 +776,9 @@ class _MappedRuns(NamedTuple):
 def _mapped_runs(corpus: Any) -> _MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
     (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
-    if not hasattr(corpus, "_range_table"):
+    if not hasattr(corpus, "run_table"):
         return None
-    corpus._check_pid()
-    table = corpus._range_table()
+    table = corpus.run_table()
     if table is None:
         return None
     return _MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
@@ -749,7 +797,7 @@ class _ChunkReads:
     wrapped without a copy. Otherwise (a shard read through HDF5) the batch is allocated with
     :func:`~h5corpus.batch.alloc_compact` and filled by one :meth:`Corpus.gather_ranges` call."""
 
-    def __init__(self, corpus: Any, plan: "_Plan", table: _MappedRuns | None) -> None:
+    def __init__(self, corpus: Any, plan: _Plan, table: _MappedRuns | None) -> None:
         self.corpus, self.plan, self.table = corpus, plan, table
         self.dtype = np.dtype(corpus.dtype)
         self.storage = _STORAGE[self.dtype][0]
@@ -759,7 +807,7 @@ class _ChunkReads:
         plan = self.plan
         return np.asarray(self.corpus.doc_offsets, dtype=np.int64)[plan.chunk_doc[chunks]] + plan.chunk_start[chunks]
 
-    def prepare(self, g: _Group) -> list["_Prepared"]:
+    def prepare(self, g: _Group) -> list[_Prepared]:
         """Per-microbatch inputs of :meth:`batch` for a whole group, with one numpy call per
         quantity for the group instead of one per microbatch."""
         S, K = g.chunks.size, len(g.mb_packs) - 1
@@ -797,11 +845,20 @@ class _ChunkReads:
                 c0, c1 = cut[j], cut[j + 1]
                 patch = [(k - a, cross_starts[m]) for m, k in enumerate(cross_l[c0:c1], c0)] if c1 > c0 else None
                 ranges = (run_l[a:b], lo_l[a:b], hi_l[a:b], patch)
-            out.append(_Prepared(g.chunks[a:b], g.lengths[a:b], row_cu[a:b], pack_len[g.mb_packs[j] : g.mb_packs[j + 1]],
-                                 tokens[j], longest[j], ranges))
+            out.append(
+                _Prepared(
+                    g.chunks[a:b],
+                    g.lengths[a:b],
+                    row_cu[a:b],
+                    pack_len[g.mb_packs[j] : g.mb_packs[j + 1]],
+                    tokens[j],
+                    longest[j],
+                    ranges,
+                )
+            )
         return out
 
-    def batch(self, mb: "_Prepared") -> VarlenBatch:
+    def batch(self, mb: _Prepared) -> VarlenBatch:
         """The compact batch of one prepared microbatch."""
         S, P, T = mb.lengths.size, mb.pack_lengths.size, mb.num_tokens
         if mb.ranges is None:
@@ -881,13 +938,25 @@ class BestFitDataset(IterableDataset):
     Call :meth:`set_epoch` before each epoch.
     """
 
-    def __init__(self, corpus: Any, max_seq_len: int = 4096, batch_size: int = 35, packing_buffer: int | None = None,
-                 seed: int = 0, mode: str = "buffer", *, split: str = "train", shuffle: bool = True,
-                 rank: int | None = None, world_size: int | None = None, epoch: int = 0,
-                 with_segments: bool = False) -> None:
+    def __init__(
+        self,
+        corpus: Any,
+        max_seq_len: int = 4096,
+        batch_size: int = 35,
+        packing_buffer: int | None = None,
+        seed: int = 0,
+        mode: str = "buffer",
+        *,
+        split: str = "train",
+        shuffle: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        epoch: int = 0,
+        with_segments: bool = False,
+    ) -> None:
         super().__init__()
         if not hasattr(corpus, "doc_offsets"):
-            from .reader import open_corpus
+            from ..storage.reader import open_corpus
 
             corpus = open_corpus(corpus, split)
         if mode not in MODES:
@@ -917,8 +986,14 @@ class BestFitDataset(IterableDataset):
         self.epoch = int(epoch)
 
     def _config(self) -> dict[str, Any]:
-        return {"max_seq_len": self.max_seq_len, "batch_size": self.batch_size, "packing_buffer": self.packing_buffer,
-                "seed": self.seed, "mode": self.mode, "shuffle": self.shuffle}
+        return {
+            "max_seq_len": self.max_seq_len,
+            "batch_size": self.batch_size,
+            "packing_buffer": self.packing_buffer,
+            "seed": self.seed,
+            "mode": self.mode,
+            "shuffle": self.shuffle,
+        }
 
     @property
     def fingerprint(self) -> str:
@@ -937,16 +1012,25 @@ class BestFitDataset(IterableDataset):
         lengths = self.corpus.doc_lengths
         if st is not None and st.get("started"):
             if tuple(st["consumer"]) != (consumer.index, consumer.count):
-                raise ValueError(f"state belongs to consumer {tuple(st['consumer'])} (index, count) but this is "
-                                 f"consumer ({consumer.index}, {consumer.count}): resume with the same world size "
-                                 "and num_workers")
+                raise ValueError(
+                    f"state belongs to consumer {tuple(st['consumer'])} (index, count) but this is "
+                    f"consumer ({consumer.index}, {consumer.count}): resume with the same world size "
+                    "and num_workers"
+                )
             epoch = int(st["epoch"])
             docs = np.asarray(st["order"], dtype=np.int64)
         else:
             epoch = int(st["epoch"]) if st is not None else self.epoch
             docs = consumer_documents(self._order(epoch), consumer)
-        plan = _Plan(lengths, docs, max_seq_len=self.max_seq_len, batch_size=self.batch_size,
-                     packing_buffer=self.packing_buffer, mode=self.mode, rng_seed=_rng_seed(self.seed, epoch, consumer))
+        plan = _Plan(
+            lengths,
+            docs,
+            max_seq_len=self.max_seq_len,
+            batch_size=self.batch_size,
+            packing_buffer=self.packing_buffer,
+            mode=self.mode,
+            rng_seed=_rng_seed(self.seed, epoch, consumer),
+        )
         plan.reads = _ChunkReads(self.corpus, plan, self._table())
         live = {"plan": plan, "epoch": epoch, "consumer": consumer, "batches": 0, "tokens": 0}
         if st is not None and st.get("started"):
@@ -986,7 +1070,9 @@ class BestFitDataset(IterableDataset):
             raise ValueError(f"microbatch of {mb.num_tokens:,} tokens is too large for int32 cu_seqlens")
         batch = plan.reads.batch(mb)  # type: ignore[union-attr]
         if self.with_segments:
-            return batch, torch.from_numpy(np.stack([plan.chunk_doc[mb.chunks], plan.chunk_start[mb.chunks], mb.lengths], axis=1))
+            return batch, torch.from_numpy(
+                np.stack([plan.chunk_doc[mb.chunks], plan.chunk_start[mb.chunks], mb.lengths], axis=1)
+            )
         return batch
 
     def _table(self) -> _MappedRuns | None:
@@ -1020,17 +1106,29 @@ class BestFitDataset(IterableDataset):
             return {**base, "started": False, "epoch": self.epoch}
         c: Consumer = live["consumer"]
         plan: _Plan = live["plan"]
-        return {**base, "started": True, "epoch": live["epoch"], "consumer": (c.index, c.count), "order": torch.from_numpy(plan.docs.copy()),
-                "plan": plan.state(), "batches_yielded": live["batches"], "tokens_yielded": live["tokens"]}
+        return {
+            **base,
+            "started": True,
+            "epoch": live["epoch"],
+            "consumer": (c.index, c.count),
+            "order": torch.from_numpy(plan.docs.copy()),
+            "plan": plan.state(),
+            "batches_yielded": live["batches"],
+            "tokens_yielded": live["tokens"],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` continues where it was taken.
         Raises ValueError if the corpus, the config or the plan version differ."""
         if int(state.get("plan_version", -1)) != PLAN_VERSION:
-            raise ValueError(f"state has plan_version {state.get('plan_version')!r}, this h5corpus plans version {PLAN_VERSION}")
+            raise ValueError(
+                f"state has plan_version {state.get('plan_version')!r}, this h5corpus plans version {PLAN_VERSION}"
+            )
         if state.get("fingerprint") != self.fingerprint:
-            raise ValueError("state was taken on a different corpus split (fingerprint "
-                             f"{str(state.get('fingerprint'))[:12]} != {self.fingerprint[:12]})")
+            raise ValueError(
+                "state was taken on a different corpus split (fingerprint "
+                f"{str(state.get('fingerprint'))[:12]} != {self.fingerprint[:12]})"
+            )
         if state.get("config") != self._config():
             raise ValueError(f"state was taken with config {state.get('config')}, this dataset has {self._config()}")
         self._resume = dict(state)
@@ -1050,5 +1148,7 @@ class BestFitDataset(IterableDataset):
         return int(np.count_nonzero(self.corpus.doc_lengths < 2))
 
     def __repr__(self) -> str:
-        return (f"BestFitDataset(mode={self.mode!r}, max_seq_len={self.max_seq_len}, batch_size={self.batch_size}, "
-                f"packing_buffer={self.packing_buffer}, seed={self.seed}, epoch={self.epoch}, corpus={self.corpus!r})")
+        return (
+            f"BestFitDataset(mode={self.mode!r}, max_seq_len={self.max_seq_len}, batch_size={self.batch_size}, "
+            f"packing_buffer={self.packing_buffer}, seed={self.seed}, epoch={self.epoch}, corpus={self.corpus!r})"
+        )

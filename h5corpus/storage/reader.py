@@ -65,6 +65,7 @@ def _h5open(path: str | os.PathLike[str]) -> h5py.File:
 
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
 
+
 class RunTable(NamedTuple):
     """Where the tokens of a split whose shards are all memory-mapped lie: the runs of
     file-contiguous HDF5 chunks of every shard, in token order, and the global token range of each."""
@@ -104,8 +105,10 @@ class _MmapTokens:
         first = np.flatnonzero(np.diff(byte_offsets) != chunk_bytes) + 1 if byte_offsets.size else byte_offsets
         bounds = [0, *first.tolist(), int(byte_offsets.size)] if byte_offsets.size else [0]
         #: zero-copy arrays over runs of file-contiguous chunks, in token order
-        self.runs = [np.frombuffer(self._mm, dtype=dtype, count=(b - a) * C, offset=int(byte_offsets[a]))
-                     for a, b in zip(bounds[:-1], bounds[1:])]
+        self.runs = [
+            np.frombuffer(self._mm, dtype=dtype, count=(b - a) * C, offset=int(byte_offsets[a]))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
         #: per chunk: its run's array, and the chunk's first token's position inside that run
         self.chunk_run: list[np.ndarray] = []
         self.chunk_pos: list[int] = []
@@ -204,7 +207,7 @@ class _H5Tokens:
             pass
 
 
-_LIVE_TOKENS: "weakref.WeakValueDictionary[tuple[int, str], _H5Tokens]" = weakref.WeakValueDictionary()
+_LIVE_TOKENS: weakref.WeakValueDictionary[tuple[int, str], _H5Tokens] = weakref.WeakValueDictionary()
 
 
 def _live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> _H5Tokens:
@@ -262,8 +265,14 @@ class Corpus:
     """
 
     # -- construction ----------------------------------------------------------------------------
-    def __init__(self, manifest: Manifest, split: str, *, tokenizer: TokenizerIdentity | None = None,
-                 read_path: ReadPath = "auto") -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        split: str,
+        *,
+        tokenizer: TokenizerIdentity | None = None,
+        read_path: ReadPath = "auto",
+    ) -> None:
         if split not in fmt.SPLITS:
             raise ValueError(f"split must be one of {fmt.SPLITS}, got {split!r}")
         if read_path not in READ_PATHS:
@@ -298,7 +307,7 @@ class Corpus:
         self._append_entries(manifest.shards_of(split))
 
     @classmethod
-    def _live_corpus(cls, path: Path, tokenizer: TokenizerIdentity | None, read_path: ReadPath) -> "Corpus":
+    def _live_corpus(cls, path: Path, tokenizer: TokenizerIdentity | None, read_path: ReadPath) -> Corpus:
         self = cls.__new__(cls)
         if read_path not in READ_PATHS:
             raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")
@@ -308,11 +317,18 @@ class Corpus:
             a = fmt.check_attrs(f.attrs, where)
             ds = f[fmt.TOKENS]
             chunk_tokens = ds.chunks[0] if ds.chunks else int(a["chunk_tokens"])
-        ident = TokenizerIdentity(name=a["tokenizer_name"], revision=a["tokenizer_revision"], sha256=a["tokenizer_sha256"],
-                                  vocab_size=int(a["vocab_size"]), eos_id=int(a["eos_id"]))
+        ident = TokenizerIdentity(
+            name=a["tokenizer_name"],
+            revision=a["tokenizer_revision"],
+            sha256=a["tokenizer_sha256"],
+            vocab_size=int(a["vocab_size"]),
+            eos_id=int(a["eos_id"]),
+        )
         if tokenizer is not None and not tokenizer.same_ids(ident):
-            raise FormatError(f"{where}: shard was written with tokenizer {ident.name!r} (sha256 {ident.sha256[:12]}), "
-                              f"not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})")
+            raise FormatError(
+                f"{where}: shard was written with tokenizer {ident.name!r} (sha256 {ident.sha256[:12]}), "
+                f"not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})"
+            )
         self.manifest = None
         self.split = a["split"]
         self.read_path = read_path
@@ -368,14 +384,18 @@ class Corpus:
             a = fmt.check_attrs(f.attrs, path)
             assert self.manifest is not None
             if a["split"] != self.split or a["dtype"] != self.manifest.dtype:
-                raise FormatError(f"{path}: shard is {a['split']}/{a['dtype']}, manifest says {self.split}/{self.manifest.dtype}")
+                raise FormatError(
+                    f"{path}: shard is {a['split']}/{a['dtype']}, manifest says {self.split}/{self.manifest.dtype}"
+                )
             if a["tokenizer_sha256"] != self.tokenizer.sha256 or int(a["eos_id"]) != self.eos_id:
                 raise FormatError(f"{path}: shard was written with another tokenizer than the manifest lists")
             o = f[fmt.DOC_OFFSETS][:]
             if o.size != n_docs + 1 or o[-1] != n_tokens or f[fmt.TOKENS].shape[0] != n_tokens:
-                raise FormatError(f"{path}: shard holds {o.size - 1} documents / {int(o[-1])} tokens "
-                                  f"(dataset {f[fmt.TOKENS].shape[0]}), manifest says {n_docs} / {n_tokens}; "
-                                  "run h5corpus validate")
+                raise FormatError(
+                    f"{path}: shard holds {o.size - 1} documents / {int(o[-1])} tokens "
+                    f"(dataset {f[fmt.TOKENS].shape[0]}), manifest says {n_docs} / {n_tokens}; "
+                    "run h5corpus validate"
+                )
             return o, f[fmt.DOC_IDS][:n_docs], f[fmt.DOC_FLAGS][:n_docs]
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -540,11 +560,13 @@ class Corpus:
         entries = m.shards_of(self.split)
         old = [(e.path, e.sha256) for e in self.entries]
         if [(e.path, e.sha256) for e in entries[: len(old)]] != old:
-            raise FormatError(f"{self.manifest.path}: shards of split {self.split!r} changed under an open corpus "
-                              "(only appending shards can be followed); reopen it")
+            raise FormatError(
+                f"{self.manifest.path}: shards of split {self.split!r} changed under an open corpus "
+                "(only appending shards can be followed); reopen it"
+            )
         before = self.num_documents
         self.manifest = m
-        self._append_entries(entries[len(old):])
+        self._append_entries(entries[len(old) :])
         return self.num_documents - before
 
     def _refresh_live(self) -> int:
@@ -674,7 +696,9 @@ class Corpus:
         bad = (starts < 0) | (starts + lengths > self.num_tokens)
         if bad.any():
             j = int(np.argmax(bad))
-            raise IndexError(f"token range [{int(starts[j]):,}, {int(starts[j] + lengths[j]):,}) outside [0, {self.num_tokens:,})")
+            raise IndexError(
+                f"token range [{int(starts[j]):,}, {int(starts[j] + lengths[j]):,}) outside [0, {self.num_tokens:,})"
+            )
         if total == 0:
             return out
         self._check_pid()
@@ -688,18 +712,25 @@ class Corpus:
             if run_of.min() >= 0:
                 parts = [runs[i][a:b] for i, a, b in zip(run_of.tolist(), pos.tolist(), (pos + lengths).tolist())]
             else:
-                parts = [runs[i][a : a + n] if i >= 0 else self.tokens(g, g + n)
-                         for i, a, n, g in zip(run_of.tolist(), pos.tolist(), lengths.tolist(), starts.tolist())]
+                parts = [
+                    runs[i][a : a + n] if i >= 0 else self.tokens(g, g + n)
+                    for i, a, n, g in zip(run_of.tolist(), pos.tolist(), lengths.tolist(), starts.tolist())
+                ]
             np.concatenate(parts, out=out, casting="unsafe")
             return out
         for g, n, o in zip(starts.tolist(), lengths.tolist(), (ends - lengths).tolist()):
             self.tokens(g, g + n, out[o : o + n])
         return out
 
+    def run_table(self) -> RunTable | None:
+        """The :class:`RunTable` of every shard's memory-mapped chunk runs in this process (for
+        :meth:`gather_ranges` and loaders that copy straight from the maps), or None if some shard
+        is read through HDF5. Safe after a fork (the parent's maps are never used); built once
+        per process and corpus size (it opens every shard)."""
+        self._check_pid()
+        return self._range_table()
+
     def _range_table(self) -> RunTable | None:
-        """The :class:`RunTable` of every shard's memory-mapped chunk runs (for
-        :meth:`gather_ranges` and the best-fit loader), or None if a shard is read through HDF5.
-        Built once per process (opens every shard) and corpus size."""
         hit = self.__dict__.get("_rtab")
         key = (self.num_shards, self.num_tokens)
         if hit is not None and hit[0] is self._readers and hit[1] == key and hit[2] == len(self._readers):
@@ -733,8 +764,10 @@ class Corpus:
 
     def __repr__(self) -> str:
         live = "" if self.complete else ", live"
-        return (f"Corpus(split={self.split!r}, shards={self.num_shards}, documents={self.num_documents:,}, "
-                f"tokens={self.num_tokens:,}{live})")
+        return (
+            f"Corpus(split={self.split!r}, shards={self.num_shards}, documents={self.num_documents:,}, "
+            f"tokens={self.num_tokens:,}{live})"
+        )
 
 
 def _open_live_file(final: Path) -> h5py.File:
@@ -750,8 +783,13 @@ def _open_live_file(final: Path) -> h5py.File:
     raise FileNotFoundError(f"{final}: neither the shard nor its {PARTIAL_SUFFIX} file exists")
 
 
-def open_corpus(manifest: str | os.PathLike[str] | Manifest, split: str = "train", *,
-                tokenizer: TokenizerIdentity | None = None, read_path: ReadPath = "auto") -> Corpus:
+def open_corpus(
+    manifest: str | os.PathLike[str] | Manifest,
+    split: str = "train",
+    *,
+    tokenizer: TokenizerIdentity | None = None,
+    read_path: ReadPath = "auto",
+) -> Corpus:
     """Open ``split`` of the corpus described by ``manifest`` (a path or a parsed Manifest).
 
     Checks format and version of the manifest and every shard, that each shard's index matches the
@@ -763,8 +801,9 @@ def open_corpus(manifest: str | os.PathLike[str] | Manifest, split: str = "train
     return Corpus(m, split, tokenizer=tokenizer, read_path=read_path)
 
 
-def open_live(shard: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | None = None,
-              read_path: ReadPath = "auto") -> Corpus:
+def open_live(
+    shard: str | os.PathLike[str], *, tokenizer: TokenizerIdentity | None = None, read_path: ReadPath = "auto"
+) -> Corpus:
     """Follow one shard while a ShardWriter writes it (give the final ``.h5`` path or the
     ``.partial`` one). The corpus holds the documents published so far; call
     :meth:`Corpus.refresh` to expose newer ones, and read :attr:`Corpus.complete` to learn when the

@@ -35,12 +35,13 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from .format import TokenizerIdentity
+from ..storage.format import TokenizerIdentity
 
 GPT2_REPO = "openai-community/gpt2"
 #: The pinned revision of :data:`GPT2_REPO` that the ``gpt2`` spec loads.
@@ -58,13 +59,26 @@ BYTES_REVISION = "h5corpus-bytes-1"
 PROOF_TEXTS: tuple[str, ...] = (
     "Hello, world! It's 2026; we'd've said 'no'. I'LL GO.",
     "  leading and trailing spaces  \n\n\ttabs\t\r\nwindows\r\n   \n",
-    "<|endoftext|>", "text <|endoftext|> inside<|endoftext|>text", "</s><s><pad>[CLS]",
+    "<|endoftext|>",
+    "text <|endoftext|> inside<|endoftext|>text",
+    "</s><s><pad>[CLS]",
     "numbers 1234567890 3.14159 1,000,000 ٣٤٥ ५६७",
     "Ünïcödé naïve café — “quotes” ‘single’ … ½ ² ™",
-    "日本語のテキスト、吾輩は猫である。名前はまだ無い。", "한국어 텍스트입니다.", "Tiếng Việt có dấu.",
-    "Ελληνικά κείμενα", "русский текст", "עברית", "العربية", "हिन्दी", "ภาษาไทย",
-    "emoji 👍🏽 👨‍👩‍👧 🇺🇸 ✨", "\x00nul\x00 \x03etx \x1b[0m \u200b\ufeff\ufffd",
-    "a" * 300 + " " + "ab" * 200, "\n" * 50, " " * 70 + "x", "'s 't 're 've 'm 'll 'd 'S 'T",
+    "日本語のテキスト、吾輩は猫である。名前はまだ無い。",
+    "한국어 텍스트입니다.",
+    "Tiếng Việt có dấu.",
+    "Ελληνικά κείμενα",
+    "русский текст",
+    "עברית",
+    "العربية",
+    "हिन्दी",
+    "ภาษาไทย",
+    "emoji 👍🏽 👨‍👩‍👧 🇺🇸 ✨",
+    "\x00nul\x00 \x03etx \x1b[0m \u200b\ufeff\ufffd",
+    "a" * 300 + " " + "ab" * 200,
+    "\n" * 50,
+    " " * 70 + "x",
+    "'s 't 're 've 'm 'll 'd 'S 'T",
 )
 
 
@@ -104,18 +118,32 @@ def bytes_tokenizer_json() -> str:
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{
-            "id": 256, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": True,
-        }],
+        "added_tokens": [
+            {
+                "id": 256,
+                "content": "<|endoftext|>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-            "vocab": {alphabet[b]: b for b in range(256)}, "merges": [],
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {alphabet[b]: b for b in range(256)},
+            "merges": [],
         },
     }
     return json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -143,7 +171,11 @@ def _fetch_gpt2_json(cache_dir: Path) -> Path:
 
     where = f"{GPT2_REPO}@{GPT2_REVISION[:12]}"
     try:
-        return Path(hf_hub_download(GPT2_REPO, "tokenizer.json", revision=GPT2_REVISION, cache_dir=cache_dir, local_files_only=True))
+        return Path(
+            hf_hub_download(
+                GPT2_REPO, "tokenizer.json", revision=GPT2_REVISION, cache_dir=cache_dir, local_files_only=True
+            )
+        )
     except Exception:  # not cached: try the hub unless told to stay offline
         pass
     hint = (
@@ -151,9 +183,13 @@ def _fetch_gpt2_json(cache_dir: Path) -> Path:
         f"`huggingface-cli download {GPT2_REPO} tokenizer.json --revision {GPT2_REVISION}`"
     )
     if hub_offline():
-        raise TokenizerError(f"tokenizer 'gpt2' ({where}) is not in the Hugging Face cache at {cache_dir} and HF_HUB_OFFLINE is set; {hint}")
+        raise TokenizerError(
+            f"tokenizer 'gpt2' ({where}) is not in the Hugging Face cache at {cache_dir} and HF_HUB_OFFLINE is set; {hint}"
+        )
     try:
-        return Path(hf_hub_download(GPT2_REPO, "tokenizer.json", revision=GPT2_REVISION, cache_dir=cache_dir, etag_timeout=10))
+        return Path(
+            hf_hub_download(GPT2_REPO, "tokenizer.json", revision=GPT2_REVISION, cache_dir=cache_dir, etag_timeout=10)
+        )
     except Exception as e:
         raise TokenizerError(
             f"tokenizer 'gpt2' ({where}) is not in the Hugging Face cache at {cache_dir} and the hub could not be "
@@ -172,7 +208,9 @@ def _find_eos(d: dict[str, Any], where: str, eos_token: str | None) -> int:
         if name in vocab:
             return int(vocab[name])
     specials = sorted(t["content"] for t in d.get("added_tokens") or [] if t.get("special"))
-    raise TokenizerError(f"{where}: no end-of-document token {list(names)} in this tokenizer (its special tokens: {specials[:12]})")
+    raise TokenizerError(
+        f"{where}: no end-of-document token {list(names)} in this tokenizer (its special tokens: {specials[:12]})"
+    )
 
 
 def _vocab_size(d: dict[str, Any]) -> int:
@@ -243,7 +281,7 @@ class Tokenizer:
         """Reference ids of ``text`` (uint32; no EOS, no BOS)."""
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
-    def reference_encoder(self) -> "HFEncoder":
+    def reference_encoder(self) -> HFEncoder:
         return HFEncoder(self)
 
 
@@ -286,8 +324,16 @@ def load_tokenizer(
     sha = hashlib.sha256(raw).hexdigest()
     facts = _load_facts(sha, f"identity eos={eos_token!r}")
     if facts is not None:  # derived before from these exact bytes: no need to parse 1+ MB of JSON
-        return Tokenizer(TokenizerIdentity(name=name, revision=revision, sha256=sha, vocab_size=int(facts["vocab_size"]),
-                                           eos_id=int(facts["eos_id"])), text)
+        return Tokenizer(
+            TokenizerIdentity(
+                name=name,
+                revision=revision,
+                sha256=sha,
+                vocab_size=int(facts["vocab_size"]),
+                eos_id=int(facts["eos_id"]),
+            ),
+            text,
+        )
     try:
         d = json.loads(text)
     except ValueError as e:
@@ -386,9 +432,13 @@ def _split_pattern(pre: Any) -> tuple[str | None, str]:
     if pre.get("type") == "Sequence":
         steps = pre.get("pretokenizers") or []
         if (
-            len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
-            and not steps[1].get("use_regex", True) and not steps[1].get("add_prefix_space")
-            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")
+            len(steps) == 2
+            and steps[0].get("type") == "Split"
+            and steps[1].get("type") == "ByteLevel"
+            and not steps[1].get("use_regex", True)
+            and not steps[1].get("add_prefix_space")
+            and steps[0].get("behavior") == "Isolated"
+            and not steps[0].get("invert")
             and "Regex" in (steps[0].get("pattern") or {})
         ):
             return steps[0]["pattern"]["Regex"], ""
@@ -449,8 +499,12 @@ def _facts_path(json_sha256: str, what: str) -> tuple[Path, dict[str, Any]] | No
     d = cache_dir()
     if d is None:
         return None
-    fields = {"format": _FACTS_CACHE_FORMAT, "tokenizer_sha256": json_sha256, "what": what,
-              "module_sha256": _module_sha256()}
+    fields = {
+        "format": _FACTS_CACHE_FORMAT,
+        "tokenizer_sha256": json_sha256,
+        "what": what,
+        "module_sha256": _module_sha256(),
+    }
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return d / "facts" / f"{key}.json", fields
 
@@ -519,8 +573,9 @@ def _byte_level_ranks(model: Mapping[str, Any], added_contents: set[str]) -> tup
     if len(set(ranks.values())) != len(ranks):
         return None, "two vocabulary entries share an id"
     merges = model.get("merges") or []
-    made = np.array([vocab.get(m.replace(" ", "", 1) if isinstance(m, str) else m[0] + m[1], -1) for m in merges],
-                    dtype=np.int64).reshape(-1)
+    made = np.array(
+        [vocab.get(m.replace(" ", "", 1) if isinstance(m, str) else m[0] + m[1], -1) for m in merges], dtype=np.int64
+    ).reshape(-1)
     bad = np.flatnonzero((made < 0) | (np.diff(made, prepend=-1) <= 0))
     if bad.size:
         return None, f"merge {merges[int(bad[0])]!r} does not produce ids in merge order"
@@ -552,13 +607,17 @@ def _load_ranks(json_sha256: str) -> dict[bytes, int] | None:
         head, payload = raw.split(b"\n", 1)
         h = json.loads(head)
         n, nblob = int(h["n"]), int(h["blob"])
-        if h.get("fields") != fields or len(payload) != 8 * n + nblob or hashlib.sha256(payload).hexdigest() != h["sha256"]:
+        if (
+            h.get("fields") != fields
+            or len(payload) != 8 * n + nblob
+            or hashlib.sha256(payload).hexdigest() != h["sha256"]
+        ):
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     ids = np.frombuffer(payload, dtype="<u4", count=n)
     ends = np.cumsum(np.frombuffer(payload, dtype="<u4", count=n, offset=4 * n), dtype=np.int64).tolist()
-    blob = payload[8 * n:]
+    blob = payload[8 * n :]
     return dict(zip([blob[a:b] for a, b in zip([0] + ends[:-1], ends)], ids.tolist()))
 
 
@@ -568,14 +627,26 @@ def _store_ranks(json_sha256: str, ranks: Mapping[bytes, int]) -> None:
         return
     path, fields = where
     toks = list(ranks)
-    payload = (np.fromiter(ranks.values(), dtype="<u4", count=len(toks)).tobytes()
-               + np.fromiter(map(len, toks), dtype="<u4", count=len(toks)).tobytes() + b"".join(toks))
-    head = json.dumps({"fields": fields, "n": len(toks), "blob": len(payload) - 8 * len(toks),
-                       "sha256": hashlib.sha256(payload).hexdigest()}, sort_keys=True).encode()
+    payload = (
+        np.fromiter(ranks.values(), dtype="<u4", count=len(toks)).tobytes()
+        + np.fromiter(map(len, toks), dtype="<u4", count=len(toks)).tobytes()
+        + b"".join(toks)
+    )
+    head = json.dumps(
+        {
+            "fields": fields,
+            "n": len(toks),
+            "blob": len(payload) - 8 * len(toks),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        },
+        sort_keys=True,
+    ).encode()
     _write_cache_file(path, head + b"\n" + payload)
 
 
-def _tiktoken_plan(d: dict[str, Any], json_sha256: str | None) -> tuple[dict[str, Any] | None, dict[bytes, int] | None, str]:
+def _tiktoken_plan(
+    d: dict[str, Any], json_sha256: str | None
+) -> tuple[dict[str, Any] | None, dict[bytes, int] | None, str]:
     """The structural checks of :func:`tiktoken_from_json`: (plan, ranks, "") or (None, None, reason).
     A plan holds the split ``pattern`` and the ``special`` tokens (content -> id) to register."""
     model = d.get("model") or {}
@@ -615,8 +686,9 @@ def _tiktoken_encoding(plan: Mapping[str, Any], ranks: dict[bytes, int]):
     import tiktoken
 
     try:
-        return tiktoken.Encoding("h5corpus-bpe", pat_str=plan["pattern"], mergeable_ranks=ranks,
-                                 special_tokens=dict(plan["special"])), ""
+        return tiktoken.Encoding(
+            "h5corpus-bpe", pat_str=plan["pattern"], mergeable_ranks=ranks, special_tokens=dict(plan["special"])
+        ), ""
     except Exception as e:  # e.g. a regex tiktoken's engine rejects
         return None, f"tiktoken rejected the encoding ({e})"
 
@@ -652,7 +724,8 @@ def _bytes_model(d: dict[str, Any]) -> bool:
         pre = d.get("pre_tokenizer") or {}
         alphabet = byte_level_alphabet()
         return bool(
-            pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space")
+            pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space")
             and all(vocab.get(alphabet[b]) == b for b in range(256))
             and not any(not t.get("special") for t in d.get("added_tokens") or [])
         )
@@ -708,7 +781,7 @@ def fast_encoder(tok: Tokenizer) -> tuple[Encoder | None, str]:
     return e, ""
 
 
-def _proof_key(reference: "HFEncoder", candidate: Encoder, texts: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
+def _proof_key(reference: HFEncoder, candidate: Encoder, texts: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
     """(key, the fields it hashes) for a proof, or None when the inputs cannot be identified."""
     tok = getattr(reference, "tok", None)
     ident = getattr(tok, "identity", None)
@@ -726,8 +799,13 @@ def _proof_key(reference: "HFEncoder", candidate: Encoder, texts: Sequence[str])
         h.update(len(b).to_bytes(8, "little"))
         h.update(b)
     fields = {
-        "format": _PROOF_CACHE_FORMAT, "tokenizer_sha256": ident.sha256, "candidate": candidate.name,
-        "texts": len(texts), "texts_sha256": h.hexdigest(), "module_sha256": _module_sha256(), **_versions(),
+        "format": _PROOF_CACHE_FORMAT,
+        "tokenizer_sha256": ident.sha256,
+        "candidate": candidate.name,
+        "texts": len(texts),
+        "texts_sha256": h.hexdigest(),
+        "module_sha256": _module_sha256(),
+        **_versions(),
     }
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return key, fields
@@ -748,8 +826,10 @@ def _remember_proof(key: str, fields: Mapping[str, Any]) -> None:
     d = cache_dir()
     if d is None:
         return
-    _write_cache_file(d / "proofs" / f"{key}.json",
-                      json.dumps({"fields": dict(fields), "verdict": "same ids"}, sort_keys=True).encode("utf-8"))
+    _write_cache_file(
+        d / "proofs" / f"{key}.json",
+        json.dumps({"fields": dict(fields), "verdict": "same ids"}, sort_keys=True).encode("utf-8"),
+    )
 
 
 def prove_same_ids(reference: HFEncoder, candidate: Encoder, texts: Iterable[str], *, cache: bool = True) -> str | None:
@@ -771,8 +851,10 @@ def prove_same_ids(reference: HFEncoder, candidate: Encoder, texts: Iterable[str
         if a.shape != b.shape or not np.array_equal(a, b.astype(np.uint32, copy=False)):
             n = min(a.size, b.size)
             k = int(np.argmax(a[:n] != b[:n])) if n and (a[:n] != b[:n]).any() else n
-            return (f"sample text {i} ({texts[i][:40]!r}...) differs at token {k}: tokenizers gives "
-                    f"{a[k:k + 4].tolist()}, {candidate.name} gives {b[k:k + 4].tolist()}")
+            return (
+                f"sample text {i} ({texts[i][:40]!r}...) differs at token {k}: tokenizers gives "
+                f"{a[k : k + 4].tolist()}, {candidate.name} gives {b[k : k + 4].tolist()}"
+            )
     if keyed is not None:
         _remember_proof(*keyed)
     return None

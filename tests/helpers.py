@@ -1,0 +1,280 @@
+"""Test helpers: an independent way to write corpora (the writer API + a tokenizer), used as the
+oracle that loaders, the build and validate are compared against."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from h5corpus.storage import format as fmt
+from h5corpus.storage.format import TokenizerIdentity
+from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+from h5corpus.storage.writer import ShardWriter
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def shared_dir() -> Path:
+    """``$H5CORPUS_SHARED`` or ``../shared`` beside the repository."""
+    return Path(os.environ.get("H5CORPUS_SHARED", REPO.parent / "shared")).absolute()
+
+
+def stdlib_texts(limit: int = 200, min_chars: int = 200) -> list[str]:
+    """Real text that ships with every Python: the standard library's own source files, in sorted
+    path order (deterministic on one Python version)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[str] = []
+    for p in sorted(root.glob("*.py")):
+        try:
+            t = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(t) >= min_chars:
+            out.append(t)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def read_jsonl_texts(paths: Iterable[Path]) -> list[str]:
+    out = []
+    for p in paths:
+        with open(p, encoding="utf-8") as fh:
+            for line in fh:
+                out.append(json.loads(line)["text"])
+    return out
+
+
+def oracle_stream(manifest: Path, split: str = "train", dtype=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, doc_offsets, shard_starts) of ``split`` read with plain h5py, shard by shard in
+    manifest order: the independent oracle the reader and loaders are compared with. ``dtype``
+    casts the tokens (default: as stored)."""
+    import h5py
+
+    from h5corpus.storage.manifest import read_manifest
+
+    m = read_manifest(manifest)
+    toks, offs, starts = [], [np.zeros(1, np.int64)], [0]
+    for s in m.shards_of(split):
+        with h5py.File(m.shard_path(s), "r") as f:
+            t, o = f["tokens"][:], f["doc_offsets"][:]
+        toks.append(t)
+        offs.append(o[1:] + starts[-1])
+        starts.append(starts[-1] + t.size)
+    t = np.concatenate(toks)
+    return (t if dtype is None else t.astype(dtype)), np.concatenate(offs), np.array(starts, np.int64)
+
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def gpt2_tiktoken():
+    """(tiktoken Encoding of GPT-2 from the shared ``gpt2.tiktoken``, its identity, dev corpus files),
+    or None when ../shared is absent. Used by the benchmarks as the fast reference encoder."""
+    sh = shared_dir()
+    dev = sorted((sh / "corpora" / "dev").glob("*.jsonl"))
+    tk = sh / "tokenizers" / "gpt2" / "gpt2.tiktoken"
+    if not (dev and tk.exists()):
+        return None
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    enc = tiktoken.Encoding(
+        "gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=load_tiktoken_bpe(str(tk)),
+        special_tokens={"<|endoftext|>": 50256},
+    )
+    ident = TokenizerIdentity(name="gpt2", revision="bench", sha256="b" * 64, vocab_size=50257, eos_id=50256)
+    return enc, ident, dev
+
+
+# A byte-level identity used where no real tokenizer is needed: id = UTF-8 byte, EOS = 256.
+BYTE_IDENTITY = TokenizerIdentity(name="test-bytes", revision="local", sha256="0" * 64, vocab_size=257, eos_id=256)
+
+
+def byte_encode(texts: Sequence[str]) -> list[np.ndarray]:
+    return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
+
+
+def doc_id(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def write_corpus(
+    root: Path,
+    texts: Sequence[str],
+    encode: Callable[[Sequence[str]], list],
+    identity: TokenizerIdentity,
+    *,
+    chunk_tokens: int = 1 << 14,
+    shard_tokens: int = 1 << 20,
+    validation_every: int = 20,
+) -> Path:
+    """Write ``texts`` (deduplicated, in order) into shards under ``root/shards`` and a manifest at
+    ``root/manifests/shards.json``. Every ``validation_every``-th document goes to validation.
+    Returns the manifest path."""
+    root = Path(root)
+    manifest_path = root / "manifests" / "shards.json"
+    seen: set[bytes] = set()
+    docs: dict[str, list[tuple[np.ndarray, bytes]]] = {"train": [], "validation": []}
+    ids = encode(list(texts))
+    for i, (t, ids_i) in enumerate(zip(texts, ids)):
+        d = doc_id(t)
+        if d in seen or not t:
+            continue
+        seen.add(d)
+        a = np.append(np.asarray(ids_i, dtype=np.int64), identity.eos_id)
+        docs["validation" if i % validation_every == validation_every - 1 else "train"].append((a, d))
+    m = Manifest(
+        tokenizer=identity, dtype="uint16" if identity.vocab_size <= 65536 else "uint32", chunk_tokens=chunk_tokens
+    )
+    for split, items in docs.items():
+        shard_no, w = 0, None
+        for a, d in items:
+            if w is None:
+                w = ShardWriter(
+                    root / "shards" / split / f"{split}-{shard_no:05d}.h5",
+                    split=split,
+                    tokenizer=identity,
+                    chunk_tokens=chunk_tokens,
+                )
+            w.add_document(a, d)
+            if w.tokens >= shard_tokens:
+                m.shards.append(ShardEntry.from_info(w.close(), manifest_path.parent))
+                w, shard_no = None, shard_no + 1
+        if w is not None:
+            m.shards.append(ShardEntry.from_info(w.close(), manifest_path.parent))
+        m.splits[split] = {
+            "documents": sum(s.documents for s in m.shards_of(split)),
+            "tokens": sum(s.tokens for s in m.shards_of(split)),
+        }
+    write_manifest(manifest_path, m)
+    return manifest_path
+
+
+def write_jsonl(path: Path, texts) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for t in texts:
+            fh.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+    return path
+
+
+def read_built(manifest: Path) -> dict[str, list[tuple[bytes, np.ndarray, int]]]:
+    """Every stored document per split, in manifest order, read with h5py alone (independent of
+    the reader): (doc id, tokens, flags)."""
+    m = json.loads(manifest.read_text())
+    out: dict[str, list] = {s: [] for s in fmt.SPLITS}
+    for s in m["shards"]:
+        with h5py.File(manifest.parent / s["path"], "r") as f:
+            toks = f["tokens"][:]
+            offs = f["doc_offsets"][:]
+            ids = f["doc_ids"][:]
+            flags = f["doc_flags"][:]
+        for i in range(offs.size - 1):
+            out[s["split"]].append((ids[i].tobytes(), toks[offs[i] : offs[i + 1]], int(flags[i])))
+    return out
+
+
+def tree(root: Path) -> dict[str, str]:
+    """sha256 of every file under root (relative paths), lock file excluded (it holds a pid)."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".build.lock"
+    }
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def reference_quality_reason(text: str, t) -> str | None:
+    """The quality rules one by one from their definitions (no batching, no bounds, plain sorts);
+    ``t`` is a :class:`~h5corpus.filters.quality.QualityThresholds`."""
+    from h5corpus.filters import quality, words
+    from h5corpus.filters.quality import _text_rules
+    from h5corpus.filters.words import CJK, LOWER, NONASCII, UPPER
+
+    w = words.split_words(text)
+    nw = len(w)
+    if nw < t.min_words:
+        return "min_words"
+    if t.max_words is not None and nw > t.max_words:
+        return "max_words"
+    if nw == 0:
+        return None
+    single = ((w.bits & CJK) != 0) & (w.chars == 1)
+    nc = int(single.sum())
+    if 2 * nc < nw:
+        mean = (int(w.chars.sum()) - nc) / max(nw - nc, 1)
+        if not t.min_mean_word_length <= mean <= t.max_mean_word_length:
+            return "mean_word_length"
+    if int(((w.bits & (UPPER | LOWER)) == UPPER).sum()) > t.max_uppercase_words * nw:
+        return "uppercase_words"
+    if int(((w.bits & (UPPER | LOWER | NONASCII)) != 0).sum()) < t.min_alpha_words * nw:
+        return "alpha_words"
+    r = _text_rules(text, t, nw)
+    if r is not None:
+        return r
+    k = quality.CJK_NGRAM_SCALE if 2 * nc >= nw else 1
+    if any(quality.top_ngram_fraction(w, n * k) > lim for n, lim in t.max_top_ngram.items()):
+        return "top_ngram"
+    if any(quality.dup_ngram_fraction(w, n * k) > lim for n, lim in t.max_dup_ngram.items()):
+        return "dup_ngram"
+    return None
+
+
+def bpe_tokenizer_json(merges: list[tuple[str, str]], *, normalizer=None, pre_tokenizer=None) -> dict:
+    """A byte-level BPE tokenizer.json: the 256 byte symbols, then one id per merge, then EOS."""
+    from h5corpus.build.tokenizer import byte_level_alphabet
+
+    alpha = byte_level_alphabet()
+    vocab = {alpha[b]: b for b in range(256)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    eos = len(vocab)
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": eos,
+                "content": "<|endoftext|>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer
+        or {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [f"{a} {b}" for a, b in merges],
+        },
+    }
