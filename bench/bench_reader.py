@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
-from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
+from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
 from h5corpus.storage.reader import _H5Tokens, open_corpus  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
 from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
@@ -116,7 +116,7 @@ def write_shards(
             compression=compression,
         ) as w:
             w.add_documents(flat[a:b], lengths[lo_doc:hi_doc], doc_ids)
-        m.shards.append(ShardEntry.from_info(w.info, mpath.parent))
+        m.shards.append(w.info.relative_to(mpath.parent))
         lo_doc, k = hi_doc, k + 1
     write_manifest(mpath, m)
     return mpath

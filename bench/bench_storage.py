@@ -34,7 +34,7 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest  # noqa: E402
+from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
 from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
@@ -92,7 +92,7 @@ def write_shard(path: Path, docs, ident, chunk_tokens, **kw):
 
 
 def single_shard_corpus(root: Path, docs, ident, chunk_tokens: int, **kw):
-    """Write ``docs`` as one train shard under ``root`` with its manifest; return (ShardInfo, Corpus)."""
+    """Write ``docs`` as one train shard under ``root`` with its manifest; return (ShardRecord, Corpus)."""
     from h5corpus.storage.reader import open_corpus
 
     info = write_shard(root / "shards" / "train.h5", docs, ident, chunk_tokens, **kw)
@@ -100,7 +100,7 @@ def single_shard_corpus(root: Path, docs, ident, chunk_tokens: int, **kw):
         tokenizer=ident,
         dtype="uint16" if ident.vocab_size <= 65536 else "uint32",
         chunk_tokens=chunk_tokens,
-        shards=[ShardEntry.from_info(info, root / "manifests")],
+        shards=[info.relative_to(root / "manifests")],
     )
     write_manifest(root / "manifests" / "shards.json", m)
     return info, open_corpus(root / "manifests" / "shards.json")
@@ -210,7 +210,7 @@ def bench_validate(
             acc += d.size
         if part and (acc >= per or d is None):
             info = write_shard(vroot / "shards" / "train" / f"train-{k:05d}.h5", part, ident, DEFAULT_CHUNK_TOKENS)
-            m.shards.append(ShardEntry.from_info(info, vroot / "manifests"))
+            m.shards.append(info.relative_to(vroot / "manifests"))
             part, acc, k = [], 0, k + 1
     write_manifest(vroot / "manifests" / "shards.json", m)
     vflat = np.concatenate([flat] * copies)

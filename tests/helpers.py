@@ -15,7 +15,7 @@ import numpy as np
 
 from h5corpus.storage import format as fmt
 from h5corpus.storage.format import TokenizerIdentity
-from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+from h5corpus.storage.manifest import Manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,10 +148,10 @@ def write_corpus(
                 )
             w.add_document(a, d)
             if w.tokens >= shard_tokens:
-                m.shards.append(ShardEntry.from_info(w.close(), manifest_path.parent))
+                m.shards.append(w.close().relative_to(manifest_path.parent))
                 w, shard_no = None, shard_no + 1
         if w is not None:
-            m.shards.append(ShardEntry.from_info(w.close(), manifest_path.parent))
+            m.shards.append(w.close().relative_to(manifest_path.parent))
         m.splits[split] = {
             "documents": sum(s.documents for s in m.shards_of(split)),
             "tokens": sum(s.tokens for s in m.shards_of(split)),

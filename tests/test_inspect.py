@@ -13,7 +13,7 @@ import pytest
 
 from h5corpus.inspection import format_report, inspect_corpus
 from h5corpus.loaders import bestfit as packing
-from h5corpus.storage.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
 
@@ -119,7 +119,7 @@ def test_document_in_both_splits_fails_the_leakage_check(tmp_path):
         ) as w:
             for t, ids in zip(part, byte_encode(part)):
                 w.add_document(np.append(ids, 256), doc_id(t))
-        m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))
+        m.shards.append(w.info.relative_to(tmp_path / "manifests"))
     write_manifest(tmp_path / "manifests" / "shards.json", m)
     rep = inspect_corpus(tmp_path / "manifests" / "shards.json", seq_len=512, batch_size=2)
     assert _failed(rep) == {"no source document id in both splits"}

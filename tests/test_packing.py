@@ -22,7 +22,7 @@ from h5corpus.loaders.bestfit import (
 )
 from h5corpus.loaders.partition import Consumer
 from h5corpus.storage.format import TokenizerIdentity
-from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+from h5corpus.storage.manifest import Manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY
 
@@ -50,7 +50,7 @@ def tiny_corpus(
             w.add_document(
                 np.asarray(docs[i], dtype=np.int64), hashlib.sha256(str(i).encode()).digest(), truncated=i in truncated
             )
-        m.shards.append(ShardEntry.from_info(w.close(), mpath.parent))
+        m.shards.append(w.close().relative_to(mpath.parent))
     m.splits["train"] = {"documents": len(docs), "tokens": sum(len(d) for d in docs)}
     write_manifest(mpath, m)
     return mpath

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h5corpus.storage.format import FormatError, TokenizerIdentity
-from h5corpus.storage.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.reader import open_corpus, open_live
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, oracle_stream, stdlib_texts
@@ -53,7 +53,7 @@ def recompress(manifest: Path, root: Path, compression: str) -> Path:
             compression=compression,
         ) as w:
             w.add_documents(toks, np.diff(offs), ids, flags)
-        out.shards.append(ShardEntry.from_info(w.info, mpath.parent))
+        out.shards.append(w.info.relative_to(mpath.parent))
     write_manifest(mpath, out)
     return mpath
 
@@ -233,7 +233,7 @@ def test_refresh_follows_shards_appended_to_the_manifest(stdlib_manifest, tmp_pa
     ) as w:
         for t, a in zip(texts, ids):
             w.add_document(np.append(a, 256), doc_id(t))
-    m.shards.append(ShardEntry.from_info(w.info, stdlib_manifest.parent))
+    m.shards.append(w.info.relative_to(stdlib_manifest.parent))
     write_manifest(stdlib_manifest, m)
     assert c.refresh() == len(texts)
     assert c.num_documents == n_docs + len(texts) and c.num_tokens == n_tok + w.info.tokens

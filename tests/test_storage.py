@@ -281,7 +281,7 @@ import sys, numpy as np
 sys.path.insert(0, sys.argv[3])
 from tests.helpers import BYTE_IDENTITY, byte_encode, stdlib_texts
 from h5corpus.storage.writer import ShardWriter
-from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+from h5corpus.storage.manifest import Manifest, write_manifest
 from pathlib import Path
 out = Path(sys.argv[1]); n = int(sys.argv[2])
 w = ShardWriter(out / "shards" / "train-00000.h5", split="train", tokenizer=BYTE_IDENTITY, chunk_tokens=1024)
@@ -388,7 +388,7 @@ def test_swmr_reader_sees_only_complete_documents_equal_to_final(tmp_path):
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
 def test_compressed_shards_validate_and_corruption_still_detected(tmp_path, compression):
     """Compressed shards take the h5py read path in validate; hashes are of the decoded tokens."""
-    from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+    from h5corpus.storage.manifest import Manifest, write_manifest
 
     texts = stdlib_texts(60)
     m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=4096)
@@ -401,7 +401,7 @@ def test_compressed_shards_validate_and_corruption_still_detected(tmp_path, comp
     ) as w:
         for t, ids in zip(texts, byte_encode(texts)):
             w.add_document(np.append(ids, 256), doc_id(t))
-    m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))
+    m.shards.append(w.info.relative_to(tmp_path / "manifests"))
     write_manifest(tmp_path / "manifests" / "shards.json", m)
     h, _ = independent_hashes(w.info.path)
     assert h == w.info.sha256

@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from h5corpus.storage.manifest import Manifest, ShardEntry, read_manifest, write_manifest
+from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.validate import validate_corpus
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
@@ -95,7 +95,7 @@ def test_compressed_shards_validate_in_processes(tmp_path):
         ) as w:
             for t, ids in zip(part, byte_encode(part)):
                 w.add_document(np.append(ids, 256), doc_id(t))
-        m.shards.append(ShardEntry.from_info(w.info, tmp_path / "manifests"))
+        m.shards.append(w.info.relative_to(tmp_path / "manifests"))
     mpath = tmp_path / "manifests" / "shards.json"
     write_manifest(mpath, m)
     r = validate_corpus(mpath, workers=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id
 
 
 def _write(path, texts, monkeypatch, **kw) -> tuple[object, int]:
-    """Write ``texts`` into one shard; returns (ShardInfo, number of os.fsync calls)."""
+    """Write ``texts`` into one shard; returns (ShardRecord, number of os.fsync calls)."""
     calls = []
     real = os.fsync
     with monkeypatch.context() as m:
@@ -25,13 +26,13 @@ def _write(path, texts, monkeypatch, **kw) -> tuple[object, int]:
 
 
 def test_fsync_false_writes_the_same_bytes_without_fsync(tmp_path, monkeypatch, stdlib_corpus_texts):
-    """Only durability changes: file bytes and ShardInfo hashes are identical, the file appears
+    """Only durability changes: file bytes and ShardRecord hashes are identical, the file appears
     under its name only at close, and no fsync is issued (the default issues two: file, folder)."""
     texts = stdlib_corpus_texts[:40]
     a, n_default = _write(tmp_path / "a" / "train-00000.h5", texts, monkeypatch)
     b, n_off = _write(tmp_path / "b" / "train-00000.h5", texts, monkeypatch, fsync=False)
     assert n_default == 2 and n_off == 0
-    assert (a.path.read_bytes() == b.path.read_bytes()) and a.tokens > 100_000
+    assert (Path(a.path).read_bytes() == Path(b.path).read_bytes()) and a.tokens > 100_000
     assert (a.sha256, a.index_sha256, a.bytes, a.documents) == (b.sha256, b.index_sha256, b.bytes, b.documents)
     assert not list(tmp_path.rglob("*" + PARTIAL_SUFFIX))
 
@@ -39,7 +40,7 @@ def test_fsync_false_writes_the_same_bytes_without_fsync(tmp_path, monkeypatch, 
 def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib_corpus_texts):
     """fsync_files: one fsync per file, then one per distinct folder unless dirs=False (for files
     written with fsync=False, e.g. before a manifest lists them); the shards stay valid."""
-    from h5corpus.storage.manifest import Manifest, ShardEntry, write_manifest
+    from h5corpus.storage.manifest import Manifest, write_manifest
 
     infos = [
         _write(
@@ -54,7 +55,7 @@ def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
     folders = fsync_files(i.path for i in infos)
-    assert len(calls) == 3 + 2 and sorted(folders) == sorted({i.path.parent for i in infos})
+    assert len(calls) == 3 + 2 and sorted(folders) == sorted({Path(i.path).parent for i in infos})
     calls.clear()
     assert len(fsync_files((i.path for i in infos), dirs=False)) == 2 and len(calls) == 3
     monkeypatch.undo()
@@ -62,7 +63,7 @@ def test_fsync_files_makes_unsynced_shards_durable(tmp_path, monkeypatch, stdlib
         tokenizer=BYTE_IDENTITY,
         dtype="uint16",
         chunk_tokens=4096,
-        shards=[ShardEntry.from_info(i, tmp_path) for i in infos],
+        shards=[i.relative_to(tmp_path) for i in infos],
     )
     write_manifest(tmp_path / "shards.json", m)
     assert validate_corpus(tmp_path / "shards.json").ok

@@ -48,17 +48,16 @@ import numpy as np
 
 from .. import __version__
 from ..storage import format as fmt
-from ..storage.format import TokenizerIdentity
+from ..storage.format import PARTIAL_SUFFIX, ShardRecord, TokenizerIdentity
 from ..storage.manifest import (
     DEFAULT_MANIFEST,
     DEFAULT_SHARDS_DIR,
     Manifest,
-    ShardEntry,
     read_manifest,
     write_json_atomic,
     write_manifest,
 )
-from ..storage.writer import PARTIAL_SUFFIX, ShardWriter, fsync_dir, fsync_files
+from ..storage.writer import ShardWriter, fsync_dir, fsync_files
 from .sources import BadRecord, Input, Task, TaskReader, plan_tasks, resolve_sources
 from .tokenizer import Encoder, HFEncoder, Tokenizer, fast_encoder, load_tokenizer, prove_same_ids
 
@@ -594,18 +593,6 @@ def _write_state_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _shard_json(info: Any, path: str) -> dict[str, Any]:
-    return {
-        "path": path,
-        "split": info.split,
-        "tokens": info.tokens,
-        "documents": info.documents,
-        "sha256": info.sha256,
-        "index_sha256": info.index_sha256,
-        "bytes": info.bytes,
-    }
-
-
 class _ShardSeq:
     """One split's documents of one task, in order, into shards of at most ``shard_tokens`` tokens
     (greedy, documents whole; a longer single document gets a shard of its own). Phase 1 and the
@@ -1072,7 +1059,7 @@ def _read_job(task: Task) -> dict[str, Any]:
                 keep(text, data, None, None, k, loc)
         drain()
         flush()
-        cands = [_shard_json(info, info.path.name) for seq in seqs for info in seq.close()]
+        cands = [info.with_path(Path(info.path).name).to_json() for seq in seqs for info in seq.close()]
         syncer.wait()  # every candidate durable before the record that lists it
         _crash_point("read-candidates")
         docs_fh.close()
@@ -1143,17 +1130,11 @@ def _shards_intact(
     directory: Path, shards: Sequence[Mapping[str, Any]], identity: TokenizerIdentity, chunk_tokens: int
 ) -> bool:
     """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
-    from ..storage.validate import _Expect, check_shard
+    from ..storage.validate import ShardExpectation, check_shard
 
-    expect = _Expect(
-        dtype=fmt.dtype_name(fmt.token_dtype(identity.vocab_size)),
-        chunk_tokens=chunk_tokens,
-        eos_id=identity.eos_id,
-        vocab_size=identity.vocab_size,
-        tokenizer_sha256=identity.sha256,
-    )
+    expect = ShardExpectation.of(identity, chunk_tokens)
     for s in shards:
-        findings, _ = check_shard(str(directory / s["path"]), ShardEntry.from_json(s, "state record"), expect)
+        findings, _ = check_shard(str(directory / s["path"]), ShardRecord.from_json(s, "state record"), expect)
         if findings:
             return False
     return True
@@ -1240,7 +1221,7 @@ def _finish_job(
                             )
                             i = j
                 for info in seq.close():
-                    shards.append(_shard_json(info, Path(os.path.relpath(info.path, shards_dir)).as_posix()))
+                    shards.append(info.relative_to(shards_dir).to_json())
                     _crash_point("finish-copied")
             except BaseException:
                 seq.abort()
@@ -1872,7 +1853,7 @@ def _run(
     report.tasks_read = cut + 1
 
     # -- manifest, written last ---------------------------------------------------------------
-    entries: list[ShardEntry] = []
+    entries: list[ShardRecord] = []
     final_paths: list[Path] = []
     for split in fmt.SPLITS:
         for i in kept_tasks:
@@ -1880,7 +1861,7 @@ def _run(
                 if s["split"] == split:
                     final_paths.append(shards_dir / s["path"])
                     d = dict(s, path=Path(os.path.relpath(shards_dir / s["path"], manifest_path.parent)).as_posix())
-                    entries.append(ShardEntry.from_json(d, "write record"))
+                    entries.append(ShardRecord.from_json(d, "write record"))
     decider.finish()
     splits = decider.splits
     for name, st in splits.items():

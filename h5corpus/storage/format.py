@@ -6,9 +6,12 @@ so that the three cannot drift apart. Bump :data:`FORMAT_VERSION` on any layout 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +56,13 @@ REQUIRED_ATTRS = (
 )
 
 SPLITS = ("train", "validation")
+
+#: A shard is written at ``<name>.h5`` + this suffix and renamed into place when complete; nothing
+#: treats a file with it as a shard.
+PARTIAL_SUFFIX = ".partial"
+
+#: The keys of a shard record (one manifest entry), in order.
+SHARD_KEYS = ("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")
 
 
 class FormatError(ValueError):
@@ -114,6 +124,53 @@ class TokenizerIdentity:
     def same_ids(self, other: TokenizerIdentity) -> bool:
         """True when both produce the same ids (name and revision may differ for one JSON)."""
         return (self.sha256, self.vocab_size, self.eos_id) == (other.sha256, other.vocab_size, other.eos_id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRecord:
+    """What is recorded about one finished shard: the writer returns it, the manifest lists it,
+    build state records carry it, the validator checks a file against it."""
+
+    path: str
+    """POSIX path of the shard file: relative to the manifest's folder inside a manifest;
+    absolute when returned by :meth:`ShardWriter.close <h5corpus.storage.writer.ShardWriter.close>`."""
+    split: str
+    tokens: int
+    """Token count, EOS ids included."""
+    documents: int
+    sha256: str
+    """Hex sha256 of the little-endian bytes of ``tokens[0:tokens]``."""
+    index_sha256: str
+    """Hex sha256 of doc_offsets ++ doc_ids ++ doc_flags (:func:`index_sha256`)."""
+    bytes: int
+    """File size on disk, in bytes."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in SHARD_KEYS}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], where: str) -> ShardRecord:
+        """Parse one record; :class:`FormatError` naming ``where`` and the shard when keys lack."""
+        missing = [k for k in SHARD_KEYS if k not in d]
+        if missing:
+            raise FormatError(f"{where}: shard entry {d.get('path', '?')!r} lacks keys {missing}")
+        return cls(
+            path=str(d["path"]),
+            split=str(d["split"]),
+            tokens=int(d["tokens"]),
+            documents=int(d["documents"]),
+            sha256=str(d["sha256"]),
+            index_sha256=str(d["index_sha256"]),
+            bytes=int(d["bytes"]),
+        )
+
+    def with_path(self, path: str | os.PathLike[str]) -> ShardRecord:
+        """The same shard recorded under another path (POSIX spelling)."""
+        return dataclasses.replace(self, path=Path(path).as_posix())
+
+    def relative_to(self, folder: str | os.PathLike[str]) -> ShardRecord:
+        """The same shard with its path relative to ``folder`` (e.g. the manifest's folder)."""
+        return self.with_path(os.path.relpath(Path(self.path).absolute(), Path(folder).absolute()))
 
 
 def shard_attrs(*, split: str, dtype: np.dtype, chunk_tokens: int, tokenizer: TokenizerIdentity) -> dict[str, Any]:

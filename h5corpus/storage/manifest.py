@@ -17,58 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from . import format as fmt
-from .format import FormatError, TokenizerIdentity
-from .writer import ShardInfo, fsync_dir
+from .format import FormatError, ShardRecord, TokenizerIdentity
+from .writer import fsync_dir
 
 DEFAULT_MANIFEST = Path("manifests") / "shards.json"
 DEFAULT_SHARDS_DIR = Path("shards")
-
-_SHARD_KEYS = ("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")
-
-
-@dataclass(kw_only=True)
-class ShardEntry:
-    """One shard as listed in the manifest."""
-
-    path: str
-    """POSIX path relative to the manifest's directory."""
-    split: str
-    tokens: int
-    documents: int
-    sha256: str
-    index_sha256: str
-    bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _SHARD_KEYS}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], where: str) -> ShardEntry:
-        missing = [k for k in _SHARD_KEYS if k not in d]
-        if missing:
-            raise FormatError(f"{where}: shard entry {d.get('path', '?')!r} lacks keys {missing}")
-        return cls(
-            path=str(d["path"]),
-            split=str(d["split"]),
-            tokens=int(d["tokens"]),
-            documents=int(d["documents"]),
-            sha256=str(d["sha256"]),
-            index_sha256=str(d["index_sha256"]),
-            bytes=int(d["bytes"]),
-        )
-
-    @classmethod
-    def from_info(cls, info: ShardInfo, manifest_dir: Path) -> ShardEntry:
-        rel = Path(os.path.relpath(info.path, manifest_dir.absolute())).as_posix()
-        return cls(
-            path=rel,
-            split=info.split,
-            tokens=info.tokens,
-            documents=info.documents,
-            sha256=info.sha256,
-            index_sha256=info.index_sha256,
-            bytes=info.bytes,
-        )
 
 
 @dataclass(kw_only=True)
@@ -82,7 +35,7 @@ class Manifest:
     tokenizer: TokenizerIdentity
     dtype: str
     chunk_tokens: int
-    shards: list[ShardEntry] = field(default_factory=list)
+    shards: list[ShardRecord] = field(default_factory=list)
     splits: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
@@ -95,11 +48,11 @@ class Manifest:
             raise ValueError("manifest has no path yet")
         return self.path.absolute().parent
 
-    def shard_path(self, entry: ShardEntry) -> Path:
+    def shard_path(self, entry: ShardRecord) -> Path:
         """Absolute path of ``entry``'s file."""
         return Path(os.path.normpath(self.root / entry.path))
 
-    def shards_of(self, split: str) -> list[ShardEntry]:
+    def shards_of(self, split: str) -> list[ShardRecord]:
         """Shards of ``split`` in manifest order (the corpus's global token order)."""
         return [s for s in self.shards if s.split == split]
 
@@ -137,7 +90,7 @@ class Manifest:
             tokenizer=TokenizerIdentity.from_json(d["tokenizer"]),
             dtype=fmt.dtype_name(d["dtype"]),
             chunk_tokens=int(d["chunk_tokens"]),
-            shards=[ShardEntry.from_json(s, where) for s in d["shards"]],
+            shards=[ShardRecord.from_json(s, where) for s in d["shards"]],
             splits=dict(d.get("splits") or {}),
             extra={k: v for k, v in d.items() if k not in known},
         )

@@ -40,9 +40,8 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from .format import FormatError, TokenizerIdentity
+from .format import PARTIAL_SUFFIX, FormatError, TokenizerIdentity
 from .manifest import Manifest, read_manifest
-from .writer import PARTIAL_SUFFIX
 
 ReadPath = Literal["auto", "mmap", "h5py"]
 READ_PATHS = ("auto", "mmap", "h5py")

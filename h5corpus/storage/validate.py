@@ -24,10 +24,9 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from .format import FormatError
-from .manifest import Manifest, ShardEntry, read_manifest
+from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
+from .manifest import Manifest, read_manifest
 from .reader import chunk_byte_offsets
-from .writer import PARTIAL_SUFFIX
 
 #: Tokens read per block while hashing (a multiple of every power-of-two chunk size up to it).
 HASH_BLOCK_TOKENS = 1 << 22
@@ -78,12 +77,25 @@ class ValidationReport:
 
 
 @dataclass(frozen=True)
-class _Expect:
+class ShardExpectation:
+    """What every shard of one corpus must agree on (the manifest's corpus-wide facts)."""
+
     dtype: str
     chunk_tokens: int
     eos_id: int
     vocab_size: int
     tokenizer_sha256: str
+
+    @classmethod
+    def of(cls, tokenizer: TokenizerIdentity, chunk_tokens: int) -> ShardExpectation:
+        """The expectation for shards of ``tokenizer`` ids in chunks of ``chunk_tokens`` tokens."""
+        return cls(
+            dtype=fmt.dtype_name(fmt.token_dtype(tokenizer.vocab_size)),
+            chunk_tokens=int(chunk_tokens),
+            eos_id=tokenizer.eos_id,
+            vocab_size=tokenizer.vocab_size,
+            tokenizer_sha256=tokenizer.sha256,
+        )
 
 
 def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = False):
@@ -222,7 +234,7 @@ class _Scratch(threading.local):
 
 
 def check_shard(
-    path: str, entry: ShardEntry, expect: _Expect, *, deep: bool = False, scratch: _Scratch | None = None
+    path: str, entry: ShardRecord, expect: ShardExpectation, *, deep: bool = False, scratch: _Scratch | None = None
 ) -> tuple[list[Finding], int]:
     """Check one shard file against its manifest entry; return (findings, bytes hashed).
 
@@ -234,7 +246,7 @@ def check_shard(
 
 
 def _check_shard(
-    path: str, entry: ShardEntry, expect: _Expect, deep: bool, scratch: _Scratch, defer_filtered: bool
+    path: str, entry: ShardRecord, expect: ShardExpectation, deep: bool, scratch: _Scratch, defer_filtered: bool
 ) -> tuple[list[Finding], int] | None:
     """:func:`check_shard`; None when ``defer_filtered`` and ``/tokens`` is compressed (decoding
     holds h5py's global lock, so the caller checks such shards in processes instead)."""
@@ -375,7 +387,7 @@ def _check_shard(
     return out, n * np.dtype(expect.dtype).itemsize
 
 
-def _check_shard_job(args: tuple[str, ShardEntry, _Expect, bool]) -> tuple[list[Finding], int]:
+def _check_shard_job(args: tuple[str, ShardRecord, ShardExpectation, bool]) -> tuple[list[Finding], int]:
     """Process-pool entry point (compressed shards)."""
     path, entry, expect, deep = args
     return check_shard(path, entry, expect, deep=deep)
@@ -445,7 +457,7 @@ def validate_corpus(
             report.findings.append(
                 Finding(s.path, "partial", f"an unfinished write is lying beside it ({partial.name})")
             )
-    expect = _Expect(
+    expect = ShardExpectation(
         dtype=m.dtype,
         chunk_tokens=m.chunk_tokens,
         eos_id=m.tokenizer.eos_id,
@@ -470,7 +482,7 @@ def validate_corpus(
 
     try:
         scratch = _Scratch()
-        deferred: list[tuple[str, ShardEntry, _Expect, bool]] = []
+        deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]] = []
         if n_workers == 1:
             for j in jobs:
                 record(*check_shard(*j[:3], deep=deep, scratch=scratch))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,27 +33,7 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from .format import TokenizerIdentity
-
-PARTIAL_SUFFIX = ".partial"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardInfo:
-    """What the manifest records about one finished shard."""
-
-    path: Path
-    """Absolute path of the finished shard file."""
-    split: str
-    tokens: int
-    """Token count, EOS ids included."""
-    documents: int
-    sha256: str
-    """Hex sha256 of the little-endian bytes of ``tokens[0:tokens]``."""
-    index_sha256: str
-    """Hex sha256 of doc_offsets ++ doc_ids ++ doc_flags (:func:`h5corpus.format.index_sha256`)."""
-    bytes: int
-    """File size on disk, in bytes."""
+from .format import PARTIAL_SUFFIX, ShardRecord, TokenizerIdentity
 
 
 def _fsync_path(p: str | os.PathLike[str]) -> None:
@@ -125,7 +104,7 @@ class ShardWriter:
         self.dtype = fmt.token_dtype(tokenizer.vocab_size)
         self.eos_id = int(tokenizer.eos_id)
         self.fsync = bool(fsync)
-        self.info: ShardInfo | None = None
+        self.info: ShardRecord | None = None
 
         attrs = fmt.shard_attrs(split=split, dtype=self.dtype, chunk_tokens=chunk_tokens, tokenizer=tokenizer)
         self.final_path.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +300,7 @@ class ShardWriter:
         self._published = upto
 
     # -- finishing ------------------------------------------------------------------------------
-    def close(self) -> ShardInfo:
+    def close(self) -> ShardRecord:
         """Write the final partial chunk and the rest of the index, fsync (unless ``fsync=False``),
         rename into place."""
         if self._closed:
@@ -341,8 +320,8 @@ class ShardWriter:
         os.replace(self.path, self.final_path)
         if self.fsync:
             fsync_dir(self.final_path.parent)
-        self.info = ShardInfo(
-            path=self.final_path,
+        self.info = ShardRecord(
+            path=self.final_path.as_posix(),
             split=self.split,
             tokens=self._written,
             documents=self._n_docs,
