@@ -51,7 +51,8 @@ from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
 from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
-from h5corpus.storage.reader import _H5Tokens, open_corpus  # noqa: E402
+from h5corpus.storage.reader import open_corpus  # noqa: E402
+from h5corpus.storage.readpaths import H5Tokens  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
 from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
@@ -199,7 +200,7 @@ def bench_read_paths(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -
     mmap_reader = c._reader(0)
     assert mmap_reader.kind == "mmap"
     out: dict = {"chunk_tokens": c.chunk_tokens}
-    low = _H5Tokens(path, False, c.chunk_tokens, c.dtype)
+    low = H5Tokens(path, False, c.chunk_tokens, c.dtype)
     rng = np.random.default_rng(0)
     for L in (1024, 4096):
         n = L + 1
@@ -348,7 +349,7 @@ def bench_chunk_sizes(flat: np.ndarray, lengths: np.ndarray, ident: TokenizerIde
             mm = np.memmap(base_path, dtype=np.uint16, mode="r")
             cm = open_corpus(man, "train")
             f_def = h5py.File(shard, "r")
-            low = _H5Tokens(str(shard), False, chunk, np.dtype(np.uint16))
+            low = H5Tokens(str(shard), False, chunk, np.dtype(np.uint16))
             buf = np.empty(L + 1, np.uint16)
             ds = f_def["tokens"]
             fns = {

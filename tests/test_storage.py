@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from h5corpus.storage import format as fmt
-from h5corpus.storage.format import FormatError
+from h5corpus.storage.format import FormatError, TokenizerIdentity
 from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.reader import open_corpus
 from h5corpus.storage.validate import validate_corpus
@@ -162,8 +162,92 @@ def test_reader_refuses_other_format_versions(stdlib_manifest):
     raw = json.loads(stdlib_manifest.read_text())
     raw["version"] = 99
     stdlib_manifest.write_text(json.dumps(raw))
-    with pytest.raises(FormatError, match="manifest version 99"):
+    with pytest.raises(FormatError, match="format version 99"):
         read_manifest(stdlib_manifest)
+
+
+def test_manifest_version_written_and_checked(stdlib_manifest):
+    """The manifest carries a version of its own; a manifest without it (written before it existed)
+    reads as version 1, any other version is refused by name."""
+    raw = json.loads(stdlib_manifest.read_text())
+    assert raw["manifest_version"] == 1
+    del raw["manifest_version"]
+    stdlib_manifest.write_text(json.dumps(raw))
+    assert read_manifest(stdlib_manifest).shards
+    raw["manifest_version"] = 2
+    stdlib_manifest.write_text(json.dumps(raw))
+    with pytest.raises(FormatError, match="manifest_version 2 is not supported"):
+        read_manifest(stdlib_manifest)
+
+
+def _naive_index_ok(offsets, ids, flags, num_tokens) -> bool:
+    """The index rule of docs/FORMAT.md, one element at a time."""
+    if offsets.dtype != np.dtype("<i8") or ids.dtype != np.uint8 or flags.dtype != np.uint8:
+        return False
+    o = offsets.tolist()
+    if not o or o[0] != 0 or o[-1] != num_tokens:
+        return False
+    if any(b < a for a, b in zip(o, o[1:])):
+        return False
+    return ids.shape == (len(o) - 1, 32) and flags.shape == (len(o) - 1,)
+
+
+def test_check_index_agrees_with_the_documented_rule():
+    """``check_index`` reports a problem exactly when the naive rule says the index is broken,
+    over random intact and mutated indexes (decreasing, past the end, short id rows, wrong dtypes)."""
+    from h5corpus.storage.format import check_index
+
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        docs = int(rng.integers(0, 6))
+        offs = np.concatenate([[0], np.cumsum(rng.integers(1, 9, docs))]).astype("<i8")
+        n = int(offs[-1])
+        ids = np.zeros((docs, 32), np.uint8)
+        flags = np.zeros(docs, np.uint8)
+        kind = trial % 8
+        if kind == 1 and docs:
+            offs[int(rng.integers(1, docs + 1))] -= 20  # decreases (or starts below 0)
+        elif kind == 2:
+            n -= 1  # offsets end past the tokens
+        elif kind == 3 and docs:
+            ids = ids[:-1]
+        elif kind == 4:
+            flags = np.zeros(docs + 1, np.uint8)
+        elif kind == 5:
+            offs = offs.astype(">i8")
+        elif kind == 6:
+            offs = offs.astype("<i4")
+        elif kind == 7:
+            offs = offs + 1
+        problems = check_index(offs, ids, flags, num_tokens=n)
+        assert (not problems) == _naive_index_ok(offs, ids, flags, n), (kind, offs, problems)
+    ok = np.array([0, 3, 5], "<i8")
+    assert check_index(ok, np.zeros((2, 32), np.uint8), np.zeros(2, np.uint8), num_tokens=5, num_documents=3)
+
+
+def test_attributes_give_back_the_tokenizer_identity(tmp_path):
+    """``identity_from_attrs`` inverts ``shard_attrs`` through a real HDF5 file."""
+    from h5corpus.storage import format as fmt
+
+    ident = TokenizerIdentity(name="t", revision="r1", sha256="ab" * 32, vocab_size=70_000, eos_id=69_999)
+    attrs = fmt.shard_attrs(
+        split="validation", dtype=fmt.token_dtype(ident.vocab_size), chunk_tokens=64, tokenizer=ident
+    )
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f.attrs.update(attrs)
+    with h5py.File(tmp_path / "a.h5", "r") as f:
+        got = fmt.check_attrs(f.attrs, "a.h5")
+    assert fmt.identity_from_attrs(got) == ident and got["dtype"] == "uint32"
+
+
+def test_shards_use_the_pinned_hdf5_file_format(tmp_path):
+    """Shards are written within the pinned format bounds (HDF5 1.10 to 1.14 objects), whatever
+    HDF5 is installed: the superblock is version 3, the one SWMR files of those releases carry."""
+    w = ShardWriter(tmp_path / "a.h5", split="train", tokenizer=BYTE_IDENTITY, chunk_tokens=64)
+    w.add_document(np.array([1, 2, 256]), b"a" * 32)
+    w.close()
+    head = (tmp_path / "a.h5").read_bytes()[:9]
+    assert head[:8] == b"\x89HDF\r\n\x1a\n" and head[8] == 3
 
 
 # -- validate: every corruption kind names the shard ------------------------------------------------

@@ -1,7 +1,11 @@
-"""The on-disk contract of an h5corpus shard (format v1). See ``docs/FORMAT.md``.
+"""The on-disk contract of an h5corpus corpus (shard format v1, manifest v1). See ``docs/FORMAT.md``.
 
-Every name, dtype and attribute the writer, reader and validator use is defined here once,
-so that the three cannot drift apart. Bump :data:`FORMAT_VERSION` on any layout change.
+Every fact of the layout that the writer, the reader, the validator and the build's resume rely
+on is defined here once, so that they cannot drift apart: dataset names and dtypes, the HDF5
+format bounds, the partial-file suffix, the root attributes (and the tokenizer identity they
+encode), the checks of a shard's index, where the chunks of ``/tokens`` lie in the file (the
+memory-map read path), and the manifest's keys and version. Bump :data:`FORMAT_VERSION` on any
+change of a shard's layout and :data:`MANIFEST_VERSION` on any change of the manifest's.
 """
 
 from __future__ import annotations
@@ -12,12 +16,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 FORMAT_NAME = "h5corpus"
 FORMAT_VERSION = 1
+#: Version of the manifest's layout (``manifest_version`` key); manifests written before the key
+#: existed are version 1.
+MANIFEST_VERSION = 1
+
+#: HDF5 file-format bounds of every shard: low = the oldest format with SWMR (HDF5 1.10), high =
+#: HDF5 1.14's. A newer HDF5 then writes the same objects (same bytes) instead of its newest
+#: formats, and any HDF5 >= 1.10 reads the shards.
+LIBVER = ("v110", "v114")
 
 #: 1-D token ids, uint16 or uint32, chunked with ``chunk_tokens``, ``maxshape=(None,)``.
 TOKENS = "tokens"
@@ -27,6 +39,13 @@ DOC_OFFSETS = "doc_offsets"
 DOC_IDS = "doc_ids"
 #: uint8 (documents,): per-document flag bits (see ``FLAG_*``).
 DOC_FLAGS = "doc_flags"
+#: Every dataset of a shard, in the order the index hash covers the index ones.
+DATASETS = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS)
+
+#: Stored dtypes of the index datasets (little-endian where it matters).
+OFFSETS_DTYPE = np.dtype("<i8")
+DOC_ID_DTYPE = np.dtype("u1")
+FLAGS_DTYPE = np.dtype("u1")
 
 #: The document was cut at ``--max-document-tokens``: it has no EOS (a cut is never a real end).
 FLAG_TRUNCATED = 1
@@ -55,6 +74,10 @@ REQUIRED_ATTRS = (
     "vocab_size",
 )
 
+#: Attributes that must equal the manifest's (name and revision of the tokenizer are informational:
+#: one tokenizer JSON may be named differently).
+MATCHED_ATTRS = ("split", "dtype", "chunk_tokens", "eos_id", "vocab_size", "tokenizer_sha256")
+
 SPLITS = ("train", "validation")
 
 #: A shard is written at ``<name>.h5`` + this suffix and renamed into place when complete; nothing
@@ -63,6 +86,9 @@ PARTIAL_SUFFIX = ".partial"
 
 #: The keys of a shard record (one manifest entry), in order.
 SHARD_KEYS = ("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")
+#: Top-level manifest keys every manifest has; the rest (``splits``, ``source``, ``build``,
+#: ``filters``) are build figures that readers keep but do not need.
+MANIFEST_KEYS = ("format", "version", "manifest_version", "tokenizer", "dtype", "chunk_tokens", "shards")
 
 
 class FormatError(ValueError):
@@ -191,6 +217,142 @@ def shard_attrs(*, split: str, dtype: np.dtype, chunk_tokens: int, tokenizer: To
     }
 
 
+def identity_from_attrs(attrs: Mapping[str, Any]) -> TokenizerIdentity:
+    """The tokenizer identity a shard's root attributes record (the inverse of :func:`shard_attrs`);
+    ``attrs`` as returned by :func:`check_attrs`."""
+    return TokenizerIdentity(
+        name=str(attrs["tokenizer_name"]),
+        revision=str(attrs["tokenizer_revision"]),
+        sha256=str(attrs["tokenizer_sha256"]),
+        vocab_size=int(attrs["vocab_size"]),
+        eos_id=int(attrs["eos_id"]),
+    )
+
+
+class Problem(NamedTuple):
+    """One way a shard breaks the contract: ``code`` is the validator's finding code (``attrs``,
+    ``offsets``, ``index``, ``tokens``, ...), ``message`` says what is wrong, with figures."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ShardExpectation:
+    """What a manifest says every one of its shards is (the corpus-wide facts)."""
+
+    dtype: str
+    chunk_tokens: int
+    eos_id: int
+    vocab_size: int
+    tokenizer_sha256: str
+
+    @classmethod
+    def of(cls, tokenizer: TokenizerIdentity, chunk_tokens: int, dtype: str | None = None) -> ShardExpectation:
+        """Shards of ``tokenizer`` ids in chunks of ``chunk_tokens`` tokens (``dtype`` defaults to
+        the one :func:`token_dtype` gives the vocabulary)."""
+        return cls(
+            dtype=dtype or dtype_name(token_dtype(tokenizer.vocab_size)),
+            chunk_tokens=int(chunk_tokens),
+            eos_id=int(tokenizer.eos_id),
+            vocab_size=int(tokenizer.vocab_size),
+            tokenizer_sha256=tokenizer.sha256,
+        )
+
+    def attr_problems(self, attrs: Mapping[str, Any], split: str) -> list[Problem]:
+        """The :data:`MATCHED_ATTRS` of ``attrs`` (from :func:`check_attrs`) that differ from what
+        the manifest says a ``split`` shard is."""
+        want = {
+            "split": split,
+            "dtype": self.dtype,
+            "chunk_tokens": self.chunk_tokens,
+            "eos_id": self.eos_id,
+            "vocab_size": self.vocab_size,
+            "tokenizer_sha256": self.tokenizer_sha256,
+        }
+        return [
+            Problem("attrs", f"attribute {k} = {attrs.get(k)!r}, manifest says {want[k]!r}")
+            for k in MATCHED_ATTRS
+            if attrs.get(k) != want[k]
+        ]
+
+
+def check_index(
+    doc_offsets: np.ndarray,
+    doc_ids: np.ndarray,
+    doc_flags: np.ndarray,
+    *,
+    num_tokens: int,
+    num_documents: int | None = None,
+) -> list[Problem]:
+    """Everything the index promises that needs no token read: dtypes, shapes, offsets from 0,
+    non-decreasing, ending at ``num_tokens`` (the length of ``/tokens``), one id row and one flag
+    per document, and ``num_documents`` documents when given (the manifest's count). Empty = intact."""
+    out: list[Problem] = []
+    docs = max(int(doc_offsets.size) - 1, 0)
+    if doc_offsets.dtype != OFFSETS_DTYPE or doc_offsets.ndim != 1:
+        out.append(Problem("offsets", f"/doc_offsets is {doc_offsets.dtype} {doc_offsets.shape}, expected 1-D int64"))
+    if num_documents is not None and docs != num_documents:
+        out.append(Problem("offsets", f"/doc_offsets lists {docs:,} documents, manifest says {num_documents:,}"))
+    if doc_ids.dtype != DOC_ID_DTYPE or doc_ids.shape != (docs, DOC_ID_BYTES):
+        out.append(Problem("index", f"/doc_ids is {doc_ids.dtype} {doc_ids.shape}, expected uint8 ({docs:,}, 32)"))
+    if doc_flags.dtype != FLAGS_DTYPE or doc_flags.shape != (docs,):
+        out.append(Problem("index", f"/doc_flags is {doc_flags.dtype} {doc_flags.shape}, expected uint8 ({docs:,},)"))
+    if doc_offsets.size == 0 or doc_offsets.ndim != 1 or doc_offsets[0] != 0:
+        out.append(Problem("offsets", "/doc_offsets does not start at 0"))
+        return out
+    down = doc_offsets[1:] < doc_offsets[:-1]
+    if down.any():
+        i = int(np.argmax(down))
+        out.append(
+            Problem(
+                "offsets",
+                f"/doc_offsets decreases at document {i:,} ({doc_offsets[i]:,} -> {doc_offsets[i + 1]:,})",
+            )
+        )
+    if doc_offsets[-1] != num_tokens:
+        out.append(
+            Problem("offsets", f"/doc_offsets ends at {int(doc_offsets[-1]):,}, but /tokens holds {num_tokens:,}")
+        )
+    return out
+
+
+def chunk_byte_offsets(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
+    """Byte offset in the file of every chunk of an unfiltered 1-D ``/tokens`` h5py dataset that
+    covers ``[0, n_tokens)``, or ``(None, why not)``. Each chunk must be allocated, unfiltered,
+    ``chunk_tokens * itemsize`` bytes and inside the file's ``file_size`` bytes: then token
+    ``i`` lies at ``offsets[i // C] + (i % C) * itemsize`` (the memory-map read path and the
+    validator's hashing rely on it)."""
+    if ds.chunks is None or len(ds.chunks) != 1:
+        return None, "tokens are not chunked in 1-D"
+    if ds.id.get_create_plist().get_nfilters() != 0:
+        return None, "tokens are compressed/filtered"
+    C = ds.chunks[0]
+    n_chunks = -(-n_tokens // C)
+    offsets = np.full(n_chunks, -1, dtype=np.int64)
+    chunk_bytes = C * ds.dtype.itemsize
+    bad: list[str] = []
+
+    def visit(info: Any) -> None:
+        k = info.chunk_offset[0] // C
+        if k >= n_chunks:
+            return
+        if info.filter_mask != 0 or info.size != chunk_bytes or info.byte_offset + info.size > file_size:
+            bad.append(f"chunk {k} (offset {info.byte_offset}, {info.size} bytes, mask {info.filter_mask})")
+        offsets[k] = info.byte_offset
+
+    if hasattr(ds.id, "chunk_iter"):
+        ds.id.chunk_iter(visit)
+    else:  # pragma: no cover - HDF5 < 1.13
+        for i in range(ds.id.get_num_chunks()):
+            visit(ds.id.get_chunk_info(i))
+    if bad:
+        return None, "unexpected chunk layout: " + bad[0]
+    if n_chunks and offsets.min() < 0:
+        return None, f"chunk {int(np.argmin(offsets))} is not allocated"
+    return offsets, ""
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, bytes):
         return v.decode()
@@ -227,7 +389,7 @@ def tokens_sha256_update(h: hashlib._Hash, tokens: np.ndarray) -> None:
 def index_sha256(doc_offsets: np.ndarray, doc_ids: np.ndarray, doc_flags: np.ndarray) -> str:
     """Hex sha256 of ``doc_offsets`` (int64 LE) ++ ``doc_ids`` (raw bytes) ++ ``doc_flags`` (uint8)."""
     h = hashlib.sha256()
-    h.update(np.ascontiguousarray(doc_offsets, dtype="<i8").tobytes())
-    h.update(np.ascontiguousarray(doc_ids, dtype=np.uint8).tobytes())
-    h.update(np.ascontiguousarray(doc_flags, dtype=np.uint8).tobytes())
+    h.update(np.ascontiguousarray(doc_offsets, dtype=OFFSETS_DTYPE).tobytes())
+    h.update(np.ascontiguousarray(doc_ids, dtype=DOC_ID_DTYPE).tobytes())
+    h.update(np.ascontiguousarray(doc_flags, dtype=FLAGS_DTYPE).tobytes())
     return h.hexdigest()

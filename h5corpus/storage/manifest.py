@@ -62,6 +62,7 @@ class Manifest:
             {
                 "format": fmt.FORMAT_NAME,
                 "version": fmt.FORMAT_VERSION,
+                "manifest_version": fmt.MANIFEST_VERSION,
                 "tokenizer": self.tokenizer.to_json(),
                 "dtype": self.dtype,
                 "chunk_tokens": int(self.chunk_tokens),
@@ -79,13 +80,18 @@ class Manifest:
             raise FormatError(f"{where}: not an h5corpus manifest (format = {d.get('format')!r})")
         if d.get("version") != fmt.FORMAT_VERSION:
             raise FormatError(
-                f"{where}: manifest version {d.get('version')!r} is not supported (this h5corpus reads "
+                f"{where}: format version {d.get('version')!r} is not supported (this h5corpus reads "
                 f"version {fmt.FORMAT_VERSION})"
             )
-        for k in ("tokenizer", "dtype", "chunk_tokens", "shards"):
-            if k not in d:
+        if d.get("manifest_version", 1) != fmt.MANIFEST_VERSION:
+            raise FormatError(
+                f"{where}: manifest_version {d.get('manifest_version')!r} is not supported (this h5corpus reads "
+                f"version {fmt.MANIFEST_VERSION})"
+            )
+        for k in fmt.MANIFEST_KEYS:
+            if k not in d and k != "manifest_version":  # absent in manifests written before it existed
                 raise FormatError(f"{where}: manifest lacks key {k!r}")
-        known = {"format", "version", "tokenizer", "dtype", "chunk_tokens", "shards", "splits"}
+        known = {*fmt.MANIFEST_KEYS, "splits"}
         return cls(
             tokenizer=TokenizerIdentity.from_json(d["tokenizer"]),
             dtype=fmt.dtype_name(d["dtype"]),

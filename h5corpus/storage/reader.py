@@ -30,11 +30,9 @@ appended to the manifest.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
-import weakref
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import h5py
 import numpy as np
@@ -42,214 +40,7 @@ import numpy as np
 from . import format as fmt
 from .format import PARTIAL_SUFFIX, FormatError, TokenizerIdentity
 from .manifest import Manifest, read_manifest
-
-ReadPath = Literal["auto", "mmap", "h5py"]
-READ_PATHS = ("auto", "mmap", "h5py")
-
-#: Chunks the HDF5 chunk cache holds per compressed ``/tokens`` dataset (per process).
-FILTERED_CACHE_CHUNKS = 8
-
-
-def _h5open(path: str | os.PathLike[str]) -> h5py.File:
-    """Open a shard read-only in SWMR mode (needed for files still being written). HDF5 refuses a
-    second open with other SWMR flags in one process; a finished shard that the caller already
-    holds open without SWMR is then opened the same way (SWMR adds nothing for a finished file)."""
-    try:
-        return h5py.File(path, "r", libver="latest", swmr=True)
-    except OSError as e:
-        if "SWMR read access flag not the same" not in str(e) or str(path).endswith(PARTIAL_SUFFIX):
-            raise
-        return h5py.File(path, "r")
-
-
-# -- per-process read paths for one shard's /tokens ----------------------------------------------
-
-
-class RunTable(NamedTuple):
-    """Where the tokens of a split whose shards are all memory-mapped lie: the runs of
-    file-contiguous HDF5 chunks of every shard, in token order, and the global token range of each."""
-
-    runs: list[np.ndarray]
-    """Zero-copy token arrays over the runs."""
-    starts: np.ndarray
-    """(runs,) int64 global position of each run's first token (ascending)."""
-    ends: np.ndarray
-    """(runs,) int64 global position after each run's last token of its shard (a shard's last
-    chunk is stored whole; the tokens past the shard's end are not the next shard's)."""
-
-    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For global token positions ``pos`` (int64): the run holding each, its offset in that
-        run (tokens), and the tokens from it to the run's end: ``[pos, pos + n)`` is one slice of
-        one run if ``n <= room``."""
-        run = self.starts.searchsorted(pos, side="right") - 1
-        return run, pos - self.starts[run], self.ends[run] - pos
-
-
-class _MmapTokens:
-    """Raw chunks of a finished, unfiltered shard read through a read-only memory map.
-
-    The writer appends chunks in order, so most chunks sit right after their predecessor in the
-    file. Runs of such chunks are exposed as one array (:attr:`runs`), and a range is one copy
-    unless it crosses from one run into the next (where HDF5 put an index block between chunks)."""
-
-    kind = "mmap"
-
-    def __init__(self, path: str, chunk_tokens: int, byte_offsets: np.ndarray, dtype: np.dtype, n_tokens: int) -> None:
-        self.chunk_tokens = C = chunk_tokens
-        self.n_tokens = n_tokens
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        chunk_bytes = C * dtype.itemsize
-        first = np.flatnonzero(np.diff(byte_offsets) != chunk_bytes) + 1 if byte_offsets.size else byte_offsets
-        bounds = [0, *first.tolist(), int(byte_offsets.size)] if byte_offsets.size else [0]
-        #: zero-copy arrays over runs of file-contiguous chunks, in token order
-        self.runs = [
-            np.frombuffer(self._mm, dtype=dtype, count=(b - a) * C, offset=int(byte_offsets[a]))
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        #: per chunk: its run's array, and the chunk's first token's position inside that run
-        self.chunk_run: list[np.ndarray] = []
-        self.chunk_pos: list[int] = []
-        for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
-            self.chunk_run.extend([run] * (b - a))
-            self.chunk_pos.extend(range(0, (b - a) * C, C))
-
-    def read(self, lo: int, hi: int, out: np.ndarray) -> None:
-        """``out[:] = tokens[lo:hi]`` (shard-local positions; ``out`` may be any integer dtype)."""
-        C = self.chunk_tokens
-        k, off = divmod(lo, C)
-        run = self.chunk_run[k]
-        p = self.chunk_pos[k] + off
-        if p + (hi - lo) <= run.size:  # the common case: inside one run, one copy
-            out[:] = run[p : p + hi - lo]
-            return
-        pos = lo
-        while pos < hi:
-            k, off = divmod(pos, C)
-            run = self.chunk_run[k]
-            p = self.chunk_pos[k] + off
-            n = min(run.size - p, hi - pos)
-            out[pos - lo : pos - lo + n] = run[p : p + n]
-            pos += n
-
-    def refresh(self) -> None:  # finished shards never change
-        pass
-
-    def close(self) -> None:
-        self.runs, self.chunk_run = [], []
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a caller still holds a view; the map closes when it is collected
-                pass
-            self._mm = None
-
-
-class _H5Tokens:
-    """``/tokens`` through HDF5: one low-level H5Dread per range (SWMR, so ``.partial`` works).
-
-    BEWARE: HDF5 (2.0) returns other chunks' bytes after ``H5Drefresh`` when the same dataset is
-    open twice in one process, so a live shard's ``/tokens`` is opened once per process
-    (:func:`_live_tokens` shares it between corpora) and the live index is read through
-    :attr:`file` (see ``Corpus._refresh_live``)."""
-
-    shared = False  # True for live readers shared between corpora: closed when the last user drops it
-
-    kind = "h5py"
-
-    def __init__(self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> None:
-        self.dtype = dtype
-        self.file = _h5open(path)
-        self.path = path
-        dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-        if filtered:
-            nbytes = FILTERED_CACHE_CHUNKS * chunk_tokens * dtype.itemsize
-            dapl.set_chunk_cache(10007, nbytes, 0.75)
-        else:
-            dapl.set_chunk_cache(521, 0, 1.0)  # raw chunks: read straight into the caller's buffer
-        self.dsid = h5py.h5d.open(self.file.id, fmt.TOKENS.encode(), dapl=dapl)
-        self._mtype = h5py.h5t.py_create(dtype)
-        self._fspace = self.dsid.get_space()  # re-selected per read; renewed by refresh()
-        self._mspace: dict[int, Any] = {}
-
-    def read(self, lo: int, hi: int, out: np.ndarray) -> None:
-        n = hi - lo
-        if n == 0:
-            return
-        direct = out.dtype == self.dtype and out.flags.c_contiguous and out.flags.writeable
-        dst = out if direct else np.empty(n, dtype=self.dtype)
-        mspace = self._mspace.get(n)
-        if mspace is None:
-            if len(self._mspace) > 64:
-                self._mspace.clear()
-            mspace = self._mspace[n] = h5py.h5s.create_simple((n,))
-        self._fspace.select_hyperslab((lo,), (n,))
-        self.dsid.read(mspace, self._fspace, dst, self._mtype)
-        if not direct:
-            out[:] = dst
-
-    def refresh(self) -> None:
-        self.dsid.refresh()
-        self._fspace = self.dsid.get_space()
-
-    def close(self) -> None:
-        if self.shared:
-            return
-        try:
-            self.dsid.close()
-        except Exception:
-            pass
-        try:
-            self.file.close()
-        except Exception:
-            pass
-
-
-_LIVE_TOKENS: weakref.WeakValueDictionary[tuple[int, str], _H5Tokens] = weakref.WeakValueDictionary()
-
-
-def _live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> _H5Tokens:
-    """This process's one HDF5 reader of a shard being written (see the BEWARE in _H5Tokens)."""
-    key = (os.getpid(), os.path.realpath(path))
-    r = _LIVE_TOKENS.get(key)
-    if r is None:
-        r = _H5Tokens(path, filtered, chunk_tokens, dtype)
-        r.shared = True
-        _LIVE_TOKENS[key] = r
-    return r
-
-
-def chunk_byte_offsets(ds: h5py.Dataset, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
-    """Byte offset of every chunk of an unfiltered 1-D ``/tokens`` dataset, or (None, why not)."""
-    if ds.chunks is None or len(ds.chunks) != 1:
-        return None, "tokens are not chunked in 1-D"
-    if ds.id.get_create_plist().get_nfilters() != 0:
-        return None, "tokens are compressed/filtered"
-    C = ds.chunks[0]
-    n_chunks = -(-n_tokens // C)
-    offsets = np.full(n_chunks, -1, dtype=np.int64)
-    chunk_bytes = C * ds.dtype.itemsize
-    bad: list[str] = []
-
-    def visit(info: Any) -> None:
-        k = info.chunk_offset[0] // C
-        if k >= n_chunks:
-            return
-        if info.filter_mask != 0 or info.size != chunk_bytes or info.byte_offset + info.size > file_size:
-            bad.append(f"chunk {k} (offset {info.byte_offset}, {info.size} bytes, mask {info.filter_mask})")
-        offsets[k] = info.byte_offset
-
-    if hasattr(ds.id, "chunk_iter"):
-        ds.id.chunk_iter(visit)
-    else:  # pragma: no cover - HDF5 < 1.13
-        for i in range(ds.id.get_num_chunks()):
-            visit(ds.id.get_chunk_info(i))
-    if bad:
-        return None, "unexpected chunk layout: " + bad[0]
-    if n_chunks and offsets.min() < 0:
-        return None, f"chunk {int(np.argmin(offsets))} is not allocated"
-    return offsets, ""
+from .readpaths import READ_PATHS, H5Tokens, MmapTokens, ReadPath, RunTable, h5open, live_tokens
 
 
 class Corpus:
@@ -301,7 +92,7 @@ class Corpus:
         self.doc_offsets = np.zeros(1, dtype=np.int64)
         self._doc_ids: np.ndarray | None = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
         self._doc_flags: np.ndarray | None = np.zeros(0, np.uint8)
-        self._readers: dict[int, _MmapTokens | _H5Tokens] = {}
+        self._readers: dict[int, MmapTokens | H5Tokens] = {}
         self._pid = os.getpid()
         self._append_entries(manifest.shards_of(split))
 
@@ -316,13 +107,7 @@ class Corpus:
             a = fmt.check_attrs(f.attrs, where)
             ds = f[fmt.TOKENS]
             chunk_tokens = ds.chunks[0] if ds.chunks else int(a["chunk_tokens"])
-        ident = TokenizerIdentity(
-            name=a["tokenizer_name"],
-            revision=a["tokenizer_revision"],
-            sha256=a["tokenizer_sha256"],
-            vocab_size=int(a["vocab_size"]),
-            eos_id=int(a["eos_id"]),
-        )
+        ident = fmt.identity_from_attrs(a)
         if tokenizer is not None and not tokenizer.same_ids(ident):
             raise FormatError(
                 f"{where}: shard was written with tokenizer {ident.name!r} (sha256 {ident.sha256[:12]}), "
@@ -376,26 +161,23 @@ class Corpus:
 
     def _read_index(self, path: str, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
-            f = _h5open(path)
+            f = h5open(path)
         except (OSError, FileNotFoundError) as e:
             raise FormatError(f"{path}: cannot open shard ({e}); run h5corpus validate") from None
         with f:
             a = fmt.check_attrs(f.attrs, path)
             assert self.manifest is not None
-            if a["split"] != self.split or a["dtype"] != self.manifest.dtype:
-                raise FormatError(
-                    f"{path}: shard is {a['split']}/{a['dtype']}, manifest says {self.split}/{self.manifest.dtype}"
-                )
-            if a["tokenizer_sha256"] != self.tokenizer.sha256 or int(a["eos_id"]) != self.eos_id:
-                raise FormatError(f"{path}: shard was written with another tokenizer than the manifest lists")
+            expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype)
+            problems = expect.attr_problems(a, self.split)
             o = f[fmt.DOC_OFFSETS][:]
-            if o.size != n_docs + 1 or o[-1] != n_tokens or f[fmt.TOKENS].shape[0] != n_tokens:
-                raise FormatError(
-                    f"{path}: shard holds {o.size - 1} documents / {int(o[-1])} tokens "
-                    f"(dataset {f[fmt.TOKENS].shape[0]}), manifest says {n_docs} / {n_tokens}; "
-                    "run h5corpus validate"
-                )
-            return o, f[fmt.DOC_IDS][:n_docs], f[fmt.DOC_FLAGS][:n_docs]
+            ids, flags = f[fmt.DOC_IDS][:], f[fmt.DOC_FLAGS][:]
+            stored = f[fmt.TOKENS].shape[0]
+            if stored != n_tokens:
+                problems.append(fmt.Problem("tokens", f"/tokens holds {stored:,} tokens, manifest says {n_tokens:,}"))
+            problems += fmt.check_index(o, ids, flags, num_tokens=stored, num_documents=n_docs)
+            if problems:
+                raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
+            return o, ids, flags
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -436,7 +218,7 @@ class Corpus:
         ids, flags = [np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)], [np.zeros(0, np.uint8)]
         for s in range(self.num_shards):
             n = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
-            with _h5open(self._open_path(s)) as f:
+            with h5open(self._open_path(s)) as f:
                 ids.append(f[fmt.DOC_IDS][:n])
                 flags.append(f[fmt.DOC_FLAGS][:n])
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
@@ -478,7 +260,7 @@ class Corpus:
             self._readers = {}
             self._pid = os.getpid()
 
-    def _reader(self, shard: int) -> _MmapTokens | _H5Tokens:
+    def _reader(self, shard: int) -> MmapTokens | H5Tokens:
         """This process's read path for ``shard`` (callers run :meth:`_check_pid` first)."""
         r = self._readers.get(shard)
         if r is None:
@@ -486,27 +268,27 @@ class Corpus:
             self._readers[shard] = r
         return r
 
-    def _open_reader(self, shard: int) -> _MmapTokens | _H5Tokens:
+    def _open_reader(self, shard: int) -> MmapTokens | H5Tokens:
         path = self._open_path(shard)
         live = not self._complete[shard]
         n = int(self.shard_token_starts[shard + 1] - self.shard_token_starts[shard])
         try:
-            with _h5open(path) as f:
+            with h5open(path) as f:
                 ds = f[fmt.TOKENS]
                 chunk_tokens = ds.chunks[0] if ds.chunks else 0
                 filtered = ds.id.get_create_plist().get_nfilters() != 0
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
-                    offsets, why = chunk_byte_offsets(ds, n, os.path.getsize(path))
+                    offsets, why = fmt.chunk_byte_offsets(ds, n, os.path.getsize(path))
         except OSError as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
-            return _MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
+            return MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
         if self.read_path == "mmap" and not live:
             raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
         if live:
-            return _live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
-        return _H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
+            return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
+        return H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
 
     def read_paths(self) -> list[str]:
         """Read path (``"mmap"`` or ``"h5py"``) of every shard in this process (opens them)."""
@@ -573,9 +355,9 @@ class Corpus:
             return 0
         final = self.paths[0]
         r = self._readers.get(0)
-        if not isinstance(r, _H5Tokens):
+        if not isinstance(r, H5Tokens):
             r = self._readers[0] = self._open_reader(0)
-        assert isinstance(r, _H5Tokens)
+        assert isinstance(r, H5Tokens)
         f = r.file
         offs_ds, ids_ds, flags_ds = (f[k] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
         offs_ds.refresh()  # offsets first: everything they point at was flushed before them
@@ -604,7 +386,7 @@ class Corpus:
             # The writer closed and renamed the file. It publishes everything before the rename, so
             # once our index matches the finished file's, nothing more can come: let later reads
             # use the memory-map path.
-            with _h5open(final) as g:
+            with h5open(final) as g:
                 finished = g[fmt.DOC_OFFSETS].shape[0] - 1 == self.num_documents
             if finished:
                 self._complete[0] = True
@@ -773,7 +555,7 @@ def _open_live_file(final: Path) -> h5py.File:
     """Open a shard being written (``<final>.partial``) or, once renamed, the finished file (SWMR)."""
     for p in (final.with_name(final.name + PARTIAL_SUFFIX), final):
         try:
-            return h5py.File(p, "r", libver="latest", swmr=True)
+            return h5py.File(p, "r", libver=fmt.LIBVER, swmr=True)
         except FileNotFoundError:
             continue
         except OSError as e:

@@ -24,9 +24,8 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
+from .format import PARTIAL_SUFFIX, FormatError, ShardExpectation, ShardRecord
 from .manifest import Manifest, read_manifest
-from .reader import chunk_byte_offsets
 
 #: Tokens read per block while hashing (a multiple of every power-of-two chunk size up to it).
 HASH_BLOCK_TOKENS = 1 << 22
@@ -76,33 +75,11 @@ class ValidationReport:
         }
 
 
-@dataclass(frozen=True)
-class ShardExpectation:
-    """What every shard of one corpus must agree on (the manifest's corpus-wide facts)."""
-
-    dtype: str
-    chunk_tokens: int
-    eos_id: int
-    vocab_size: int
-    tokenizer_sha256: str
-
-    @classmethod
-    def of(cls, tokenizer: TokenizerIdentity, chunk_tokens: int) -> ShardExpectation:
-        """The expectation for shards of ``tokenizer`` ids in chunks of ``chunk_tokens`` tokens."""
-        return cls(
-            dtype=fmt.dtype_name(fmt.token_dtype(tokenizer.vocab_size)),
-            chunk_tokens=int(chunk_tokens),
-            eos_id=tokenizer.eos_id,
-            vocab_size=tokenizer.vocab_size,
-            tokenizer_sha256=tokenizer.sha256,
-        )
-
-
 def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = False):
     """Yield (start, array) blocks covering ``ds[0:n_tokens]`` in order.
 
     Uncompressed shards are viewed straight from a read-only memory map of the file at the chunk
-    byte offsets HDF5 reports (:func:`h5corpus.reader.chunk_byte_offsets`), runs of chunks that are
+    byte offsets HDF5 reports (:func:`h5corpus.storage.format.chunk_byte_offsets`), runs of chunks that are
     contiguous in the file cut into blocks of at most :data:`HASH_BLOCK_TOKENS`; anything else
     (compressed, or an odd layout a corrupt file may have) is read through h5py into one reused
     buffer, or a fresh one per block when ``fresh`` (a consumer on another thread may still hold
@@ -110,7 +87,7 @@ def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = Fals
     """
     if not n_tokens:
         return
-    offsets, _ = chunk_byte_offsets(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
+    offsets, _ = fmt.chunk_byte_offsets(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
     if offsets is not None:
         chunk, itemsize = ds.chunks[0], ds.dtype.itemsize
         per_block = max(HASH_BLOCK_TOKENS // chunk, 1)
@@ -274,16 +251,7 @@ def _check_shard(
             attrs = fmt.check_attrs(f.attrs, name)
         except FormatError as e:
             return bad("format", str(e).split(": ", 1)[-1])
-        for key, want in (
-            ("split", entry.split),
-            ("dtype", expect.dtype),
-            ("chunk_tokens", expect.chunk_tokens),
-            ("eos_id", expect.eos_id),
-            ("vocab_size", expect.vocab_size),
-            ("tokenizer_sha256", expect.tokenizer_sha256),
-        ):
-            if attrs[key] != want:
-                out.append(Finding(name, "attrs", f"attribute {key} = {attrs[key]!r}, manifest says {want!r}"))
+        out.extend(Finding(name, pr.code, pr.message) for pr in expect.attr_problems(attrs, entry.split))
         dsets = {k: f.get(k) for k in (fmt.TOKENS, fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS)}
         for ds_name, ds in dsets.items():
             if not isinstance(ds, h5py.Dataset):
@@ -307,50 +275,21 @@ def _check_shard(
             ids = scratch.read(dsets[fmt.DOC_IDS])
             flags = scratch.read(dsets[fmt.DOC_FLAGS])
             docs = offsets.size - 1
-            if offsets.dtype != np.dtype("int64"):
-                out.append(Finding(name, "offsets", f"/doc_offsets is {offsets.dtype}, expected int64"))
             if docs != entry.documents:
                 out.append(
                     Finding(
                         name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}"
                     )
                 )
-            if ids.shape != (max(docs, 0), fmt.DOC_ID_BYTES) or flags.shape != (max(docs, 0),):
-                out.append(
-                    Finding(
-                        name,
-                        "index",
-                        f"/doc_ids {ids.shape} or /doc_flags {flags.shape} do not match {docs:,} documents",
-                    )
-                )
-            offsets_ok = offsets.dtype == np.dtype("int64")
-            if offsets.size == 0 or offsets[0] != 0:
-                out.append(Finding(name, "offsets", "/doc_offsets does not start at 0"))
-                offsets_ok = False
-            else:
-                down = offsets[1:] < offsets[:-1]
-                if down.any():
-                    i = int(np.argmax(down))
-                    out.append(
-                        Finding(
-                            name,
-                            "offsets",
-                            f"/doc_offsets decreases at document {i:,} ({offsets[i]:,} -> {offsets[i + 1]:,})",
-                        )
-                    )
-                    offsets_ok = False
-                if offsets[-1] != n:
-                    out.append(
-                        Finding(name, "offsets", f"/doc_offsets ends at {int(offsets[-1]):,}, but /tokens holds {n:,}")
-                    )
-                    offsets_ok = False
+            index_problems = fmt.check_index(offsets, ids, flags, num_tokens=n)
+            out.extend(Finding(name, pr.code, pr.message) for pr in index_problems)
             if fmt.index_sha256(offsets, ids, flags) != entry.index_sha256:
                 out.append(
                     Finding(
                         name, "index_sha256", "index hash (doc_offsets, doc_ids, doc_flags) differs from the manifest"
                     )
                 )
-            structure_ok = offsets_ok and ids.shape[0] == docs and flags.shape == (docs,)
+            structure_ok = not index_problems
             ends = np.zeros(0, dtype=np.int64)
             if structure_ok and docs > 0:
                 ends = np.subtract(offsets[1:], 1, out=scratch.array("ends", docs, np.int64))
@@ -457,13 +396,7 @@ def validate_corpus(
             report.findings.append(
                 Finding(s.path, "partial", f"an unfinished write is lying beside it ({partial.name})")
             )
-    expect = ShardExpectation(
-        dtype=m.dtype,
-        chunk_tokens=m.chunk_tokens,
-        eos_id=m.tokenizer.eos_id,
-        vocab_size=m.tokenizer.vocab_size,
-        tokenizer_sha256=m.tokenizer.sha256,
-    )
+    expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize
     bar = None

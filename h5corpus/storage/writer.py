@@ -108,7 +108,7 @@ class ShardWriter:
 
         attrs = fmt.shard_attrs(split=split, dtype=self.dtype, chunk_tokens=chunk_tokens, tokenizer=tokenizer)
         self.final_path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = h5py.File(self.path, "w", libver="latest")
+        self._f = h5py.File(self.path, "w", libver=fmt.LIBVER)
         f = self._f
         filt: dict[str, Any] = {}
         if compression is not None:
@@ -124,7 +124,7 @@ class ShardWriter:
         )
         self._offsets = f.create_dataset(
             fmt.DOC_OFFSETS,
-            data=np.zeros(1, dtype="<i8"),
+            data=np.zeros(1, dtype=fmt.OFFSETS_DTYPE),
             maxshape=(None,),
             chunks=(fmt.INDEX_CHUNK_DOCS,),
             track_times=False,
@@ -133,7 +133,7 @@ class ShardWriter:
             fmt.DOC_IDS,
             shape=(0, fmt.DOC_ID_BYTES),
             maxshape=(None, fmt.DOC_ID_BYTES),
-            dtype=np.uint8,
+            dtype=fmt.DOC_ID_DTYPE,
             chunks=(fmt.INDEX_CHUNK_DOCS, fmt.DOC_ID_BYTES),
             track_times=False,
         )
@@ -141,7 +141,7 @@ class ShardWriter:
             fmt.DOC_FLAGS,
             shape=(0,),
             maxshape=(None,),
-            dtype=np.uint8,
+            dtype=fmt.FLAGS_DTYPE,
             chunks=(fmt.INDEX_CHUNK_DOCS,),
             track_times=False,
         )
