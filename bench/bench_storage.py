@@ -11,6 +11,8 @@ library's sources as byte ids):
   vs hashlib in N forked processes, and CPU seconds per GB of each (robust to other load).
 * ``chunk_tokens``: write MB/s, sequential read MB/s and random 4,097-token window reads per chunk size.
 * ``compression``: none / gzip / lzf / zstd (hdf5plugin): write MB/s, read MB/s, size ratio.
+* ``open``: ``open_corpus`` per shard (the reader's checks at open + the index read) vs bare h5py
+  opening each shard and reading its index.
 
 Usage: python bench/bench_storage.py [--tokens N] [--out FILE] [--repeat N] [--only-validate]
 """
@@ -254,12 +256,46 @@ def bench_validate(
     return rows
 
 
+def bench_open(root: Path, docs, ident, shards: int, repeat: int) -> dict:
+    """``open_corpus`` (manifest, every shard's checks at open, index read) per shard vs the least
+    an open must do: h5py opening each file and reading its three index datasets."""
+    import h5py
+
+    from h5corpus.storage.reader import open_corpus
+
+    m = Manifest(tokenizer=ident, dtype="uint16" if ident.vocab_size <= 65536 else "uint32", chunk_tokens=4096)
+    per = max(1, len(docs) // shards)
+    for k in range(shards):
+        part = docs[k * per : (k + 1) * per] or docs[:1]
+        info = write_shard(root / "shards" / "train" / f"train-{k:05d}.h5", part, ident, 4096)
+        m.shards.append(info.relative_to(root / "manifests"))
+    write_manifest(root / "manifests" / "shards.json", m)
+    paths = [root / "manifests" / e.path for e in m.shards]
+
+    def bare() -> None:
+        for p in paths:
+            with h5py.File(p, "r") as f:
+                f["doc_offsets"][()], f["doc_ids"][()], f["doc_flags"][()]
+
+    t_open = best(lambda: open_corpus(root / "manifests" / "shards.json", "train"), repeat=repeat)
+    t_bare = best(bare, repeat=repeat)
+    return {
+        "shards": shards,
+        "documents_per_shard": per,
+        "open_ms_per_shard": round(t_open / shards * 1e3, 3),
+        "bare_h5py_index_ms_per_shard": round(t_bare / shards * 1e3, 3),
+        "ratio_bare_vs_open": round(t_bare / t_open, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--repeat", type=int, default=5, help="validate section: timed runs per figure (best is kept)")
     ap.add_argument("--only-validate", action="store_true", help="run only the validate section")
+    ap.add_argument("--only-open", action="store_true", help="run only the reader's open-cost section")
+    ap.add_argument("--open-shards", type=int, default=64, help="open section: number of shards")
     ap.add_argument("--validate-shards", type=int, default=4, help="validate section: number of shards")
     ap.add_argument(
         "--validate-shard-tokens",
@@ -282,6 +318,10 @@ def main() -> None:
         "cpus": os.cpu_count(),
     }
     try:
+        if args.only_open:
+            out["open"] = bench_open(tmp / "o", docs, ident, args.open_shards, args.repeat)
+            emit(out, args.out)
+            return
         if args.only_validate:
             out["validate"] = bench_validate(
                 tmp / "v", docs, flat, ident, args.repeat, args.validate_shards, args.validate_shard_tokens
@@ -343,6 +383,8 @@ def main() -> None:
             )
             c.close()
         out["chunk_tokens"] = rows
+
+        out["open"] = bench_open(tmp / "o", docs, ident, args.open_shards, args.repeat)
 
         # -- validate vs hashlib ----------------------------------------------------------------
         out["validate"] = bench_validate(

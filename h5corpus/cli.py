@@ -38,6 +38,17 @@ def fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+def check_path_arg(option: str, path: Path | None) -> None:
+    """Refuse a path argument the OS would cut short (a NUL byte ends a C string)."""
+    if path is not None and "\0" in str(path):
+        raise fail(f"{option}: {str(path)!r} holds a NUL byte", EXIT_USAGE)
+
+
+def check_positive(option: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise fail(f"{option} must be >= 1, got {value}", EXIT_USAGE)
+
+
 def print_validation(report, as_json: bool) -> int:
     """Print a ValidationReport (one line per failing shard) and return the exit code."""
     if as_json:
@@ -65,6 +76,8 @@ def validate_cli(
     """Recompute every shard's sha256 in parallel and check structure. Exit 1 naming each failing shard."""
     from .storage.validate import validate_corpus
 
+    check_path_arg("MANIFEST", manifest)
+    check_positive("--workers", workers)
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     report = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json, deep=deep)
@@ -95,6 +108,10 @@ def inspect_cli(
     from .inspection import format_report, inspect_corpus, plot_report
     from .storage.format import FormatError
 
+    for name, path in (("MANIFEST", manifest), ("--output", output), ("--plot", plot)):
+        check_path_arg(name, path)
+    for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--packing-buffer", packing_buffer)):
+        check_positive(name, value)
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     if mode not in ("buffer", "bfd"):

@@ -134,7 +134,10 @@ def write_corpus(
         a = np.append(np.asarray(ids_i, dtype=np.int64), identity.eos_id)
         docs["validation" if i % validation_every == validation_every - 1 else "train"].append((a, d))
     m = Manifest(
-        tokenizer=identity, dtype="uint16" if identity.vocab_size <= 65536 else "uint32", chunk_tokens=chunk_tokens
+        tokenizer=identity,
+        dtype="uint16" if identity.vocab_size <= 65536 else "uint32",
+        chunk_tokens=chunk_tokens,
+        shards_dir="../shards",
     )
     for split, items in docs.items():
         shard_no, w = 0, None

@@ -86,6 +86,59 @@ PARTIAL_SUFFIX = ".partial"
 
 #: The keys of a shard record (one manifest entry), in order.
 SHARD_KEYS = ("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")
+_HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+_COUNT = {"type": "integer", "minimum": 0}
+
+#: JSON Schema (draft 2020-12) of a manifest: every entry point checks a manifest against it before
+#: using a value of it. ``integer`` means a JSON integer (``5.0`` is refused).
+MANIFEST_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["format", "version", "tokenizer", "dtype", "chunk_tokens", "shards"],
+    "properties": {
+        "format": {"const": "h5corpus"},
+        "version": {"type": "integer"},
+        "manifest_version": {"type": "integer"},
+        "tokenizer": {
+            "type": "object",
+            "required": ["name", "revision", "sha256", "vocab_size", "eos_id"],
+            "properties": {
+                "name": {"type": "string"},
+                "revision": {"type": "string"},
+                "sha256": _HEX64,
+                "vocab_size": {"type": "integer", "minimum": 1, "maximum": 1 << 32},
+                "eos_id": _COUNT,
+            },
+        },
+        "dtype": {"enum": ["uint16", "uint32"]},
+        "chunk_tokens": {"type": "integer", "minimum": 1, "maximum": 1 << 40},
+        "shards_dir": {"type": "string", "minLength": 1},
+        "shards": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": list(("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")),
+                "properties": {
+                    "path": {"type": "string", "minLength": 1},
+                    "split": {"enum": ["train", "validation"]},
+                    "tokens": _COUNT,
+                    "documents": _COUNT,
+                    "sha256": _HEX64,
+                    "index_sha256": _HEX64,
+                    "bytes": _COUNT,
+                },
+            },
+        },
+        "splits": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "properties": {"tokens": _COUNT, "documents": _COUNT, "shards": _COUNT},
+            },
+        },
+    },
+}
+
 #: Top-level manifest keys every manifest has; the rest (``splits``, ``source``, ``build``,
 #: ``filters``) are build figures that readers keep but do not need.
 MANIFEST_KEYS = ("format", "version", "manifest_version", "tokenizer", "dtype", "chunk_tokens", "shards")
@@ -231,10 +284,36 @@ def identity_from_attrs(attrs: Mapping[str, Any]) -> TokenizerIdentity:
 
 class Problem(NamedTuple):
     """One way a shard breaks the contract: ``code`` is the validator's finding code (``attrs``,
-    ``offsets``, ``index``, ``tokens``, ...), ``message`` says what is wrong, with figures."""
+    ``offsets``, ``index``, ``tokens``, ...), ``message`` says what is wrong, with figures;
+    ``fatal``: nothing else of the shard can be checked."""
 
     code: str
     message: str
+    fatal: bool = False
+
+
+def dataset_problems(f: Any, expect: ShardExpectation) -> list[Problem]:
+    """The datasets of an open shard (an ``h5py.File``) against the contract: all four present,
+    ``/tokens`` 1-D in the manifest's dtype and little-endian byte order, chunked in chunks of
+    ``chunk_tokens``. (The index datasets' dtypes are checked on the arrays, by :func:`check_index`.)"""
+    import h5py
+
+    missing = [n for n in DATASETS if not isinstance(f.get(n), h5py.Dataset)]
+    if missing:
+        return [Problem("format", f"dataset /{missing[0]} is missing", fatal=True)]
+    t = f[TOKENS]
+    want = np.dtype(expect.dtype).newbyteorder("<")
+    if t.dtype.str != want.str or t.ndim != 1:
+        return [
+            Problem(
+                "tokens",
+                f"/tokens is {t.dtype.str} with shape {t.shape}, expected 1-D {want.str} ({want.name}, little-endian)",
+                fatal=True,
+            )
+        ]
+    if t.chunks != (expect.chunk_tokens,):
+        return [Problem("tokens", f"/tokens chunks {t.chunks}, expected ({expect.chunk_tokens},)")]
+    return []
 
 
 @dataclass(frozen=True)

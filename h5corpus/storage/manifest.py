@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class Manifest:
     shards: list[ShardRecord] = field(default_factory=list)
     splits: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    shards_dir: str | None = None
+    """POSIX path, relative to the manifest's folder, of the folder every shard lies in (under its
+    split's subfolder): the build records it. Absent (older or hand-written manifests): the
+    manifest folder's parent, which holds ``manifests/`` and ``shards/`` in the default layout."""
     path: Path | None = None
     """Where it was read from or last written to (not serialized)."""
 
@@ -47,6 +52,42 @@ class Manifest:
         if self.path is None:
             raise ValueError("manifest has no path yet")
         return self.path.absolute().parent
+
+    @property
+    def shards_root(self) -> Path:
+        """Absolute folder that must hold every shard of this manifest (see :attr:`shards_dir`)."""
+        return Path(os.path.normpath(self.root / (self.shards_dir or "..")))
+
+    def split_folders(self) -> list[Path]:
+        """Folders a shard of this corpus may lie in: ``<shards_dir>/<split>`` for each split (when
+        :attr:`shards_dir` is recorded) and the folder of every listed shard."""
+        folders = [self.shards_root / s for s in fmt.SPLITS] if self.shards_dir else []
+        folders += [self.shard_path(e).parent for e in self.shards]
+        return list(dict.fromkeys(folders))
+
+    def check_paths(self, where: str) -> None:
+        """Raise :class:`FormatError` naming ``where`` and the shard when a shard path is absolute,
+        leaves :attr:`shards_root`, or names a file already listed (compared after resolving
+        ``.``/``..`` and symbolic links)."""
+        if self.shards_dir is not None and (os.path.isabs(self.shards_dir) or "\0" in self.shards_dir):
+            raise FormatError(f"{where}: shards_dir {self.shards_dir!r} must be a relative path")
+        root = self.shards_root
+        seen: dict[str, str] = {}
+        contents: dict[tuple[str, str], str] = {}
+        for e in self.shards:
+            if os.path.isabs(e.path) or "\0" in e.path:
+                raise FormatError(f"{where}: shard path {e.path!r} must be relative to the manifest's folder")
+            p = self.shard_path(e)
+            if os.path.commonpath([root, p]) != str(root):
+                raise FormatError(f"{where}: shard path {e.path!r} leaves the corpus's shards folder {root}")
+            real = os.path.realpath(p)
+            if real in seen:
+                raise FormatError(f"{where}: shard {e.path!r} is the file {seen[real]!r} already lists")
+            seen[real] = e.path
+            if e.tokens:  # the build never writes two shards of the same documents (dedup is global)
+                same = contents.setdefault((e.sha256, e.index_sha256), e.path)
+                if same != e.path:
+                    raise FormatError(f"{where}: shard {e.path!r} holds the same documents as {same!r}")
 
     def shard_path(self, entry: ShardRecord) -> Path:
         """Absolute path of ``entry``'s file."""
@@ -70,6 +111,8 @@ class Manifest:
                 "splits": self.splits,
             }
         )
+        if self.shards_dir is not None:
+            d["shards_dir"] = self.shards_dir
         return d
 
     @classmethod
@@ -91,7 +134,7 @@ class Manifest:
         for k in fmt.MANIFEST_KEYS:
             if k not in d and k != "manifest_version":  # absent in manifests written before it existed
                 raise FormatError(f"{where}: manifest lacks key {k!r}")
-        known = {*fmt.MANIFEST_KEYS, "splits"}
+        known = {*fmt.MANIFEST_KEYS, "splits", "shards_dir"}
         return cls(
             tokenizer=TokenizerIdentity.from_json(d["tokenizer"]),
             dtype=fmt.dtype_name(d["dtype"]),
@@ -99,31 +142,103 @@ class Manifest:
             shards=[ShardRecord.from_json(s, where) for s in d["shards"]],
             splits=dict(d.get("splits") or {}),
             extra={k: v for k, v in d.items() if k not in known},
+            shards_dir=d.get("shards_dir"),
         )
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Parse and check a manifest; errors name the file."""
-    p = Path(path)
+#: Largest manifest read (a manifest lists ~250 bytes per shard: this is millions of shards).
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} overflows a float")
+    return v
+
+
+def _schema_validator() -> Any:
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    strict_int = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    return jsonschema.validators.extend(base, type_checker=strict_int)(fmt.MANIFEST_SCHEMA)
+
+
+def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
+    """Decode, parse and schema-check manifest bytes; :class:`FormatError` naming ``where`` and the
+    offending field for anything else than a well-formed manifest (invalid UTF-8, NaN/Infinity,
+    numbers that overflow, nesting too deep, a value of the wrong type or range)."""
     try:
-        text = p.read_text(encoding="utf-8")
+        d = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{where}: manifest is not UTF-8 ({e.reason} at byte {e.start:,})") from None
+    except RecursionError:
+        raise FormatError(f"{where}: manifest is nested too deeply to be a manifest") from None
+    except ValueError as e:  # JSONDecodeError is one
+        raise FormatError(f"{where}: manifest is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise FormatError(f"{where}: manifest is not a JSON object")
+    if d.get("format") != fmt.FORMAT_NAME:
+        raise FormatError(f"{where}: not an h5corpus manifest (format = {d.get('format')!r})")
+    if d.get("version") != fmt.FORMAT_VERSION:
+        raise FormatError(
+            f"{where}: format version {d.get('version')!r} is not supported (this h5corpus reads "
+            f"version {fmt.FORMAT_VERSION})"
+        )
+    err = next(iter(sorted(_schema_validator().iter_errors(d), key=lambda e: list(e.absolute_path))), None)
+    if err is not None:
+        field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path).lstrip(".")
+        raise FormatError(f"{where}: manifest field {field or '(top level)'}: {err.message}")
+    return d
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Parse and check a manifest (schema, versions, shard paths inside its shards folder, no shard
+    listed twice); errors name the file. FileNotFoundError when there is none."""
+    p = Path(path)
+    if "\0" in str(p):
+        raise FormatError(f"{str(p)!r}: a path cannot hold a NUL byte")
+    try:
+        st = p.stat()
     except FileNotFoundError:
         raise FileNotFoundError(f"{p}: manifest not found (build a corpus first: h5corpus build ...)") from None
+    except OSError as e:
+        raise FormatError(f"{p}: cannot read the manifest ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise FormatError(f"{p}: the manifest path is {kind}")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{p}: {st.st_size:,} bytes is too large for a manifest")
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{p}: manifest is not valid JSON ({e})") from None
-    m = Manifest.from_json(d, str(p))
+        data = p.read_bytes()
+    except OSError as e:
+        raise FormatError(f"{p}: cannot read the manifest ({e.strerror})") from None
+    m = Manifest.from_json(parse_manifest_text(data, str(p)), str(p))
     m.path = p.absolute()
+    m.check_paths(str(p))
     return m
 
 
+def _umask_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (mkstemp always gives 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as sorted, indented JSON via temp file + fsync + rename."""
+    """Write ``obj`` as sorted, indented JSON via temp file + fsync + rename; the file gets the
+    mode a plain ``open()`` would (the umask's), so whoever can read the shards can read it."""
     p = Path(path).absolute()
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
+        os.fchmod(fd, _umask_file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(obj, fh, indent=2, sort_keys=True, ensure_ascii=False)
             fh.write("\n")

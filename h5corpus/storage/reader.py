@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from .format import PARTIAL_SUFFIX, FormatError, TokenizerIdentity
+from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
 from .manifest import Manifest, read_manifest
 from .readpaths import READ_PATHS, H5Tokens, MmapTokens, ReadPath, RunTable, h5open, live_tokens
 
@@ -93,6 +94,8 @@ class Corpus:
         self._doc_ids: np.ndarray | None = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
         self._doc_flags: np.ndarray | None = np.zeros(0, np.uint8)
         self._readers: dict[int, MmapTokens | H5Tokens] = {}
+        #: per finished shard: the identity of the file whose index this corpus holds
+        self._file_ids: list[FileId | None] = []
         self._pid = os.getpid()
         self._append_entries(manifest.shards_of(split))
 
@@ -129,6 +132,7 @@ class Corpus:
         self._doc_ids = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
+        self._file_ids = [None]
         self._pid = os.getpid()
         self.refresh()
         return self
@@ -141,7 +145,8 @@ class Corpus:
         t0, d0 = int(self.shard_token_starts[-1]), int(self.shard_doc_starts[-1])
         for e in entries:
             path = str(self.manifest.shard_path(e))
-            o, i, fl = self._read_index(path, e.tokens, e.documents)
+            o, i, fl, ident = self._read_index(path, e)
+            self._file_ids.append(ident)
             offs.append(o[1:] + t0)
             ids.append(i)
             flags.append(fl)
@@ -159,25 +164,52 @@ class Corpus:
             self._doc_ids = np.concatenate([self._doc_ids] + ids)
             self._doc_flags = np.concatenate([self._doc_flags] + flags)
 
-    def _read_index(self, path: str, n_tokens: int, n_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _read_index(self, path: str, entry: ShardRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray, FileId]:
+        """Check one finished shard against its manifest entry and the format contract, without
+        reading a token: size, attributes, datasets (dtypes, byte order, shapes, chunks), the index
+        (monotonic, within bounds, one id and flag per document). Returns its index and file id."""
+        before = _file_id(path)
+        if before[2] != entry.bytes:
+            raise FormatError(
+                f"{path}: file is {before[2]:,} bytes, manifest says {entry.bytes:,} (truncated or replaced?); "
+                "run h5corpus validate"
+            )
         try:
             f = h5open(path)
-        except (OSError, FileNotFoundError) as e:
+        except OSError as e:
             raise FormatError(f"{path}: cannot open shard ({e}); run h5corpus validate") from None
+        assert self.manifest is not None
+        expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype)
         with f:
-            a = fmt.check_attrs(f.attrs, path)
-            assert self.manifest is not None
-            expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype)
-            problems = expect.attr_problems(a, self.split)
-            o = f[fmt.DOC_OFFSETS][:]
-            ids, flags = f[fmt.DOC_IDS][:], f[fmt.DOC_FLAGS][:]
+            problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), self.split)
+            problems += fmt.dataset_problems(f, expect)
+            if any(pr.fatal for pr in problems):
+                raise FormatError(f"{path}: {problems[-1].message}; run h5corpus validate")
+            try:
+                o, ids, flags = (f[k][()] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+            except OSError as e:
+                raise FormatError(f"{path}: cannot read the index ({e}); run h5corpus validate") from None
             stored = f[fmt.TOKENS].shape[0]
-            if stored != n_tokens:
-                problems.append(fmt.Problem("tokens", f"/tokens holds {stored:,} tokens, manifest says {n_tokens:,}"))
-            problems += fmt.check_index(o, ids, flags, num_tokens=stored, num_documents=n_docs)
-            if problems:
-                raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
-            return o, ids, flags
+        if stored != entry.tokens:
+            problems.append(fmt.Problem("tokens", f"/tokens holds {stored:,} tokens, manifest says {entry.tokens:,}"))
+        problems += fmt.check_index(o, ids, flags, num_tokens=stored, num_documents=entry.documents)
+        if problems:
+            raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
+        if _file_id(path) != before:
+            raise FormatError(f"{path}: the shard changed while it was being opened (a build writing there?)")
+        return o, ids, flags, before
+
+    def _check_unchanged(self, shard: int, st: os.stat_result | None = None) -> None:
+        """Refuse to read a finished shard that is no longer the file whose index this corpus
+        holds (rebuilt or replaced since the corpus was opened, e.g. by ``build --overwrite``)."""
+        if not self._complete[shard] or shard >= len(self._file_ids) or self._file_ids[shard] is None:
+            return
+        now = _file_id(self.paths[shard]) if st is None else _stat_id(st)
+        if now != self._file_ids[shard]:
+            raise FormatError(
+                f"{self.paths[shard]}: the shard changed since this corpus was opened (rebuilt or replaced?); "
+                "reopen the corpus"
+            )
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -218,7 +250,8 @@ class Corpus:
         ids, flags = [np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)], [np.zeros(0, np.uint8)]
         for s in range(self.num_shards):
             n = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
-            with h5open(self._open_path(s)) as f:
+            self._check_unchanged(s)
+            with h5open(self._open_path(s), live=not self._complete[s]) as f:
                 ids.append(f[fmt.DOC_IDS][:n])
                 flags.append(f[fmt.DOC_FLAGS][:n])
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
@@ -272,8 +305,9 @@ class Corpus:
         path = self._open_path(shard)
         live = not self._complete[shard]
         n = int(self.shard_token_starts[shard + 1] - self.shard_token_starts[shard])
+        self._check_unchanged(shard)
         try:
-            with h5open(path) as f:
+            with h5open(path, live=live) as f:
                 ds = f[fmt.TOKENS]
                 chunk_tokens = ds.chunks[0] if ds.chunks else 0
                 filtered = ds.id.get_create_plist().get_nfilters() != 0
@@ -283,12 +317,14 @@ class Corpus:
         except OSError as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
-            return MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
+            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
+            self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
+            return r
         if self.read_path == "mmap" and not live:
             raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
         if live:
             return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
-        return H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
+        return H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype, live=False)
 
     def read_paths(self) -> list[str]:
         """Read path (``"mmap"`` or ``"h5py"``) of every shard in this process (opens them)."""
@@ -549,6 +585,27 @@ class Corpus:
             f"Corpus(split={self.split!r}, shards={self.num_shards}, documents={self.num_documents:,}, "
             f"tokens={self.num_tokens:,}{live})"
         )
+
+
+FileId = tuple[int, int, int, int]
+"""(device, inode, size in bytes, mtime in ns) of a shard file."""
+
+
+def _stat_id(st: os.stat_result) -> FileId:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _file_id(path: str) -> FileId:
+    """The identity of a finished shard's file; FormatError when it is missing or not a file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: shard file not found; run h5corpus validate") from None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot stat the shard ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{path}: the shard path is not a regular file")
+    return _stat_id(st)
 
 
 def _open_live_file(final: Path) -> h5py.File:

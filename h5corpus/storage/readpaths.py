@@ -31,16 +31,18 @@ READ_PATHS = ("auto", "mmap", "h5py")
 FILTERED_CACHE_CHUNKS = 8
 
 
-def h5open(path: str | os.PathLike[str]) -> h5py.File:
-    """Open a shard read-only in SWMR mode (needed for files still being written). HDF5 refuses a
-    second open with other SWMR flags in one process; a finished shard that the caller already
-    holds open without SWMR is then opened the same way (SWMR adds nothing for a finished file)."""
+def h5open(path: str | os.PathLike[str], *, live: bool = False) -> h5py.File:
+    """Open a shard read-only: in SWMR mode when it is still being written (``live``), else
+    plainly, so that HDF5 checks the file's end against its superblock (a truncated shard fails
+    here, at once, instead of reading as zeros or looping in SWMR's metadata retries). HDF5 refuses
+    a second open with other SWMR flags in one process: a shard already open the other way in
+    this process is then opened that way."""
     try:
-        return h5py.File(path, "r", libver=fmt.LIBVER, swmr=True)
+        return h5py.File(path, "r", libver=fmt.LIBVER, swmr=live)
     except OSError as e:
         if "SWMR read access flag not the same" not in str(e) or str(path).endswith(PARTIAL_SUFFIX):
             raise
-        return h5py.File(path, "r")
+        return h5py.File(path, "r", libver=fmt.LIBVER, swmr=not live)
 
 
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
@@ -79,7 +81,9 @@ class MmapTokens:
         self.chunk_tokens = C = chunk_tokens
         self.n_tokens = n_tokens
         with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+            #: the mapped file's stat (the caller checks it is the file whose index it holds)
+            self.stat = os.fstat(fh.fileno())
+            size = self.stat.st_size
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         chunk_bytes = C * dtype.itemsize
         first = np.flatnonzero(np.diff(byte_offsets) != chunk_bytes) + 1 if byte_offsets.size else byte_offsets
@@ -139,9 +143,9 @@ class H5Tokens:
 
     kind = "h5py"
 
-    def __init__(self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> None:
+    def __init__(self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, live: bool = False) -> None:
         self.dtype = dtype
-        self.file = h5open(path)
+        self.file = h5open(path, live=live)
         self.path = path
         dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
         if filtered:
@@ -195,7 +199,7 @@ def live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -
     key = (os.getpid(), os.path.realpath(path))
     r = _LIVE_TOKENS.get(key)
     if r is None:
-        r = H5Tokens(path, filtered, chunk_tokens, dtype)
+        r = H5Tokens(path, filtered, chunk_tokens, dtype, live=True)
         r.shared = True
         _LIVE_TOKENS[key] = r
     return r
