@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 the data is bad (corruption, a failed check, bad input)
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def check_path_arg(option: str, path: Path | None) -> None:
         raise fail(f"{option}: {str(path)!r} holds a NUL byte", EXIT_USAGE)
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+
+
+def check_local_manifest(manifest: Path) -> None:
+    """Refuse object-storage URLs up front (``s3://...`` arrives here as ``s3:/...``)."""
+    if _URL.match(str(manifest)):
+        scheme = str(manifest).split(":", 1)[0]
+        raise fail(
+            f"{scheme}:// manifests are not supported: object storage has no SWMR or memory maps; copy or "
+            "mount the corpus (manifest and shards) on a local or network filesystem and pass that path",
+            EXIT_USAGE,
+        )
+
+
 def check_positive(option: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise fail(f"{option} must be >= 1, got {value}", EXIT_USAGE)
@@ -77,6 +92,7 @@ def validate_cli(
     from .storage.validate import validate_corpus
 
     check_path_arg("MANIFEST", manifest)
+    check_local_manifest(manifest)
     check_positive("--workers", workers)
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
@@ -112,6 +128,14 @@ def inspect_cli(
         check_path_arg(name, path)
     for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--packing-buffer", packing_buffer)):
         check_positive(name, value)
+    check_local_manifest(manifest)
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise fail(
+                "--plot needs matplotlib: pip install 'h5corpus[plot]' (or pip install matplotlib)", EXIT_USAGE
+            ) from None
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     if mode not in ("buffer", "bfd"):

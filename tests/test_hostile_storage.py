@@ -296,3 +296,45 @@ def test_manifest_follows_the_umask(stdlib_manifest, tmp_path):
         assert (tmp_path / "n.json").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+# -- command-line arguments -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["validate", "{m}", "--workers", "0"], "--workers must be >= 1"),
+        (["validate", "{m}", "--workers", "-3"], "--workers must be >= 1"),
+        (["inspect", "{m}", "--seq-len", "0"], "--seq-len must be >= 1"),
+        (["inspect", "{m}", "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["inspect", "s3://bucket/manifests/shards.json"], "s3:// manifests are not supported"),
+        (["validate", "gs://bucket/shards.json"], "gs:// manifests are not supported"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(stdlib_manifest, args, needle):
+    p = _cli(*[a.format(m=stdlib_manifest) for a in args])
+    _no_traceback(p)
+    assert p.returncode == 2 and needle in p.stderr, (p.returncode, p.stderr)
+
+
+def test_a_nul_byte_in_a_path_is_refused(stdlib_manifest):
+    with pytest.raises(FormatError, match="NUL"):
+        read_manifest(str(stdlib_manifest) + "\0.bak")
+
+
+def test_inspect_plot_without_matplotlib_says_what_to_install(stdlib_manifest, tmp_path):
+    """Checked before any work: exit 2 naming the package (matplotlib made unimportable)."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.argv = ['h5corpus'] + sys.argv[1:]; "
+        "from h5corpus.cli import main; main()"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, "inspect", str(stdlib_manifest), "--plot", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    _no_traceback(p)
+    assert p.returncode == 2 and "matplotlib" in p.stderr and not (tmp_path / "x.png").exists()

@@ -200,6 +200,11 @@ def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Parse and check a manifest (schema, versions, shard paths inside its shards folder, no shard
     listed twice); errors name the file. FileNotFoundError when there is none."""
+    if "://" in str(path):
+        raise FormatError(
+            f"{path}: object-storage manifests are not supported (no SWMR or memory maps there); copy or mount "
+            "the corpus on a local or network filesystem"
+        )
     p = Path(path)
     if "\0" in str(p):
         raise FormatError(f"{str(p)!r}: a path cannot hold a NUL byte")
