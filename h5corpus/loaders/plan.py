@@ -43,7 +43,6 @@ PLAN_VERSION = 1
 #: Default ``packing_buffer`` per mode, in chunks: the candidate buffer of best fit, the block
 #: best-fit-decreasing sorts.
 DEFAULT_PACKING_BUFFER = {"buffer": 64, "bfd": 16384}
-DEFAULT_BFD_BUFFER = DEFAULT_PACKING_BUFFER["bfd"]
 
 _BFD_STREAM_TAG = 0x9ACC  # separates the BFD pack shuffle's random stream from the document order's
 
