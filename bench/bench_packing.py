@@ -6,13 +6,14 @@ sources as byte ids):
 
 * ``fill``: real input tokens / pack capacity at ``max_seq_len`` 4,096 and 35 packs per microbatch,
   for the train split the loader reads and for all dev documents (train + validation, the lengths a
-  plain simulation of the seed's algorithm uses), with mode ``buffer`` at packing_buffer 64 and
+  plain simulation of the packing algorithm uses), with mode ``buffer`` at packing_buffer 64 and
   1,024, ``bfd`` with its default 16,384-chunk blocks and ``bfd`` over the whole epoch at once.
   Three ways of counting: ``fill`` (every pack, the epoch's final partial microbatch included),
   ``fill_full_microbatches`` (final partial microbatch excluded) and ``fill_padded_last`` (the final
   microbatch charged ``batch_size`` packs). Targets: >= 0.998 at buffer 64, >= 0.9995 with BFD.
 * ``packer``: chunks/s of the packers on the epoch's chunk lengths, as a speedup over the naive
-  O(n x buffer) / O(n x packs) scans of the same algorithms (measured on a prefix); BFD chunks/s on
+  O(n x buffer) / O(n x packs) scans of the same algorithms (``tests/helpers.py``'s reference
+  packers, measured on a prefix); BFD chunks/s on
   10^4 and 10^5 synthetic chunks (a ratio near 1 = per-chunk cost independent of the buffer size).
 * ``loader``: BestFitDataset tokens/s as a ratio to SlidingWindowDataset over the same corpus at
   seq_len 4,096 and 35 windows per batch (without and with ``document_mask``), measured three ways:
@@ -41,9 +42,20 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from h5corpus.loaders.bestfit import best_fit_packs, bfd_packs, chunk_layout, epoch_order, pack_fill  # noqa: E402
+from h5corpus.loaders.chunking import chunk_layout  # noqa: E402
+from h5corpus.loaders.packers import best_fit_packs, bfd_packs  # noqa: E402
+from h5corpus.loaders.plan import epoch_order, pack_fill  # noqa: E402
 from h5corpus.storage.reader import open_corpus  # noqa: E402
-from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts, write_corpus  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    BYTE_IDENTITY,
+    byte_encode,
+    gpt2_tiktoken,
+    naive_bfd_packs,
+    naive_buffer_packs,
+    read_jsonl_texts,
+    stdlib_texts,
+    write_corpus,
+)
 
 L, B = 4096, 35
 
@@ -77,42 +89,6 @@ def build_corpus(root: Path) -> tuple[Path, str]:
         root, stdlib_texts(limit=100000), byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 18, shard_tokens=3_000_000
     )
     return m, "stdlib sources, byte ids (../shared absent)"
-
-
-def naive_buffer_packs(lengths, capacity, buffer_size):
-    """The seed's algorithm as a plain scan of the buffer (the baseline)."""
-    stream, buf, packs, pos = lengths, [], 0, 0
-    n = len(stream)
-    while pos < n or buf:
-        room = capacity
-        while True:
-            while len(buf) < buffer_size and pos < n:
-                buf.append((stream[pos], pos))
-                pos += 1
-            bi, bl = -1, 0
-            for j, (ln, _) in enumerate(buf):
-                if bl < ln <= room:
-                    bi, bl = j, ln
-            if bi < 0:
-                break
-            buf.pop(bi)
-            room -= bl
-        packs += 1
-    return packs
-
-
-def naive_bfd_packs(lengths, capacity):
-    rooms = []
-    for n in sorted(lengths, reverse=True):
-        bj, br = -1, capacity + 1
-        for j, r in enumerate(rooms):
-            if n <= r < br:
-                bj, br = j, r
-        if bj < 0:
-            rooms.append(capacity - n)
-        else:
-            rooms[bj] -= n
-    return len(rooms)
 
 
 def fill_rows(lengths: np.ndarray) -> dict:
@@ -172,16 +148,16 @@ def main() -> None:
         for buf in (64, 1024):
             t_fast, packs = best(lambda: best_fit_packs(clen, L, buf))
             t_pre, _ = best(lambda: best_fit_packs(np.asarray(prefix), L, buf))
-            t_naive, n_naive = best(lambda: naive_buffer_packs(prefix, L, buf), repeat=1)
-            assert n_naive == len(best_fit_packs(np.asarray(prefix), L, buf))
+            t_naive, naive = best(lambda: naive_buffer_packs(prefix, L, buf), repeat=1)
+            assert naive == best_fit_packs(np.asarray(prefix), L, buf)
             pk[f"buffer_{buf}"] = {
                 "chunks_per_s": round(len(cl) / t_fast),
                 "speedup_vs_naive_scan": round(t_naive / t_pre, 1),
             }
         t_fast, _ = best(lambda: bfd_packs(clen, L))
         t_pre, pre_packs = best(lambda: bfd_packs(np.asarray(prefix), L))
-        t_naive, n_naive = best(lambda: naive_bfd_packs(prefix, L), repeat=1)
-        assert n_naive == len(pre_packs)
+        t_naive, naive = best(lambda: naive_bfd_packs(prefix, L), repeat=1)
+        assert naive == pre_packs
         pk["bfd_epoch"] = {"chunks_per_s": round(len(cl) / t_fast), "speedup_vs_naive_scan": round(t_naive / t_pre, 1)}
         rng = np.random.default_rng(0)
         rate = {}

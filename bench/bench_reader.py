@@ -297,7 +297,7 @@ def bench_dataloader(manifest: Path, mm: np.ndarray, quick: bool, rounds: int = 
         one = next(iter(ds))
         row: dict = {
             "memmap_bare_copies_in_process": {"windows_per_s": round(K * B / t)},
-            "bytes_per_batch_crossing": int(one._buf.numel()),  # the compact buffer (pickled alone)
+            "bytes_per_batch_crossing": one.nbytes,  # the compact buffer (pickled alone)
             "bytes_per_batch_int64_fields": 3 * 8 * one.num_tokens,
         }
         best = {nw: 0.0 for nw in (0, 1, 2)}

@@ -1,6 +1,6 @@
 """Experiment, not a shipped path: how fast would the best-fit loader be with its per-chunk loops
-compiled? Evidence for the packing issue's in-process target (best-fit >= 0.5x the window loader),
-which the pure-Python loader does not reach.
+compiled? Evidence for the in-process target of docs/PACKING.md (best-fit >= 0.5x the window
+loader), which the pure-Python loader does not reach.
 
     PYTHONPATH=/path/to/numba python bench/experiment_compiled_packer.py [--reps 7] [--out FILE]
 
@@ -11,9 +11,10 @@ prints ``{"available": false, ...}`` and exits 0.
 The experimental loader does what ``BestFitDataset(corpus, 4096, 35, 64, mode="buffer")`` does for one
 epoch: same order, chunking, buffer best fit and compact ``VarlenBatch`` layout. Its pack loop
 (bisect / pop / insert on a sorted int64 array) is compiled with numba. The segment copy runs two
-ways: ``compiled_packer`` uses the shipped copy (one ``bytearray.join`` of a view per segment), and
-``compiled_packer_and_copy`` uses a numba loop of slice copies. Everything else (epoch order,
-chunking, run lookup, headers, wrapping) is numpy code like the shipped loader's.
+ways: ``compiled_packer`` uses the shipped copy (``VarlenBatch.from_row_bytes``: one
+``bytearray.join`` of a view per segment), and ``compiled_packer_and_copy`` uses a numba loop of
+slice copies into ``alloc_compact``'s buffer. Everything else (epoch order, chunking, run lookup)
+is numpy code like the shipped loader's, through the public API.
 
 It checks that both variants' batches equal the shipped loader's bit for bit. Then it times whole
 epochs in process, interleaved with the window loader and the shipped best-fit loader (best of
@@ -41,11 +42,10 @@ L, B, BUF = 4096, 35, 64
 def compiled_loader(corpus, nb):
     """A function ``epoch(seed, ep, copy) -> iterator of VarlenBatch`` with a compiled pack loop;
     ``copy``: ``"join"`` (the shipped segment copy) or ``"numba"`` (a compiled copy loop)."""
-    import torch
 
-    from h5corpus.loaders.batch import _STORAGE, VarlenBatch
-    from h5corpus.loaders.batch import _layout as batch_layout
-    from h5corpus.loaders.bestfit import _mapped_runs, chunk_layout, epoch_order
+    from h5corpus.loaders.batch import VarlenBatch, alloc_compact
+    from h5corpus.loaders.chunking import chunk_layout
+    from h5corpus.loaders.plan import epoch_order
 
     @nb.njit(cache=True)
     def admit(lengths, keys, nk, pos):
@@ -99,10 +99,9 @@ def compiled_loader(corpus, nb):
                 out[o : o + m] = runs[run[s]][first[s] : first[s] + m]
             o += m
 
-    mapped = _mapped_runs(corpus)
-    table, views = mapped.table, mapped.views
+    table = corpus.run_table()  # every shard memory-mapped (the bench corpus is raw)
+    views = [memoryview(r).cast("B") for r in table.runs]
     runs = tuple(table.runs)  # a numba UniTuple
-    storage = _STORAGE[np.dtype(corpus.dtype)][0]
     offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
     w = np.dtype(corpus.dtype).itemsize
 
@@ -123,38 +122,27 @@ def compiled_loader(corpus, nb):
             S, P, T = no, ne, int(lens.sum())
             pos = offsets[cdoc[idx]] + start[idx]
             run, first, room = table.locate(pos)
-            layout, nbytes = batch_layout(S, T + S, storage, None, P, 0)
-            rc, pk, tk = layout[1][2], layout[3][2], layout[4][2]
-            row_cu = np.cumsum(lens).astype(np.int32)
+            row_ends = np.cumsum(lens).astype(np.int32)
             pack_lengths = np.add.reduceat(lens, np.concatenate([[0], ends[: ne - 1]])).astype(np.int32)
-            z = bytes(16)
-            if copy == "numba":  # one compiled loop of slice copies into a zeroed buffer
+            if copy == "numba":  # one compiled loop of slice copies into the batch's buffer
                 run[lens + 1 > room] = -1
-                raw = bytearray(nbytes)
-                buf = np.frombuffer(raw, np.uint8)
-                buf[rc + 4 : rc + 4 + 4 * S].view(np.int32)[:] = row_cu
-                buf[pk : pk + 4 * P].view(np.int32)[:] = pack_lengths
-                tokens = buf[tk : tk + (T + S) * w].view(corpus.dtype)
-                gather(runs, run, first, lens, tokens)
+                parts = alloc_compact(S, T, corpus.dtype, packs=P)
+                parts.row_cu[0] = 0
+                parts.row_cu[1:] = row_ends
+                parts.pack_lengths[:] = pack_lengths
+                gather(runs, run, first, lens, parts.tokens)
                 at = np.cumsum(lens + 1) - (lens + 1)
                 for s in np.flatnonzero(run < 0).tolist():
-                    corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1), out=tokens[at[s] : at[s] + lens[s] + 1])
+                    n = int(lens[s]) + 1
+                    corpus.tokens(int(pos[s]), int(pos[s]) + n, out=parts.tokens[at[s] : at[s] + n])
+                yield parts.batch(int(lens.max()))
             else:  # the shipped copy: one bytearray.join of the header and a view per segment
                 lo = first * w
                 hi = lo + (lens + 1) * w
-                parts = [
-                    z[: rc + 4],
-                    row_cu,
-                    z[: pk - rc - 4 - 4 * S],
-                    pack_lengths,
-                    z[: tk - pk - 4 * P],
-                    *map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())),
-                    z[: nbytes - tk - (T + S) * w],
-                ]
+                rows = list(map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())))
                 for s in np.flatnonzero(lens + 1 > room).tolist():
-                    parts[s + 5] = corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1))
-                raw = bytearray().join(parts)
-            yield VarlenBatch._compact(torch.frombuffer(raw, dtype=torch.uint8), layout, T, S, int(lens.max()), 0, True)
+                    rows[s] = corpus.tokens(int(pos[s]), int(pos[s] + lens[s] + 1))
+                yield VarlenBatch.from_row_bytes(rows, row_ends, pack_lengths, corpus.dtype, int(lens.max()))
 
     return epoch
 

@@ -29,11 +29,12 @@ _EXPORTS = {
     "open_live": "storage.reader",
     "VarlenBatch": "loaders.batch",
     "IGNORE_INDEX": "loaders.batch",
+    "BatchError": "loaders.batch",
     "collate_varlen": "loaders.batch",
     "concat_batches": "loaders.batch",
     "SlidingWindowDataset": "loaders.window",
     "BestFitDataset": "loaders.bestfit",
-    "split_tokens": "loaders.bestfit",
+    "split_tokens": "loaders.chunking",
     "causal_attention": "loaders.attention",
     "packed_loss": "loaders.attention",
     # building

@@ -110,7 +110,7 @@ def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tup
     of the longest real documents is also split with :func:`split_tokens` and compared token by
     token: inputs == doc[:-1], targets == doc[1:].
     """
-    from .loaders.bestfit import chunk_layout, split_tokens
+    from .loaders.chunking import chunk_layout, split_tokens
 
     lengths = corpus.doc_lengths
     pairs = np.maximum(lengths - 1, 0)
@@ -153,6 +153,7 @@ def _check_batches(
 ) -> tuple[tuple[bool, str], tuple[bool, str]]:
     """(model input length == real inputs and positions restart per segment; restoring the
     sampler state continues with the same next batch)."""
+    from .loaders.batch import BatchError
     from .loaders.bestfit import BestFitDataset
 
     ds = BestFitDataset(
@@ -176,7 +177,7 @@ def _check_batches(
             bad_len += 1
         try:
             b.check()
-        except AssertionError:
+        except BatchError:
             bad_pos += 1
     length_ok = seen > 0 and bad_len == 0 and bad_pos == 0
     length_fig = (
@@ -244,7 +245,8 @@ def inspect_corpus(
     progress: bool = False,
 ) -> InspectReport:
     """Statistics and checks of ``splits`` (default: every split present) of a built corpus."""
-    from .loaders.bestfit import chunk_layout, default_packing_buffer, pack_fill
+    from .loaders.chunking import chunk_layout
+    from .loaders.plan import default_packing_buffer, pack_fill
     from .storage.reader import open_corpus
 
     packing_buffer = default_packing_buffer(mode, packing_buffer)

@@ -281,3 +281,117 @@ def bpe_tokenizer_json(merges: list[tuple[str, str]], *, normalizer=None, pre_to
             "merges": [f"{a} {b}" for a, b in merges],
         },
     }
+
+
+# -- loaders -------------------------------------------------------------------------------------
+# Oracles of the loaders' documented rules (docs/PACKING.md), written as plain loops that share no
+# code with h5corpus.loaders, and batch comparisons used by several loader tests and benchmarks.
+
+#: The tensor fields of a VarlenBatch that two equal batches agree on (plus ``max_seqlen``).
+BATCH_TENSORS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
+
+
+def naive_chunks(doc_lengths: Sequence[int], max_seq_len: int) -> list[tuple[int, int, int]]:
+    """``(document, start, inputs)`` of every chunk, documents in order, by the rule of
+    docs/PACKING.md: a document of N tokens has N - 1 next-token pairs, cut into consecutive chunks
+    of ``max_seq_len`` inputs plus a shorter last one (none for N < 2)."""
+    out = []
+    for d, n in enumerate(int(x) for x in doc_lengths):
+        start = 0
+        while start < n - 1:
+            out.append((d, start, min(max_seq_len, n - 1 - start)))
+            start += max_seq_len
+    return out
+
+
+def naive_buffer_packs(
+    lengths: Sequence[int], capacity: int, buffer_size: int, states: list | None = None
+) -> list[list[int]]:
+    """Buffer best fit as docs/PACKING.md states it, by plain scans of the buffer (O(n x buffer)):
+    the buffer (stream indices in arrival order) is topped up to ``buffer_size`` before every pick;
+    a pack takes the longest buffered chunk that fits its room (the oldest among equals) until none
+    fits. Returns the packs (stream indices in pick order); with ``states`` (a list), appends
+    ``(cursor, sorted buffer)`` after every pack (a pack that ends exactly full makes no further
+    pick, hence no top-up)."""
+    n, buf, packs, pos = len(lengths), [], [], 0
+    while pos < n or buf:
+        room, pack = capacity, []
+        while room:
+            while len(buf) < buffer_size and pos < n:
+                buf.append(pos)
+                pos += 1
+            bj, bl = -1, 0
+            for j, i in enumerate(buf):
+                if bl < lengths[i] <= room:
+                    bj, bl = j, lengths[i]
+            if bj < 0:
+                break
+            pack.append(buf.pop(bj))
+            room -= bl
+        packs.append(pack)
+        if states is not None:
+            states.append((pos, sorted(buf)))
+    return packs
+
+
+def naive_bfd_packs(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing as docs/PACKING.md states it, by plain scans of the open packs
+    (O(n x packs)): chunks longest first (ties in index order), each into the open pack with the
+    least room that still fits it (among equal rooms, the pack that reached that room last), else
+    into a new pack. Returns the packs (indices in placement order), in opening order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packs: list[list[int]] = []
+    room: list[int] = []
+    since: list[int] = []  # since[j]: step at which pack j reached its current room
+    for step, i in enumerate(order):
+        n, best = lengths[i], -1
+        for j, r in enumerate(room):
+            if n <= r and (best < 0 or r < room[best] or (r == room[best] and since[j] > since[best])):
+                best = j
+        if best < 0:
+            best = len(packs)
+            packs.append([])
+            room.append(capacity)
+            since.append(step)
+        packs[best].append(i)
+        room[best] -= n
+        since[best] = step
+    return packs
+
+
+def assert_same_batch(got, want) -> None:
+    """Two VarlenBatches hold equal fields (dtype included), ``max_seqlen`` and counts."""
+    import torch
+
+    for f in BATCH_TENSORS:
+        g, w = getattr(got, f), getattr(want, f)
+        assert g.dtype == w.dtype, f"{f}: {g.dtype} != {w.dtype}"
+        assert torch.equal(g.cpu(), w.cpu()), f
+    assert got.max_seqlen == want.max_seqlen
+    assert (got.num_tokens, got.num_targets, got.num_segments, got.num_packs) == (
+        want.num_tokens,
+        want.num_targets,
+        want.num_segments,
+        want.num_packs,
+    )
+
+
+def batches_equal(a, b) -> bool:
+    """The fields of :data:`BATCH_TENSORS` and ``max_seqlen`` are equal."""
+    import torch
+
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in BATCH_TENSORS) and a.max_seqlen == b.max_seqlen
+
+
+def batch_digest(b) -> str:
+    """sha1 over ``max_seqlen`` and the fields of :data:`BATCH_TENSORS` (read back to the host)."""
+    h = hashlib.sha1(str(b.max_seqlen).encode())
+    for f in BATCH_TENSORS:
+        h.update(getattr(b, f).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def owned(batch):
+    """A private copy of a batch received from a DataLoader worker: its shared-memory tensors each
+    hold a file descriptor, so a test that keeps a whole epoch copies them (``clone()``)."""
+    return batch.clone()

@@ -5,9 +5,10 @@ concatenation; counts never materialize fields; Corpus.gather_ranges equals per-
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -16,15 +17,20 @@ import torch
 from torch.utils.data import DataLoader
 
 import h5corpus.loaders.batch as hb
-from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches, make_batch
+from h5corpus.loaders.batch import IGNORE_INDEX, BatchError, VarlenBatch, collate_varlen, concat_batches, make_batch
 from h5corpus.loaders.bestfit import BestFitDataset
 from h5corpus.loaders.window import SlidingWindowDataset
 from h5corpus.storage.format import TokenizerIdentity
 from h5corpus.storage.reader import open_corpus
-from tests.helpers import byte_encode, oracle_stream, stdlib_texts, write_corpus
-
-TENSORS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
-
+from tests.helpers import (
+    assert_same_batch,
+    batch_digest,
+    byte_encode,
+    oracle_stream,
+    stdlib_texts,
+    subprocess_env,
+    write_corpus,
+)
 
 # -- oracles ------------------------------------------------------------------------------------------
 
@@ -60,31 +66,14 @@ def eager_segments(toks: np.ndarray, offs: np.ndarray, segs: np.ndarray, pack_le
     return make_batch(ins, tgs, pack_lengths)
 
 
-def assert_same_batch(got: VarlenBatch, want: VarlenBatch) -> None:
-    for f in TENSORS:
-        g, w = getattr(got, f), getattr(want, f)
-        assert g.dtype == w.dtype, f"{f}: {g.dtype} != {w.dtype}"
-        assert torch.equal(g.cpu(), w.cpu()), f
-    assert got.max_seqlen == want.max_seqlen
-    assert (got.num_tokens, got.num_targets, got.num_segments, got.num_packs) == (
-        want.num_tokens,
-        want.num_targets,
-        want.num_segments,
-        want.num_packs,
-    )
-
-
-def digest(b: VarlenBatch) -> str:
-    h = hashlib.sha1(str(b.max_seqlen).encode())
-    for f in TENSORS:
-        h.update(getattr(b, f).cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.fixture(params=["numpy", "torch_ops"])
 def materialize_path(request, monkeypatch):
     """Materialize CPU batches with numpy (the CPU default) or with exactly the torch ops a CUDA
-    batch runs (cast + mask widening, index_select, repeat_interleave with output_size)."""
+    batch runs (cast + mask widening, index_select, repeat_interleave with output_size).
+
+    Private switches on purpose: the device path is chosen by where the buffer lives, and these two
+    module flags are the only way to run it on a machine without a GPU (tests/test_gpu.py runs it
+    on a real device)."""
     if request.param == "torch_ops":
         monkeypatch.setattr(hb, "_CPU_NUMPY", False)
         monkeypatch.setattr(hb, "_UNSIGNED_VIEW_DEVICES", ())
@@ -125,9 +114,9 @@ def test_compact_packs_equal_eager_segments_from_the_documents(stdlib_manifest, 
     c = open_corpus(stdlib_manifest, "train")
     toks, offs, _ = oracle_stream(stdlib_manifest)
     ds = BestFitDataset(c, max_seq_len=1500, batch_size=6, mode=mode, with_segments=True)
-    for _, (b, segs) in zip(range(8), ds):
-        assert b.is_compact and b.num_rows == segs.shape[0] and b.ignore.numel() == 0
-        assert_same_batch(b, eager_segments(toks, offs, segs.numpy(), b.pack_lengths.numpy()))
+    for _, b in zip(range(8), ds):
+        assert b.is_compact and b.num_rows == b.segments.shape[0] and b.ignore.numel() == 0
+        assert_same_batch(b, eager_segments(toks, offs, b.segments.numpy(), b.pack_lengths.numpy()))
         b.check()
 
 
@@ -197,8 +186,8 @@ def test_dev_corpus_compact_windows_and_packs_equal_eager(dev_manifest, document
             b.check()
     if not document_mask:
         ds = BestFitDataset(c, max_seq_len=4096, batch_size=8, with_segments=True)
-        for _, (b, segs) in zip(range(4), ds):
-            assert_same_batch(b, eager_segments(toks, offs, segs.numpy(), b.pack_lengths.numpy()))
+        for _, b in zip(range(4), ds):
+            assert_same_batch(b, eager_segments(toks, offs, b.segments.numpy(), b.pack_lengths.numpy()))
             b.check()
 
 
@@ -211,6 +200,7 @@ def test_counts_do_not_materialize_and_fields_are_cached(stdlib_manifest):
     c = open_corpus(stdlib_manifest, "train")
     b = next(iter(SlidingWindowDataset(c, 512, batch_size=4, document_mask=True)))
     counts = (b.num_tokens, b.num_targets, b.num_segments, b.num_packs)
+    # The private cache is read on purpose: it is the only observable of "nothing was built".
     assert not {"input_ids", "targets", "position_ids"} & set(b._lazy)
     assert b.input_ids is b.input_ids and b.targets is b.targets
     assert counts == (4 * 512, int((b.targets != IGNORE_INDEX).sum()), b.cu_seqlens.numel() - 1, 4)
@@ -242,13 +232,13 @@ def test_spawned_dataloader_workers_deliver_equal_compact_batches(stdlib_manifes
     buffer each) and equal the batches of the same consumers built in process."""
     c = open_corpus(stdlib_manifest, "train")
     kw = dict(seq_len=1000, batch_size=4, seed=2, document_mask=True)
-    want = Counter(digest(b) for r in range(2) for b in SlidingWindowDataset(c, rank=r, world_size=2, **kw))
+    want = Counter(batch_digest(b) for r in range(2) for b in SlidingWindowDataset(c, rank=r, world_size=2, **kw))
     loader = DataLoader(SlidingWindowDataset(c, **kw), batch_size=None, num_workers=2, multiprocessing_context="spawn")
     got = Counter()
     for b in loader:
         assert b.is_compact
         b.check()
-        got[digest(b)] += 1
+        got[batch_digest(b)] += 1
     assert got == want and sum(got.values()) > 10
 
 
@@ -277,13 +267,67 @@ def test_assigned_fields_override_and_travel(stdlib_manifest):
     assert torch.equal(b.targets, want_targets)
     for other in (pickle.loads(pickle.dumps(b)), b.to("cpu")):
         assert torch.equal(other.input_ids, padded) and torch.equal(other.targets, want_targets)
-    with pytest.raises(AssertionError):
+    with pytest.raises(BatchError, match=r"targets: shape \(512,\) dtype torch.int64, expected \(522,\) int64"):
         b.check()
     b2 = next(iter(SlidingWindowDataset(c, 256, batch_size=2)))
     b2.cu_seqlens = torch.tensor([0, 100, 256, 512], dtype=torch.int32)  # a finer segmentation
     b2.max_seqlen = 256
     assert b2.position_ids[100:103].tolist() == [0, 1, 2] and b2.position_ids[256] == 0
     b2.check()
+
+
+def small_eager() -> VarlenBatch:
+    """Two segments of 3 and 2 inputs in one pack of 5."""
+    return make_batch([np.array([5, 6, 7]), np.array([8, 9])], [np.array([6, 7, 1]), np.array([9, 1])], [5])
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "position_ids",
+            torch.tensor([0, 1, 2, 3, 4]),
+            r"position_ids\[3\] = 3, expected 0 \(segment 1, inputs \[3, 5\)\)",
+        ),
+        ("cu_seqlens", torch.tensor([0, 3, 4], dtype=torch.int32), r"cu_seqlens ends at 4, expected T = 5"),
+        ("cu_seqlens", torch.tensor([0, 3, 3, 5], dtype=torch.int32), r"segment 1 spans \[3, 3\)"),
+        ("cu_seqlens", torch.tensor([0, 3, 5]), r"cu_seqlens: dtype torch.int64, expected int32"),
+        ("pack_lengths", torch.tensor([4], dtype=torch.int32), r"pack_lengths sum to 4, expected T = 5"),
+        ("targets", torch.tensor([6, 7, 1, 9]), r"targets: shape \(4,\) dtype torch.int64, expected \(5,\) int64"),
+        ("max_seqlen", 7, r"max_seqlen is 7, the longest segment has 3 tokens"),
+    ],
+)
+def test_check_raises_batch_error_naming_the_invariant_and_where(field, value, message):
+    """check() passes a well-formed batch and raises BatchError (a ValueError) naming the first
+    broken invariant and where it breaks."""
+    b = small_eager()
+    b.check()
+    setattr(b, field, value)
+    with pytest.raises(BatchError, match=message) as err:
+        b.check()
+    assert isinstance(err.value, ValueError)
+
+
+def test_check_of_compact_parts_names_the_row():
+    """On a compact batch, a segmentation whose segments span rows is refused, naming the row."""
+    b = VarlenBatch.from_compact(np.arange(7, dtype=np.uint16), [0, 3, 5])  # rows of 3 and 2 inputs
+    b.check()
+    b.cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(BatchError, match=r"every row start must be a segment start: row 1 starts at input 3"):
+        b.check()
+
+
+def test_check_raises_under_python_optimize():
+    """check() is not built on assert: under ``python -O`` (assertions off) it still raises."""
+    code = (
+        "import torch; from h5corpus.loaders.batch import BatchError, make_batch\n"
+        "assert False, 'assertions are on'\n"
+        "b = make_batch([[1, 2, 3]], [[2, 3, 4]], [3]); b.position_ids = torch.tensor([0, 2, 1])\n"
+        "try:\n    b.check()\nexcept BatchError as e:\n    print('BatchError:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, env=subprocess_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("BatchError: position_ids must restart at 0 per segment: position_ids[1] = 2"), r.stdout
 
 
 def test_concat_and_collate_keep_compact_and_match_eager(stdlib_manifest, materialize_path):

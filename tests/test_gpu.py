@@ -17,8 +17,7 @@ from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, collate_varlen
 from h5corpus.loaders.bestfit import BestFitDataset
 from h5corpus.loaders.window import SlidingWindowDataset
 from h5corpus.storage.reader import open_corpus
-
-FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
+from tests.helpers import BATCH_TENSORS
 
 
 def window_keys(b: VarlenBatch, seq_len: int) -> list[str]:
@@ -40,7 +39,7 @@ def materialize_without_sync(d: VarlenBatch) -> None:
 
 def assert_same_on_device(host: VarlenBatch, dev: VarlenBatch) -> None:
     """Fields materialized on the device equal the host's (CPU materialization), dtype included."""
-    for f in FIELDS:
+    for f in BATCH_TENSORS:
         t = getattr(dev, f)
         assert t.is_cuda, f
         assert t.dtype == getattr(host, f).dtype, f
@@ -115,14 +114,16 @@ def test_gpt2_dev_batches_on_device_equal_stream(dev_manifest):
 @pytest.mark.cuda
 def test_best_fit_packs_materialize_on_device_like_on_host(dev_manifest):
     """Best-fit microbatches (rows of different lengths: index path with repeat_interleave) moved
-    to the GPU give the same fields as on the host, without a sync."""
+    to the GPU give the same fields as on the host, without a sync; their segment table stays on
+    the host."""
     c = open_corpus(dev_manifest, "train")
-    for _, b in zip(range(3), BestFitDataset(c, max_seq_len=4096, batch_size=8)):
+    for _, b in zip(range(3), BestFitDataset(c, max_seq_len=4096, batch_size=8, with_segments=True)):
         d = b.pin_memory().to("cuda", non_blocking=True)
         materialize_without_sync(d)
         torch.cuda.synchronize()
         d.check()
         assert_same_on_device(b, d)
+        assert d.segments is b.segments and d.segments.device.type == "cpu"
 
 
 @pytest.mark.cuda
@@ -138,7 +139,7 @@ def test_uint32_ids_widen_on_device():
     assert d.position_ids.cpu().tolist() == [0, 1, 2, 0, 1]
 
 
-# -- best-fit packing: varlen attention on CUDA (issue 5; h5corpus/attention.py) ------------------
+# -- varlen attention on CUDA (h5corpus/loaders/attention.py) --------------------------------------
 def _varlen_case(dtype, seed=0, lens=(1, 7, 300, 64, 1000, 2, 129), heads=4, kv_heads=4, dim=64):
     import itertools
 

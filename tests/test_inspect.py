@@ -13,6 +13,7 @@ import pytest
 
 from h5corpus.inspection import format_report, inspect_corpus
 from h5corpus.loaders import bestfit as packing
+from h5corpus.loaders import chunking, plan
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
@@ -67,7 +68,7 @@ def test_figures_agree_with_independent_computation_on_dev_corpus(dev_manifest):
             assert ex["chunk_lengths"] == independent_chunks(ex["tokens"], 4096)
         assert got["chunks"] == sum(len(independent_chunks(int(n), 4096)) for n in L)
         # fill: the same document order, chunked and packed by the naive algorithm
-        order = packing.epoch_order(L.size, 0, 0, True)
+        order = plan.epoch_order(L.size, 0, 0, True)
         stream = [c for n in L[order] for c in independent_chunks(int(n), 4096)]
         loads = naive_best_fit(stream, 4096, 64)
         assert got["packing"]["packs"] == len(loads)
@@ -80,8 +81,8 @@ def test_figures_agree_with_independent_computation_on_dev_corpus(dev_manifest):
 
 def test_seed_examples_chunk_lengths():
     """8,991 tokens with EOS -> 4096, 4096, 798 (seed 002); 9,000 text tokens + EOS -> 4096, 4096, 808."""
-    _, _, l1 = packing.chunk_layout(np.array([8991]), 4096)
-    _, _, l2 = packing.chunk_layout(np.array([9001]), 4096)
+    _, _, l1 = chunking.chunk_layout(np.array([8991]), 4096)
+    _, _, l2 = chunking.chunk_layout(np.array([9001]), 4096)
     assert l1.tolist() == [4096, 4096, 798] and l2.tolist() == [4096, 4096, 808]
 
 
@@ -127,7 +128,7 @@ def test_document_in_both_splits_fails_the_leakage_check(tmp_path):
 
 
 def test_chunking_that_drops_a_pair_fails(small_manifest, monkeypatch):
-    real = packing.chunk_layout
+    real = chunking.chunk_layout
 
     def lossy(lengths, max_seq_len):
         doc, start, length = real(lengths, max_seq_len)
@@ -136,7 +137,7 @@ def test_chunking_that_drops_a_pair_fails(small_manifest, monkeypatch):
         length[last & (length > 1)] -= 1  # forget each document's final pair (the one predicting EOS)
         return doc, start, length
 
-    monkeypatch.setattr(packing, "chunk_layout", lossy)
+    monkeypatch.setattr(chunking, "chunk_layout", lossy)
     rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
     assert "chunking neither drops nor duplicates a pair and keeps the real EOS" in _failed(rep)
 

@@ -1,9 +1,13 @@
 """Best-fit packing: chunking keeps every next-token pair exactly once, packers are exact best fit,
-batches are padding-free and isolated per segment, and sampler state resumes bit-identically."""
+batches are padding-free and isolated per segment, and sampler state resumes bit-identically.
+
+Oracles are the rules of docs/PACKING.md written as plain loops (tests/helpers.py), never the
+implementation's own functions."""
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -11,20 +15,23 @@ import pytest
 import torch
 
 from h5corpus import BestFitDataset, open_corpus, split_tokens
-from h5corpus.loaders.bestfit import (
-    BufferPacker,
-    best_fit_packs,
-    bfd_packs,
-    chunk_layout,
-    consumer_documents,
-    epoch_order,
-    pack_fill,
-)
+from h5corpus.loaders.batch import concat_batches
+from h5corpus.loaders.chunking import chunk_layout
+from h5corpus.loaders.packers import BufferPacker, best_fit_packs, bfd_packs, shuffled_bfd_block
 from h5corpus.loaders.partition import Consumer
+from h5corpus.loaders.plan import consumer_documents, epoch_order, pack_fill
 from h5corpus.storage.format import TokenizerIdentity
 from h5corpus.storage.manifest import Manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY
+from tests.helpers import (
+    BYTE_IDENTITY,
+    batches_equal,
+    naive_bfd_packs,
+    naive_buffer_packs,
+    naive_chunks,
+    oracle_stream,
+    owned,
+)
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -63,9 +70,10 @@ def assert_epoch_exact(corpus, outputs, max_seq_len: int, batch_size: int) -> No
     tokens = corpus.tokens(0, corpus.num_tokens).astype(np.int64)
     offs, lens = corpus.doc_offsets, corpus.doc_lengths
     seen = []
-    for b, seg in outputs:
+    for b in outputs:
         b.check()
-        doc, start, n = seg.numpy().T
+        assert b.segments is not None and b.segments.dtype == torch.int64 and b.segments.shape == (b.num_segments, 3)
+        doc, start, n = b.segments.numpy().T
         cu = b.cu_seqlens.numpy().astype(np.int64)
         assert np.array_equal(np.diff(cu), n), "segment table disagrees with cu_seqlens"
         assert 1 <= b.num_packs <= batch_size and int(b.pack_lengths.max()) <= max_seq_len
@@ -89,40 +97,21 @@ def assert_epoch_exact(corpus, outputs, max_seq_len: int, batch_size: int) -> No
 
 
 def run_consumers(manifest: Path, *, world_size: int, num_workers: int, **kw) -> list:
-    """Every batch of one epoch, over all ranks (simulated in turn) and their DataLoader workers."""
+    """Every batch of one epoch (with ``segments``), over all ranks (simulated in turn) and their
+    DataLoader workers: the segment tables cross the worker processes with their batches."""
     out = []
     for rank in range(world_size):
         ds = BestFitDataset(open_corpus(manifest, "train"), rank=rank, world_size=world_size, with_segments=True, **kw)
-        out.extend(own(x) for x in StatefulDataLoader(ds, batch_size=None, num_workers=num_workers))
+        out.extend(owned(b) for b in StatefulDataLoader(ds, batch_size=None, num_workers=num_workers))
     return out
-
-
-def own(x):
-    """A private copy of a batch (or (batch, segments)) received from a worker: shared-memory
-    tensors each hold a file descriptor, so a test that keeps a whole epoch must copy them."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(own(v) for v in x)
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    return x.clone()
-
-
-def batches_equal(a, b) -> bool:
-    return (
-        all(
-            torch.equal(getattr(a, f), getattr(b, f))
-            for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
-        )
-        and a.max_seqlen == b.max_seqlen
-    )
 
 
 # --------------------------------------------------------------------------------------------
 # chunking
 # --------------------------------------------------------------------------------------------
-def test_split_tokens_seed_example_keeps_every_pair_with_lookahead():
-    """The seed's 6-token document at limit 4: inputs [4, 1], every pair exactly once, the first
-    chunk's last target (15) is the second chunk's input, positions restart at 0."""
+def test_split_tokens_worked_example_keeps_every_pair_with_lookahead():
+    """docs/PACKING.md's 6-token document at limit 4: inputs [4, 1], every pair exactly once, the
+    first chunk's last target (15) is the second chunk's input, positions restart at 0."""
     tokens = [11, 12, 13, 14, 15, 99]
     chunks = list(split_tokens("example", tokens, max_seq_len=4))
     assert [len(c.inputs) for c in chunks] == [4, 1]
@@ -143,7 +132,7 @@ def test_split_tokens_seed_example_keeps_every_pair_with_lookahead():
         pytest.param(4098, [4096, 1], id="4097-pairs"),
     ],
 )
-def test_split_tokens_seed_long_documents(n_tokens, expected):
+def test_split_tokens_long_documents_of_the_docs_table(n_tokens, expected):
     """Long documents split into consecutive 4,096-input chunks; pairs = tokens - 1, none lost."""
     doc = np.arange(n_tokens) % 50000
     doc[-1] = 50256
@@ -154,21 +143,26 @@ def test_split_tokens_seed_long_documents(n_tokens, expected):
     assert [c.start for c in chunks] == [4096 * i for i in range(len(expected))]
 
 
-def test_chunk_layout_matches_split_tokens_and_skips_single_token_documents():
-    """The vectorized layout equals per-document splitting; documents of 0 or 1 tokens have no
-    pair and yield no chunk; total inputs = sum of (tokens - 1)."""
+def test_chunk_layout_and_split_tokens_follow_the_documented_rule():
+    """chunk_layout equals the rule of docs/PACKING.md written as a loop (tests.helpers.naive_chunks),
+    documents of 0 or 1 tokens yielding none; split_tokens cuts each document's own tokens at those
+    chunks: inputs = tokens[start : start + n], targets one token ahead, positions 0 .. n-1."""
     rng = np.random.default_rng(0)
     for L in (1, 2, 7, 64):
         lengths = np.concatenate([[0, 1, 2, L, L + 1, L + 2, 2 * L + 1], rng.integers(0, 5 * L, 200)])
         doc, start, n = chunk_layout(lengths, L)
-        ref = [
-            (d, c.start, len(c.inputs))
-            for d, N in enumerate(lengths)
-            for c in split_tokens(np.arange(N), max_seq_len=L)
-        ]
-        assert list(zip(doc.tolist(), start.tolist(), n.tolist())) == ref
-        assert int(n.sum()) == int(np.maximum(lengths - 1, 0).sum())
+        want = naive_chunks(lengths.tolist(), L)
+        assert list(zip(doc.tolist(), start.tolist(), n.tolist())) == want
         assert 0 not in doc.tolist() and 1 not in doc.tolist()
+        for d in (2, 3, 5, 6, *range(7, 40)):
+            tokens = rng.integers(0, 50_000, int(lengths[d]))
+            got = split_tokens(d, tokens, max_seq_len=L)
+            assert [(c.doc, c.start, len(c.inputs)) for c in got] == [w for w in want if w[0] == d]
+            for c in got:
+                k = len(c.inputs)
+                assert c.inputs.tolist() == tokens[c.start : c.start + k].tolist()
+                assert c.targets.tolist() == tokens[c.start + 1 : c.start + k + 1].tolist()
+                assert c.position_ids.tolist() == list(range(k))
 
 
 def test_truncated_and_single_token_documents_in_a_corpus(tmp_path):
@@ -182,7 +176,7 @@ def test_truncated_and_single_token_documents_in_a_corpus(tmp_path):
     out = list(ds)
     assert_epoch_exact(corpus, out, 4, 3)
     assert ds.skipped_documents == 1
-    segs = np.concatenate([s.numpy() for _, s in out])
+    segs = np.concatenate([b.segments.numpy() for b in out])
     assert sorted(segs[segs[:, 0] == 0, 2].tolist()) == [1, 4, 4]  # 9 pairs of the truncated document
     assert 1 not in segs[:, 0].tolist()
 
@@ -190,14 +184,14 @@ def test_truncated_and_single_token_documents_in_a_corpus(tmp_path):
 # --------------------------------------------------------------------------------------------
 # packers
 # --------------------------------------------------------------------------------------------
-def test_best_fit_seed_example_packs():
+def test_best_fit_worked_example_packs():
     """Capacity 8: A6 B4 C3 D2 -> packs [A, D] (8 tokens) and [B, C] (7 tokens), for both modes."""
     assert best_fit_packs([6, 4, 3, 2], capacity=8, packing_buffer=64) == [[0, 3], [1, 2]]
     assert sorted(sorted(p) for p in bfd_packs([6, 4, 3, 2], capacity=8)) == [[0, 3], [1, 2]]
 
 
-def test_best_fit_seed_example_batch(tmp_path):
-    """The seed's batch: segments A, D, B, C with input lengths 6, 2, 4, 3 flattened into 15 rows,
+def test_best_fit_worked_example_batch(tmp_path):
+    """docs/PACKING.md's batch: segments A, D, B, C with input lengths 6, 2, 4, 3 flattened into 15 rows,
     cu_seqlens [0, 6, 8, 12, 15], pack lengths [8, 7]; the unused slot is not materialized."""
     eos = BYTE_IDENTITY.eos_id
     A, B, C, D = ([base + i for i in range(n)] + [eos] for base, n in ((10, 6), (40, 4), (70, 3), (100, 2)))
@@ -212,26 +206,8 @@ def test_best_fit_seed_example_batch(tmp_path):
     assert batch.num_tokens == 15 < 2 * 8
 
 
-def naive_buffer_packs(lengths, capacity, buffer_size):
-    """Independent O(n * B) statement of the seed's buffer best fit."""
-    stream, buf, packs = list(enumerate(lengths)), [], []
-    while stream or buf:
-        pack, room = [], capacity
-        while True:
-            while len(buf) < buffer_size and stream:
-                buf.append(stream.pop(0))
-            fits = [(n, -i) for i, n in buf if n <= room]
-            if not fits:
-                break
-            n, i = max(fits)
-            buf.remove((-i, n))
-            pack.append(-i)
-            room -= n
-        packs.append(pack)
-    return packs
-
-
 def naive_bfd_loads(lengths, capacity):
+    """Pack loads of best-fit-decreasing without its tie rule (equal rooms are interchangeable)."""
     rooms = []
     for n in sorted(lengths, reverse=True):
         fit = [j for j, r in enumerate(rooms) if r >= n]
@@ -267,28 +243,6 @@ def test_bfd_equals_naive_best_fit_decreasing(capacity, seed):
     assert sorted(loads) == naive_bfd_loads(lengths.tolist(), capacity)
 
 
-def naive_bfd_packs(lengths, capacity):
-    """Independent statement of best-fit-decreasing with its tie rule: chunks longest first (ties
-    in index order), each into the open pack with the least space that still fits it (among equal
-    space, the pack that reached that space last), else into a new pack."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    packs, room, since = [], [], []  # since[j]: step at which pack j reached its current space
-    for step, i in enumerate(order):
-        n = lengths[i]
-        fit = [j for j in range(len(packs)) if room[j] >= n]
-        if fit:
-            j = min(fit, key=lambda j: (room[j], -since[j]))
-            packs[j].append(i)
-            room[j] -= n
-        else:
-            j = len(packs)
-            packs.append([i])
-            room.append(capacity - n)
-            since.append(0)
-        since[j] = step
-    return packs
-
-
 @pytest.mark.parametrize("capacity", [8, 64, 4096])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bfd_equals_naive_pack_for_pack(capacity, seed):
@@ -299,27 +253,8 @@ def test_bfd_equals_naive_pack_for_pack(capacity, seed):
     assert bfd_packs(lengths, capacity) == naive_bfd_packs(lengths.tolist(), capacity)
 
 
-def naive_buffer_states(lengths, capacity, buffer_size):
-    """The seed's buffer best fit, returning (cursor, sorted buffer) after every pack."""
-    stream, buf, pos, states = list(lengths), [], 0, []
-    while pos < len(stream) or buf:
-        room = capacity
-        while room:
-            while len(buf) < buffer_size and pos < len(stream):
-                buf.append(pos)
-                pos += 1
-            fits = [(stream[i], -i) for i in buf if stream[i] <= room]
-            if not fits:
-                break
-            n, i = max(fits)
-            buf.remove(-i)
-            room -= n
-        states.append((pos, sorted(buf)))
-    return states
-
-
 @pytest.mark.parametrize("buffer_size", [1, 5, 64])
-def test_buffer_packer_bulk_packs_and_state_equal_the_seed(buffer_size):
+def test_buffer_packer_bulk_packs_and_state_equal_the_stated_algorithm(buffer_size):
     """Packing many packs per call gives the packs of one-at-a-time packing, and after every pack
     the packer's cursor and buffer are those of the algorithm as stated (top-up before every pick),
     including packs that end exactly full."""
@@ -331,7 +266,9 @@ def test_buffer_packer_bulk_packs_and_state_equal_the_seed(buffer_size):
     while pack := one.next_pack():
         singles.append(pack)
         states.append((one.cursor, one.buffer))
-    assert states == naive_buffer_states(lengths.tolist(), 64, buffer_size)
+    want_states: list = []
+    assert singles == naive_buffer_packs(lengths.tolist(), 64, buffer_size, want_states)
+    assert states == want_states
     assert any(int(lengths[p].sum()) == 64 for p in singles)  # exactly full packs were exercised
     bulk = BufferPacker(lengths, 64, buffer_size)
     packs = []
@@ -343,15 +280,14 @@ def test_buffer_packer_bulk_packs_and_state_equal_the_seed(buffer_size):
 
 
 @pytest.mark.parametrize("case", ["rebased", "widened"])
-def test_buffer_packer_key_encoding_across_blocks(monkeypatch, case):
-    """Keys are re-based at every block of arrivals (narrow 30-bit keys) and switch to wide keys
-    when a chunk has waited longer than the narrow age field holds; both give the packs and
-    states of the seed's algorithm (blocks of 64 arrivals here, so both happen on short streams)."""
-    monkeypatch.setattr(BufferPacker, "_BLOCK", 64)
+def test_buffer_packer_key_encoding_across_blocks(case):
+    """Keys are re-based at every block of 2,048 arrivals (narrow 30-bit keys) and switch to wide
+    32-bit ages when a chunk has waited longer than the narrow age field holds; both give the packs
+    and states of the stated algorithm. ``mark`` = (0, base, age bits) shows which happened."""
     rng = np.random.default_rng(5)
     if case == "rebased":
         capacity, buffer_size = 64, 7
-        lengths = rng.integers(1, 65, 3000)
+        lengths = rng.integers(1, 65, 9000)
     else:  # a 1-token chunk never fits beside full chunks: it waits for the drain, 9,000 arrivals
         capacity, buffer_size = 1 << 16, 4  # 13 age bits: a chunk may wait 8,191 arrivals
         lengths = np.full(9000, capacity)
@@ -361,9 +297,26 @@ def test_buffer_packer_key_encoding_across_blocks(monkeypatch, case):
     while pack := p.next_pack():
         packs.append(pack)
         states.append((p.cursor, p.buffer))
-    assert p._A == (32 if case == "widened" else 30 - capacity.bit_length())
-    assert states == naive_buffer_states(lengths.tolist(), capacity, buffer_size)
-    assert packs == naive_buffer_packs(lengths.tolist(), capacity, buffer_size)
+    _, base, age_bits = p.mark
+    if case == "rebased":
+        assert age_bits == 30 - capacity.bit_length() and base > 0
+    else:
+        assert age_bits == 32
+    want_states: list = []
+    assert packs == naive_buffer_packs(lengths.tolist(), capacity, buffer_size, want_states)
+    assert states == want_states
+
+
+def test_shuffled_bfd_block_puts_bfd_packs_in_the_drawn_order():
+    """A BFD block's packs in the order of ``rng.permutation(packs)`` (one draw): position j holds
+    best-fit-decreasing's pack perm[j], its chunks in placement order."""
+    lengths = np.random.default_rng(1).integers(1, 100, 500)
+    chunks, sizes = shuffled_bfd_block(lengths, 100, np.random.default_rng(42))
+    got = [chunks[a:b].tolist() for a, b in zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))]
+    packs = naive_bfd_packs(lengths.tolist(), 100)
+    perm = np.random.default_rng(42).permutation(len(packs))
+    assert got == [packs[j] for j in perm.tolist()]
+    assert got != packs
 
 
 def test_packers_refuse_oversized_chunks():
@@ -414,8 +367,8 @@ def test_consumers_get_disjoint_documents_whose_union_is_the_epoch(stdlib_manife
     owner = {}
     for c in range(4):
         ds = BestFitDataset(corpus, 512, 4, seed=2, rank=c, world_size=4, with_segments=True)
-        for _, seg in ds:
-            for d in set(seg[:, 0].tolist()):
+        for b in ds:
+            for d in set(b.segments[:, 0].tolist()):
                 assert owner.setdefault(d, c) == c, f"document {d} read by consumers {owner[d]} and {c}"
     assert sorted(owner) == np.flatnonzero(corpus.doc_lengths >= 2).tolist()
     order = epoch_order(corpus.num_documents, 2, 0)
@@ -429,7 +382,7 @@ def test_dev_corpus_every_pair_once_across_two_ranks_and_two_workers(dev_manifes
     out = run_consumers(dev_manifest, world_size=2, num_workers=2, seed=0)
     corpus = open_corpus(dev_manifest, "train")
     assert_epoch_exact(corpus, out, 4096, 35)
-    fill = sum(b.num_tokens for b, _ in out) / (sum(b.num_packs for b, _ in out) * 4096)
+    fill = sum(b.num_tokens for b in out) / (sum(b.num_packs for b in out) * 4096)
     assert fill > 0.99, f"pack fill {fill:.4f}"
 
 
@@ -438,57 +391,90 @@ def test_dev_corpus_bfd_every_pair_once(dev_manifest):
     corpus = open_corpus(dev_manifest, "train")
     out = list(BestFitDataset(corpus, mode="bfd", with_segments=True))
     assert_epoch_exact(corpus, out, 4096, 35)
-    real = sum(b.num_tokens for b, _ in out)
-    bfd_fill = real / (sum(b.num_packs for b, _ in out) * 4096)
+    real = sum(b.num_tokens for b in out)
+    bfd_fill = real / (sum(b.num_packs for b in out) * 4096)
     assert bfd_fill >= pack_fill(corpus.doc_lengths, mode="buffer").fill
 
 
-def reference_batches(corpus, *, max_seq_len, batch_size, packing_buffer, seed, mode, epoch=0, rank=0, world_size=1):
-    """A straightforward statement of the seed's loader, independent of the implementation: the
-    order is the seeded permutation, documents are cut with ``split_tokens``, packs come from the
-    naive packers above (BFD per block of ``packing_buffer`` chunks, packs shuffled with the
-    consumer's RNG), ``batch_size`` packs per microbatch, tokens read document by document."""
-    order = np.random.default_rng([seed, epoch]).permutation(corpus.num_documents)[rank::world_size]
-    chunks = [
-        (d, c.start, len(c.inputs))
-        for d in order.tolist()
-        for c in split_tokens(d, corpus.document(d), max_seq_len=max_seq_len)
-    ]
-    lens = [n for _, _, n in chunks]
-    if mode == "buffer":
-        packs = naive_buffer_packs(lens, max_seq_len, packing_buffer)
-    else:
-        rng = np.random.default_rng([seed, epoch, rank, world_size, 0x9ACC])
-        packs = []
-        for lo in range(0, len(lens), packing_buffer):
-            block = naive_bfd_packs(lens[lo : lo + packing_buffer], max_seq_len)
-            packs += [[lo + i for i in block[j]] for j in rng.permutation(len(block)).tolist()]
+def reference_chunks(num_documents, doc_lengths, *, max_seq_len, seed, epoch, rank, world_size) -> list:
+    """The consumer's chunk stream by the rules of docs/PACKING.md: documents in the order
+    ``default_rng([seed, epoch]).permutation(num_documents)``, consumer ``rank`` of ``world_size``
+    takes ``order[rank::world_size]``, each cut by :func:`tests.helpers.naive_chunks`.
+    Returns ``(document, start, inputs)`` per chunk."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_documents)[rank::world_size].tolist()
+    return [(order[k], s, n) for k, s, n in naive_chunks([int(doc_lengths[d]) for d in order], max_seq_len)]
+
+
+def yielded_packs(batches, chunk_index: dict) -> list[list[int]]:
+    """Every yielded pack, in order, as reference chunk indices (from ``batch.segments`` and
+    ``pack_lengths``: a pack ends where the cumulative pack lengths meet the segments')."""
     out = []
-    for m in range(0, len(packs), batch_size):
-        mb = packs[m : m + batch_size]
-        segs = [chunks[i] for p in mb for i in p]
-        rows = [corpus.document(d)[s : s + n + 1].astype(np.int64) for d, s, n in segs]
-        out.append(
-            {
-                "input_ids": np.concatenate([r[:-1] for r in rows]),
-                "targets": np.concatenate([r[1:] for r in rows]),
-                "position_ids": np.concatenate([np.arange(n) for _, _, n in segs]),
-                "cu_seqlens": np.cumsum([0] + [n for _, _, n in segs]),
-                "pack_lengths": [sum(lens[i] for i in p) for p in mb],
-                "max_seqlen": max(n for _, _, n in segs),
-                "segments": np.array(segs, dtype=np.int64),
-            }
-        )
+    for b in batches:
+        segs = b.segments.numpy()
+        ids = [chunk_index[(d, s)] for d, s, _ in segs.tolist()]
+        seg_ends, pack_ends = np.cumsum(segs[:, 2]), np.cumsum(b.pack_lengths.numpy())
+        assert np.isin(pack_ends, seg_ends).all(), "a pack ends inside a segment"
+        ends = (np.searchsorted(seg_ends, pack_ends) + 1).tolist()
+        out += [ids[a:z] for a, z in zip([0, *ends[:-1]], ends)]
     return out
 
 
-def assert_equals_reference(corpus, **kw):
+def reference_batch(toks: np.ndarray, offs: np.ndarray, chunks: list, packs: list[list[int]]) -> dict:
+    """The fields of one microbatch of ``packs`` (reference chunk indices), tokens read per
+    segment from the h5py stream: inputs doc[start : start + n], targets one token ahead."""
+    segs = [chunks[i] for p in packs for i in p]
+    rows = [toks[offs[d] + s : offs[d] + s + n + 1].astype(np.int64) for d, s, n in segs]
+    return {
+        "input_ids": np.concatenate([r[:-1] for r in rows]),
+        "targets": np.concatenate([r[1:] for r in rows]),
+        "position_ids": np.concatenate([np.arange(n) for _, _, n in segs]),
+        "cu_seqlens": np.cumsum([0] + [n for _, _, n in segs]),
+        "pack_lengths": [sum(chunks[i][2] for i in p) for p in packs],
+        "max_seqlen": max(n for _, _, n in segs),
+        "segments": np.array(segs, dtype=np.int64),
+    }
+
+
+def assert_equals_reference(manifest, **kw):
+    """Every microbatch of one consumer's epoch equals a straightforward statement of the
+    documented algorithm (:func:`reference_chunks`, the naive packers of tests/helpers.py,
+    ``batch_size`` consecutive packs per microbatch, tokens from an independent h5py read).
+
+    BFD's packs of each block come in an order drawn from a seeded generator; the reference takes
+    that order from the dataset, after checking that it is a permutation of the block's naive BFD
+    packs (and not the identity for every block). Its seeding is covered by the determinism tests."""
     rank, world_size = kw.pop("rank", 0), kw.pop("world_size", 1)
+    L, B, buf = kw["max_seq_len"], kw["batch_size"], kw["packing_buffer"]
+    corpus = open_corpus(manifest, "train")
     got = list(BestFitDataset(corpus, **kw, rank=rank, world_size=world_size, with_segments=True))
-    ref = reference_batches(corpus, **kw, rank=rank, world_size=world_size)
-    assert len(got) == len(ref)
-    for k, ((b, seg), r) in enumerate(zip(got, ref)):
-        assert np.array_equal(seg.numpy(), r["segments"]), f"microbatch {k}: other segments"
+    toks, offs, _ = oracle_stream(manifest)
+    chunks = reference_chunks(
+        offs.size - 1,
+        np.diff(offs),
+        max_seq_len=L,
+        seed=kw["seed"],
+        epoch=kw.get("epoch", 0),
+        rank=rank,
+        world_size=world_size,
+    )
+    lens = [n for _, _, n in chunks]
+    packs = yielded_packs(got, {(d, s): i for i, (d, s, _) in enumerate(chunks)})
+    if kw["mode"] == "buffer":
+        assert packs == naive_buffer_packs(lens, L, buf)
+    else:
+        at = shuffled = 0
+        for lo in range(0, len(lens), buf):
+            block = [[lo + i for i in p] for p in naive_bfd_packs(lens[lo : lo + buf], L)]
+            mine = packs[at : at + len(block)]
+            assert sorted(mine) == sorted(block), f"the block at chunk {lo:,} holds other packs"
+            shuffled += mine != block
+            at += len(block)
+        assert at == len(packs) and shuffled > 0
+    groups = [packs[m : m + B] for m in range(0, len(packs), B)]
+    assert len(got) == len(groups)
+    for k, (b, mb) in enumerate(zip(got, groups)):
+        r = reference_batch(toks, offs, chunks, mb)
+        assert np.array_equal(b.segments.numpy(), r["segments"]), f"microbatch {k}: other segments"
         for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths"):
             assert np.array_equal(getattr(b, f).numpy(), r[f]), f"microbatch {k}: {f} differs"
         assert b.max_seqlen == r["max_seqlen"]
@@ -506,13 +492,13 @@ def crossing_chunks(corpus, max_seq_len) -> int:
 @pytest.mark.parametrize("mode, packing_buffer", [("buffer", 64), ("buffer", 5), ("bfd", 300)])
 def test_batches_equal_a_reference_implementation_stdlib(stdlib_manifest, mode, packing_buffer):
     """Every microbatch (segments, tokens, targets, positions, cu_seqlens, pack lengths, longest
-    segment) equals a straightforward implementation of the seed's algorithm, for two ranks;
+    segment) equals a straightforward implementation of the documented algorithm, for two ranks;
     chunks that cross gaps between HDF5 chunk runs are among them."""
     corpus = open_corpus(stdlib_manifest, "train")
     assert crossing_chunks(corpus, 1024) > 0
     for rank in range(2):
         assert_equals_reference(
-            corpus,
+            stdlib_manifest,
             max_seq_len=1024,
             batch_size=6,
             packing_buffer=packing_buffer,
@@ -528,8 +514,10 @@ def test_batches_equal_a_reference_implementation_dev_corpus(dev_manifest):
     in 512-chunk blocks: microbatches equal the straightforward reference, bit for bit."""
     corpus = open_corpus(dev_manifest, "train")
     assert crossing_chunks(corpus, 4096) > 0
-    assert_equals_reference(corpus, max_seq_len=4096, batch_size=35, packing_buffer=64, seed=0, mode="buffer")
-    assert_equals_reference(corpus, max_seq_len=4096, batch_size=35, packing_buffer=512, seed=3, mode="bfd", epoch=1)
+    assert_equals_reference(dev_manifest, max_seq_len=4096, batch_size=35, packing_buffer=64, seed=0, mode="buffer")
+    assert_equals_reference(
+        dev_manifest, max_seq_len=4096, batch_size=35, packing_buffer=512, seed=3, mode="bfd", epoch=1
+    )
 
 
 def test_only_chunks_that_span_two_runs_leave_the_memory_map(stdlib_manifest, monkeypatch):
@@ -560,7 +548,28 @@ def test_hdf5_read_path_gives_the_same_batches(stdlib_manifest):
     mm = list(BestFitDataset(open_corpus(stdlib_manifest, "train", read_path="mmap"), **kw))
     h5 = list(BestFitDataset(open_corpus(stdlib_manifest, "train", read_path="h5py"), **kw))
     assert len(mm) == len(h5)
-    assert all(batches_equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(mm, h5))
+    assert all(batches_equal(a, b) and torch.equal(a.segments, b.segments) for a, b in zip(mm, h5))
+
+
+def test_segments_are_none_unless_asked_and_travel_with_the_batch(stdlib_manifest):
+    """``batch.segments`` is None by default; with_segments=True sets it and changes nothing else;
+    it survives pickling (what DataLoader workers do), stays the same host tensor through ``.to()``, is
+    copied by ``clone()`` and concatenated by ``concat_batches``."""
+    corpus = open_corpus(stdlib_manifest, "train")
+    plain = list(BestFitDataset(corpus, 512, 4, seed=2))[:2]
+    tagged = list(BestFitDataset(corpus, 512, 4, seed=2, with_segments=True))[:2]
+    assert all(b.segments is None for b in plain)
+    assert all(batches_equal(a, b) for a, b in zip(plain, tagged))
+    b = tagged[0]
+    assert torch.equal(b.segments[:, 2].to(torch.int32), b.cu_seqlens.diff())
+    back = pickle.loads(pickle.dumps(b))
+    assert batches_equal(back, b) and torch.equal(back.segments, b.segments)
+    assert b.to("cpu").segments is b.segments
+    cl = b.clone()
+    assert torch.equal(cl.segments, b.segments) and cl.segments.data_ptr() != b.segments.data_ptr()
+    both = concat_batches(tagged)
+    assert torch.equal(both.segments, torch.cat([t.segments for t in tagged]))
+    assert concat_batches([tagged[0], plain[1]]).segments is None
 
 
 def test_epoch_order_is_seeded_and_changes_with_set_epoch(stdlib_manifest):
@@ -641,18 +650,18 @@ def test_stateful_dataloader_resume_with_workers(stdlib_manifest):
             BestFitDataset(open_corpus(stdlib_manifest, "train"), **kw), batch_size=None, num_workers=2
         )
 
-    ref = [own(b) for b in loader()]
+    ref = [owned(b) for b in loader()]
     got, state = [], None
     for take in (5, 2, 9):
         dl = loader()
         if state is not None:
             dl.load_state_dict(state)
         it = iter(dl)
-        got += [own(next(it)) for _ in range(take)]
+        got += [owned(next(it)) for _ in range(take)]
         state = dl.state_dict()
         del it, dl
     dl = loader()
     dl.load_state_dict(state)
-    got += [own(b) for b in dl]
+    got += [owned(b) for b in dl]
     assert len(got) == len(ref)
     assert all(batches_equal(x, y) for x, y in zip(got, ref))

@@ -1,6 +1,6 @@
 """Attention and loss over padding-free varlen batches: what makes the batches mean what they claim.
 
-Segments of a :class:`~h5corpus.batch.VarlenBatch` lie end to end in one flat token axis; only
+Segments of a :class:`~h5corpus.loaders.batch.VarlenBatch` lie end to end in one flat token axis; only
 ``cu_seqlens`` says where one document (or chunk) ends and the next begins. Isolation therefore
 lives in attention: every token attends causally to earlier tokens of its own segment and to
 nothing else. No ``T x T`` mask and no padding row is ever built.
@@ -147,7 +147,7 @@ def packed_loss(
     """Token-weighted mean cross-entropy: sum of CE over real targets / number of real targets.
 
     ``logits``: (T, V) (any leading shape flattened), ``targets``: (T,) with
-    :data:`~h5corpus.batch.IGNORE_INDEX` where no target counts. ``num_targets`` overrides the
+    :data:`~h5corpus.loaders.batch.IGNORE_INDEX` where no target counts. ``num_targets`` overrides the
     denominator, e.g. the whole optimizer step's target count under gradient accumulation, so that
     every token weighs the same however the step is split. Computed in at least fp32. Every document weighs
     by its number of targets (not one document = one vote).

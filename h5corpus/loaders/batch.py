@@ -3,7 +3,7 @@
 A batch is a list of *segments* (a document, a chunk of one, or the part of a sliding window
 inside one document) laid end to end. Nothing else is materialized: no padding rows, no T x T mask.
 
-Invariants (checked by :meth:`VarlenBatch.check`):
+Invariants (checked by :meth:`VarlenBatch.check`, which raises :class:`BatchError`):
 
 * ``input_ids``, ``targets``, ``position_ids`` are 1-D int64 of equal length T (real inputs only).
 * ``cu_seqlens`` is int32, starts at 0, strictly increases, ends at T (one entry per segment + 1).
@@ -41,6 +41,15 @@ on the GPU; ``pin_memory()`` pins only the compact buffer; pickling (workers, ``
 alone. Materializing needs no host-device synchronization (every size is known on the host). Counts
 (``num_tokens``, ``num_targets``, ``num_segments``) never materialize anything. Assigning a field
 (``batch.input_ids = x``) overrides it on that object (it then travels with ``.to()`` and pickling).
+
+Loaders build compact batches with :func:`alloc_compact` (fill views in place) or
+:meth:`VarlenBatch.from_row_bytes` (one join of row byte views, rows = segments); no other module
+needs the buffer's layout. ``batch.segments`` optionally tags each segment with its source
+(``(document, start, length)``, set by the best-fit loader on request).
+
+One module on purpose, longer than the others: the buffer layout is private to it, and the two
+representations, their lazy materialization (numpy on the CPU, torch ops elsewhere) and the
+invariant checks are one type's interface, kept beside each other.
 """
 
 from __future__ import annotations
@@ -56,6 +65,12 @@ IGNORE_INDEX = -100
 
 #: Public per-token and per-segment fields, in constructor order (``max_seqlen`` is a plain int).
 FIELDS = ("input_ids", "targets", "position_ids", "cu_seqlens", "max_seqlen", "pack_lengths")
+
+
+class BatchError(ValueError):
+    """A :class:`VarlenBatch`, or the parts of one, breaks an invariant of this module's docstring;
+    the message names the invariant and where it breaks (field, index, segment or row)."""
+
 
 #: Corpus token dtype -> (storage dtype in a batch, numpy view the reader writes through).
 _STORAGE = {
@@ -109,6 +124,7 @@ def _layout(
 
 
 _SLOT = {"ignore": 0, "row_cu": 1, "cu_seqlens": 2, "pack_lengths": 3, "tokens": 4}  # order in a layout
+_ZEROS = bytes(16)  # padding for joined buffers: every gap in a layout is < 8 bytes, row_cu[0] = 0 is 4 more
 
 
 class CompactParts:
@@ -192,7 +208,7 @@ class VarlenBatch:
     eager/compact representations).
 
     Eager: ``VarlenBatch(input_ids, targets, position_ids, cu_seqlens, max_seqlen, pack_lengths)``.
-    Compact: :meth:`from_compact`, or :func:`alloc_compact` in loaders.
+    Compact: :meth:`from_compact`; in loaders :func:`alloc_compact` or :meth:`from_row_bytes`.
 
     Fields:
         input_ids: (T,) int64 token ids the model reads.
@@ -201,9 +217,14 @@ class VarlenBatch:
         cu_seqlens: (segments + 1,) int32 cumulative segment lengths with a leading 0.
         max_seqlen: longest segment, in tokens (a Python int).
         pack_lengths: (packs,) int32 real tokens per pack (logical row); unused capacity excluded.
+        segments: None, or an (segments, 3) int64 CPU tensor of ``(document index, start, length)``
+            per segment: the split's document, the offset of the segment's first input inside it
+            and its inputs, in tokens (``BestFitDataset(with_segments=True)`` sets it). Host
+            metadata: ``.to()`` and ``pin_memory()`` leave it on the CPU, ``clone()`` copies it,
+            pickling (DataLoader workers) carries it.
     """
 
-    __slots__ = ("max_seqlen", "_own", "_lazy", "_buf", "_layout", "_T", "_R", "_row_len", "_seg_rows")
+    __slots__ = ("max_seqlen", "segments", "_own", "_lazy", "_buf", "_layout", "_T", "_R", "_row_len", "_seg_rows")
 
     def __init__(
         self,
@@ -215,6 +236,7 @@ class VarlenBatch:
         pack_lengths: torch.Tensor,
     ) -> None:
         self.max_seqlen = max_seqlen
+        self.segments: torch.Tensor | None = None
         self._own: dict[str, torch.Tensor] = {
             "input_ids": input_ids,
             "targets": targets,
@@ -235,6 +257,7 @@ class VarlenBatch:
     ) -> VarlenBatch:
         self = cls.__new__(cls)
         self.max_seqlen = max_seqlen
+        self.segments = None
         self._own, self._lazy = {}, {}
         self._buf, self._layout = buf, layout
         self._T, self._R, self._row_len, self._seg_rows = T, R, row_len, seg_rows
@@ -253,19 +276,19 @@ class VarlenBatch:
         """A compact batch from its parts (tensors or numpy arrays; copied into one buffer on the
         device of ``tokens``). Defaults: ``cu_seqlens = row_cu`` (rows are the segments),
         ``max_seqlen`` = longest segment, ``pack_lengths`` = one pack per row, ``ignore`` = none.
-        Reads ``row_cu``/``cu_seqlens``/``ignore`` on the host to check them. Raises ValueError on
-        parts that break the layout (see the module docstring)."""
+        Reads ``row_cu``/``cu_seqlens``/``ignore`` on the host to check them. Raises
+        :class:`BatchError` (a ValueError) on parts that break the layout (see the module docstring)."""
         tok = _as_storage_tensor(tokens).reshape(-1)
         dev = tok.device
         rc = np.asarray(torch.as_tensor(row_cu).cpu(), dtype=np.int64).reshape(-1)
         R = rc.size - 1
         if R < 0 or rc[0] != 0 or (np.diff(rc) <= 0).any():
-            raise ValueError("row_cu must start at 0 and strictly increase (every row has >= 1 input)")
+            raise BatchError("row_cu must start at 0 and strictly increase (every row has >= 1 input)")
         T = int(rc[-1])
         if T >= 2**31:
-            raise ValueError(f"batch of {T:,} inputs is too large for int32 row_cu/cu_seqlens")
+            raise BatchError(f"batch of {T:,} inputs is too large for int32 row_cu/cu_seqlens")
         if tok.numel() != T + R:
-            raise ValueError(
+            raise BatchError(
                 f"tokens hold {tok.numel():,} ids; {R} rows of {T:,} inputs need {T + R:,} (one lookahead per row)"
             )
         row_lens = np.diff(rc)
@@ -274,9 +297,9 @@ class VarlenBatch:
         cu = rc if seg_rows else np.asarray(torch.as_tensor(cu_seqlens).cpu(), dtype=np.int64).reshape(-1)
         if not seg_rows:
             if cu.size < 1 or cu[0] != 0 or cu[-1] != T or (np.diff(cu) <= 0).any():
-                raise ValueError("cu_seqlens must start at 0, strictly increase and end at T")
+                raise BatchError("cu_seqlens must start at 0, strictly increase and end at T")
             if not np.isin(rc, cu).all():
-                raise ValueError("every row start must be a segment start (segments never span rows)")
+                raise BatchError("every row start must be a segment start (segments never span rows)")
             seg_rows = cu.size == rc.size  # then equal to row_cu
         if max_seqlen is None:
             max_seqlen = int(np.diff(cu).max()) if cu.size > 1 else 0
@@ -284,7 +307,7 @@ class VarlenBatch:
         ig = torch.zeros(0, dtype=torch.int64) if ignore is None else torch.as_tensor(ignore).reshape(-1)
         ig_host = ig.cpu().numpy()
         if ig_host.size and (ig_host.min() < 0 or ig_host.max() >= T or np.unique(ig_host).size != ig_host.size):
-            raise ValueError(f"ignore must hold distinct input indices in [0, {T:,})")
+            raise BatchError(f"ignore must hold distinct input indices in [0, {T:,})")
         ig = ig.to(dev, torch.int64)
         return cls._assemble(
             tok,
@@ -297,6 +320,45 @@ class VarlenBatch:
             int(max_seqlen),
             row_len,
         )
+
+    @classmethod
+    def from_row_bytes(
+        cls, rows: list[Any], row_ends: np.ndarray, pack_lengths: np.ndarray, token_dtype: Any, max_seqlen: int
+    ) -> VarlenBatch:
+        """A compact batch whose rows are its segments, assembled by one ``bytearray.join`` (a C loop
+        of memcpys) of its header and ``rows``, and wrapped without a further copy.
+
+        Args:
+            rows: R >= 1 bytes-like objects (``memoryview`` slices of a memory map, numpy arrays);
+                row r holds its ``n_r`` inputs plus one lookahead token, ``n_r + 1`` ids of
+                ``token_dtype`` in native byte order.
+            row_ends: (R,) int32 cumulative inputs after each row (``row_cu[1:]``; ``row_cu[0]`` is
+                0); ``T = row_ends[-1]``.
+            pack_lengths: (P,) int32 real inputs per pack, summing to T.
+            token_dtype: the corpus's token dtype (uint16 or uint32; int64 for ids already widened).
+            max_seqlen: the longest row, in inputs.
+
+        Nothing is checked (this is a loader's hot path): the caller guarantees the sizes above;
+        :meth:`check` verifies a result.
+        """
+        storage, view = _STORAGE[np.dtype(token_dtype)]
+        R, P = len(rows), len(pack_lengths)
+        T = int(row_ends[-1])
+        layout, nbytes = _layout(R, T + R, storage, None, P, 0)
+        rc, pk, tk = layout[_SLOT["row_cu"]][2], layout[_SLOT["pack_lengths"]][2], layout[_SLOT["tokens"]][2]
+        z = _ZEROS
+        data = bytearray().join(
+            [
+                z[: rc + 4],  # row_cu[0] = 0
+                row_ends,
+                z[: pk - rc - 4 - 4 * R],
+                pack_lengths,
+                z[: tk - pk - 4 * P],
+                *rows,
+                z[: nbytes - tk - (T + R) * view.itemsize],
+            ]
+        )
+        return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, T, R, int(max_seqlen), 0, True)
 
     @classmethod
     def _assemble(
@@ -494,9 +556,11 @@ class VarlenBatch:
         """An eager batch with the same fields (materializes them; returns ``self`` if eager)."""
         if self._buf is None:
             return self
-        return VarlenBatch(
+        out = VarlenBatch(
             self.input_ids, self.targets, self.position_ids, self.cu_seqlens, self.max_seqlen, self.pack_lengths
         )
+        out.segments = self.segments
+        return out
 
     # -- derived counts (never materialize) -----------------------------------------------------------
     @property
@@ -525,6 +589,13 @@ class VarlenBatch:
     def num_rows(self) -> int:
         """Compact: stored rows R (windows, or packed segments). Eager: segments."""
         return self._R if self._buf is not None else self.num_segments
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that pickling, ``pin_memory()`` and ``.to()`` move: the compact buffer plus any
+        assigned fields (eager: its five tensors); lazily materialized fields are not counted."""
+        own = sum(t.numel() * t.element_size() for t in self._own.values() if isinstance(t, torch.Tensor))
+        return own + (0 if self._buf is None else int(self._buf.numel()))
 
     # -- Hugging Face padding-free names ---------------------------------------------------------
     @property
@@ -558,9 +629,11 @@ class VarlenBatch:
     # -- movement and pickling ------------------------------------------------------------------------
     def _map(self, fn) -> VarlenBatch:
         """A batch whose tensors are ``fn(tensor)``: the compact buffer and assigned/eager fields;
-        lazily materialized fields are dropped (recomputed where the buffer now lives)."""
+        lazily materialized fields are dropped (recomputed where the buffer now lives); the
+        host-side ``segments`` table is shared as is."""
         new = VarlenBatch.__new__(VarlenBatch)
         new.max_seqlen = self.max_seqlen
+        new.segments = self.segments
         new._own = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self._own.items()}
         new._buf = None if self._buf is None else fn(self._buf)
         new._layout, new._lazy = self._layout, {}
@@ -570,7 +643,10 @@ class VarlenBatch:
     def clone(self) -> VarlenBatch:
         """A copy owning its memory (e.g. to keep batches received from DataLoader workers, whose
         shared-memory tensors each hold a file descriptor)."""
-        return self._map(lambda t: t.clone())
+        new = self._map(lambda t: t.clone())
+        if new.segments is not None:
+            new.segments = new.segments.clone()
+        return new
 
     def pin_memory(self) -> VarlenBatch:
         """Page-locked copy (DataLoader's ``pin_memory=True`` calls this); compact: the buffer only."""
@@ -583,11 +659,12 @@ class VarlenBatch:
 
     def __getstate__(self) -> dict[str, Any]:
         # Never the lazy cache: a worker ships the compact buffer (and assigned fields) only. Small
-        # CPU tensors travel by value (numpy arrays inside the pickle): through DataLoader workers
-        # that is 2-4x faster than torch's shared-memory handover, whose fixed cost per tensor
-        # (segment, file descriptor, mapping) dominates below INLINE_PICKLE_BYTES.
+        # CPU tensors travel by value (numpy arrays inside the pickle): below INLINE_PICKLE_BYTES
+        # torch's shared-memory handover costs more per tensor (segment, file descriptor, mapping)
+        # than the copy.
         return {
             "max_seqlen": self.max_seqlen,
+            "segments": None if self.segments is None else _inline(self.segments),
             "own": {k: _inline(v) for k, v in self._own.items()},
             "buf": None if self._buf is None else _inline(self._buf),
             "layout": self._layout,
@@ -599,6 +676,7 @@ class VarlenBatch:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.max_seqlen = d["max_seqlen"]
+        self.segments = _tensor(d.get("segments"))
         self._own = {k: _tensor(v) for k, v in d["own"].items()}
         self._buf = None if d["buf"] is None else _tensor(d["buf"])
         self._layout = d["layout"]
@@ -614,41 +692,82 @@ class VarlenBatch:
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise AssertionError naming the first broken invariant (materializes the fields)."""
+        """Raise :class:`BatchError` naming the first broken invariant (module docstring) and where
+        it breaks; return None if every one holds. Materializes the fields. Real checks, not
+        ``assert``: they run under ``python -O`` too."""
         T = self.num_tokens
         for name in ("input_ids", "targets", "position_ids"):
             t = getattr(self, name)
-            assert t.dim() == 1 and t.numel() == T and t.dtype == torch.int64, (
-                f"{name}: shape {tuple(t.shape)} dtype {t.dtype}"
-            )
+            if not (t.dim() == 1 and t.numel() == T and t.dtype == torch.int64):
+                raise BatchError(f"{name}: shape {tuple(t.shape)} dtype {t.dtype}, expected ({T:,},) int64")
         cu = self.cu_seqlens.cpu()
-        assert cu.dtype == torch.int32, f"cu_seqlens dtype {cu.dtype}, expected int32"
-        assert cu.numel() >= 1 and int(cu[0]) == 0, "cu_seqlens must start at 0"
-        assert int(cu[-1]) == T, f"cu_seqlens ends at {int(cu[-1])}, T = {T}"
-        lens = cu[1:] - cu[:-1]
-        assert bool((lens > 0).all()), "cu_seqlens must strictly increase (no empty segments)"
-        assert int(lens.max()) == self.max_seqlen if lens.numel() else self.max_seqlen == 0, (
-            "max_seqlen != longest segment"
-        )
-        expect_pos = torch.arange(T) - torch.repeat_interleave(cu[:-1].long(), lens.long())
-        assert torch.equal(self.position_ids.cpu(), expect_pos), "position_ids must restart at 0 per segment"
-        assert int(self.pack_lengths.sum()) == T, "pack_lengths must sum to the number of inputs"
-        if self._buf is not None:
-            rc, tok, ig = (t.cpu() for t in (self.row_cu, self.tokens, self.ignore))  # type: ignore[union-attr]
-            R = rc.numel() - 1
-            assert rc.dtype == torch.int32 and int(rc[0]) == 0 and bool((rc.diff() > 0).all()), (
-                "row_cu: int32, 0, strictly increasing"
+        if cu.dtype != torch.int32:
+            raise BatchError(f"cu_seqlens: dtype {cu.dtype}, expected int32")
+        if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0:
+            raise BatchError(f"cu_seqlens must be 1-D and start at 0, got shape {tuple(cu.shape)}, {cu[:1].tolist()}")
+        if int(cu[-1]) != T:
+            raise BatchError(f"cu_seqlens ends at {int(cu[-1]):,}, expected T = {T:,} inputs")
+        cu64 = cu.numpy().astype(np.int64)
+        lens = np.diff(cu64)
+        if lens.size and lens.min() <= 0:
+            k = int(np.argmax(lens <= 0))
+            raise BatchError(
+                f"cu_seqlens must strictly increase (no empty segments): segment {k} spans "
+                f"[{int(cu64[k]):,}, {int(cu64[k + 1]):,})"
             )
-            assert int(rc[-1]) == self._T and R == self._R, "row_cu must end at T"
-            assert tok.numel() == self._T + R, "tokens must hold n + 1 ids per row"
-            assert bool(torch.isin(rc, cu).all()), "every row start must be a segment start"
-            assert ig.dtype == torch.int64 and ig.unique().numel() == ig.numel(), "ignore: distinct int64 indices"
-            assert ig.numel() == 0 or (int(ig.min()) >= 0 and int(ig.max()) < self._T), "ignore indices outside [0, T)"
+        longest = int(lens.max()) if lens.size else 0
+        if self.max_seqlen != longest:
+            raise BatchError(f"max_seqlen is {self.max_seqlen:,}, the longest segment has {longest:,} tokens")
+        pos = self.position_ids.cpu().numpy()
+        want = np.arange(T, dtype=np.int64) - np.repeat(cu64[:-1], lens)
+        if not np.array_equal(pos, want):
+            i = int(np.argmax(pos != want))
+            k = int(np.searchsorted(cu64, i, side="right")) - 1
+            raise BatchError(
+                f"position_ids must restart at 0 per segment: position_ids[{i:,}] = {int(pos[i]):,}, expected "
+                f"{int(want[i]):,} (segment {k}, inputs [{int(cu64[k]):,}, {int(cu64[k + 1]):,}))"
+            )
+        packed = int(self.pack_lengths.sum())
+        if packed != T:
+            raise BatchError(f"pack_lengths sum to {packed:,}, expected T = {T:,} inputs")
+        if self._buf is not None:
+            self._check_compact(cu64)
+
+    def _check_compact(self, cu: np.ndarray) -> None:
+        """The compact parts' invariants (``cu``: cu_seqlens as int64)."""
+        rc_t, tok, ig_t = (t.cpu() for t in (self.row_cu, self.tokens, self.ignore))  # type: ignore[union-attr]
+        if rc_t.dtype != torch.int32:
+            raise BatchError(f"row_cu: dtype {rc_t.dtype}, expected int32")
+        rc = rc_t.numpy().astype(np.int64)
+        R = rc.size - 1
+        if R < 0 or rc[0] != 0:
+            raise BatchError(f"row_cu must start at 0, got {rc[:1].tolist()}")
+        if R and np.diff(rc).min() <= 0:
+            r = int(np.argmax(np.diff(rc) <= 0))
+            raise BatchError(f"row_cu must strictly increase: row {r} spans [{int(rc[r]):,}, {int(rc[r + 1]):,})")
+        if int(rc[-1]) != self._T or R != self._R:
+            raise BatchError(
+                f"row_cu: {R} rows ending at {int(rc[-1]):,}, expected {self._R} rows ending at T = {self._T:,}"
+            )
+        if tok.numel() != self._T + R:
+            raise BatchError(f"tokens hold {tok.numel():,} ids, expected T + R = {self._T + R:,} (n + 1 per row)")
+        starts = np.isin(rc, cu)
+        if not starts.all():
+            r = int(np.argmax(~starts))
+            raise BatchError(f"every row start must be a segment start: row {r} starts at input {int(rc[r]):,}")
+        if ig_t.dtype != torch.int64:
+            raise BatchError(f"ignore: dtype {ig_t.dtype}, expected int64")
+        ig = ig_t.numpy()
+        if np.unique(ig).size != ig.size:
+            raise BatchError("ignore must hold distinct input indices")
+        if ig.size and (ig.min() < 0 or ig.max() >= self._T):
+            bad = int(ig[(ig < 0) | (ig >= self._T)][0])
+            raise BatchError(f"ignore index {bad:,} outside [0, T = {self._T:,})")
 
 
-#: CPU tensors up to this size pickle by value (see ``VarlenBatch.__getstate__``); larger ones go
-#: through torch's shared memory. Measured here (2 vCPUs, DataLoader, 1-2 workers): by value wins
-#: up to ~300 KB (2-4x), shared memory from ~1 MB.
+#: CPU tensors up to this size, in bytes, pickle by value (see ``VarlenBatch.__getstate__``);
+#: larger ones go through torch's shared memory (the measurements behind it: docs/READING.md,
+#: "Batches").
 INLINE_PICKLE_BYTES = 512 * 1024
 _INLINE_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -678,11 +797,11 @@ def make_batch(
     in order). ``pack_lengths`` gives the real tokens of each pack/row, summing to all inputs."""
     seg_lens = np.fromiter((len(a) for a in inputs), dtype=np.int64, count=len(inputs))
     if (seg_lens <= 0).any():
-        raise ValueError("segments must be non-empty")
+        raise BatchError("segments must be non-empty")
     flat_in = np.concatenate(inputs).astype(np.int64, copy=False) if len(inputs) else np.zeros(0, np.int64)
     flat_tg = np.concatenate(targets).astype(np.int64, copy=False) if len(targets) else np.zeros(0, np.int64)
     if flat_in.shape != flat_tg.shape:
-        raise ValueError(f"inputs ({flat_in.size}) and targets ({flat_tg.size}) differ in length")
+        raise BatchError(f"inputs ({flat_in.size}) and targets ({flat_tg.size}) differ in length")
     return from_flat(flat_in, flat_tg, seg_lens, np.asarray(pack_lengths, dtype=np.int64))
 
 
@@ -694,9 +813,9 @@ def from_flat(
     np.cumsum(seg_lens, out=cu[1:])
     T = int(cu[-1])
     if T != flat_inputs.size:
-        raise ValueError(f"segment lengths sum to {T}, inputs hold {flat_inputs.size}")
+        raise BatchError(f"segment lengths sum to {T}, inputs hold {flat_inputs.size}")
     if cu[-1] >= 2**31:
-        raise ValueError("batch too large for int32 cu_seqlens")
+        raise BatchError("batch too large for int32 cu_seqlens")
     pos = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], seg_lens)
     return VarlenBatch(
         input_ids=torch.from_numpy(np.ascontiguousarray(flat_inputs, dtype=np.int64)),
@@ -712,7 +831,7 @@ def concat_batches(batches: Sequence[VarlenBatch]) -> VarlenBatch:
     """One :class:`VarlenBatch` holding ``batches`` end to end (segments, packs and every
     invariant preserved; ``cu_seqlens`` offset by the tokens before each part). Compact batches
     with the same storage dtype on one device stay compact (one new buffer); otherwise the
-    result is eager."""
+    result is eager. ``segments`` are concatenated when every part has them, else None."""
     if not batches:
         raise ValueError("concat_batches needs at least one batch")
     if len(batches) == 1:
@@ -722,7 +841,16 @@ def concat_batches(batches: Sequence[VarlenBatch]) -> VarlenBatch:
         b._buf is not None and not b._own and b.tokens.dtype == b0.tokens.dtype and b.device == b0.device  # type: ignore[union-attr]
         for b in batches
     ):
-        return _concat_compact(batches)
+        out = _concat_compact(batches)
+    else:
+        out = _concat_eager(batches)
+    if all(b.segments is not None for b in batches):
+        out.segments = torch.cat([b.segments for b in batches])  # type: ignore[misc]
+    return out
+
+
+def _concat_eager(batches: Sequence[VarlenBatch]) -> VarlenBatch:
+    b0 = batches[0]
     cu = [b0.cu_seqlens]
     total = b0.num_tokens
     for b in batches[1:]:

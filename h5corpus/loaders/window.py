@@ -1,4 +1,4 @@
-"""Sliding windows over a corpus's token stream, as padding-free :class:`~h5corpus.batch.VarlenBatch`es.
+"""Sliding windows over a corpus's token stream, as padding-free :class:`~h5corpus.loaders.batch.VarlenBatch`es.
 
 A window is ``seq_len + 1`` consecutive tokens ``w``; the model reads ``w[:-1]`` and predicts
 ``w[1:]``. Two ways to choose windows (``mode``):
@@ -21,11 +21,11 @@ A window is ``seq_len + 1`` consecutive tokens ``w``; the model reads ``w[:-1]``
 
 Optional ``document_mask``: a window is split into segments at every document start inside it
 (``cu_seqlens``), ``position_ids`` restart at 0 per segment, and the target that would cross from
-one document into the next is :data:`~h5corpus.batch.IGNORE_INDEX`. Without it each window is one
+one document into the next is :data:`~h5corpus.loaders.batch.IGNORE_INDEX`. Without it each window is one
 segment and every target counts.
 
 Consumers: an epoch's windows are split among ``world_size`` DDP ranks x DataLoader workers
-(:func:`h5corpus.partition.current_consumer`); consumer ``c`` of ``n`` takes items ``c, c+n, ...``
+(:func:`~h5corpus.loaders.partition.current_consumer`); consumer ``c`` of ``n`` takes items ``c, c+n, ...``
 of the epoch's order, so consumers are disjoint and their union is the epoch. Each consumer groups
 its items into batches of ``batch_size`` windows; its last batch may be short unless ``drop_last``,
 which trims the epoch to a multiple of ``n * batch_size`` so every consumer yields the same number
@@ -60,8 +60,8 @@ STATE_VERSION = 1
 #: window's start is computable without drawing the ones before it.
 RANDOM_BLOCK = 1 << 16
 
-#: Batches whose window starts are computed in one vectorized call (a per-batch call costs about
-#: as much as a batch's reads at these sizes).
+#: Batches whose window starts (and document masking) are computed in one vectorized call: numpy's
+#: per-call overhead, paid per block instead of per batch, would otherwise rival the batch's reads.
 PLAN_BLOCK_BATCHES = 64
 
 _TAG_EPOCH = 0x45504F43  # "EPOC": separates the two modes' random streams
@@ -70,10 +70,10 @@ _TAG_RANDOM = 0x52414E44  # "RAND"
 
 class SlidingWindowDataset(IterableDataset):
     """Windows of ``seq_len + 1`` tokens from ``corpus``, ``batch_size`` per yielded
-    :class:`~h5corpus.batch.VarlenBatch` (use ``DataLoader(ds, batch_size=None)``).
+    :class:`~h5corpus.loaders.batch.VarlenBatch` (use ``DataLoader(ds, batch_size=None)``).
 
     What to iterate:
-        corpus: an open :class:`~h5corpus.reader.Corpus` (pickled into workers without handles).
+        corpus: an open :class:`~h5corpus.storage.reader.Corpus` (pickled into workers without handles).
         seq_len: model inputs per window, in tokens (the window reads ``seq_len + 1``).
         batch_size: windows per batch; a batch holds ``batch_size * seq_len`` inputs.
         mode: ``"epoch"`` (every non-overlapping window once, shuffled) or ``"random"`` (i.i.d. starts).
@@ -301,7 +301,7 @@ class SlidingWindowDataset(IterableDataset):
         ``[0, L, 2L, ...]``, one pack per window. With document masking, ``cu_seqlens`` adds every
         document start inside a window and ``ignore`` lists the inputs whose target is the next
         document's first token. The int64 fields materialize lazily where the batch is used
-        (:class:`~h5corpus.batch.VarlenBatch`)."""
+        (:class:`~h5corpus.loaders.batch.VarlenBatch`)."""
         starts = np.asarray(starts, dtype=np.int64)
         return self._batch(starts, self._mask_plan(starts) if self.document_mask else None, 0)
 
@@ -327,9 +327,9 @@ class SlidingWindowDataset(IterableDataset):
         return parts.batch(max_seqlen, row_len=L)
 
     def _mask_plan(self, starts: np.ndarray) -> tuple:
-        """Document masking for the windows at ``starts``, all at once (a block of batches costs
-        about as much as one batch would): positions in the block's flat input axis (window k
-        owns ``[k*L, (k+1)*L)``) of
+        """Document masking for the windows at ``starts``, all at once (one set of numpy calls per
+        block of batches): positions in the block's flat input axis (window k owns
+        ``[k*L, (k+1)*L)``) of
 
         * every segment start (``cut_flat``: each window's start, then every document start
           strictly inside it), with ``cut_ptr[k]`` = where window k's entries begin;

@@ -1,0 +1,90 @@
+"""Long-document chunking: every next-token pair of a document exactly once, with one token of lookahead.
+
+A document of ``N`` tokens (EOS included, unless it was truncated at build time) has ``N - 1``
+next-token pairs. A document whose pairs fit ``max_seq_len`` inputs is one segment; a longer one
+becomes consecutive chunks of ``max_seq_len`` inputs plus a shorter last one. Chunk ``k`` starts at
+input offset ``k * max_seq_len`` and its targets look one token ahead, so the last target of a chunk
+is the first input of the next and no target is lost at a cut. Positions restart at 0 in every
+chunk and chunks never attend to each other. Documents of 0 or 1 tokens have no pair and yield no
+chunk.
+
+Units: lengths and offsets are in tokens; a chunk's length is its number of *inputs* (= pairs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One independent segment of a document: ``inputs[i]`` predicts ``targets[i]``."""
+
+    inputs: np.ndarray
+    """(n,) token ids the model reads; ``1 <= n <= max_seq_len``."""
+    targets: np.ndarray
+    """(n,) the token following each input in the document (one token of lookahead)."""
+    position_ids: np.ndarray
+    """(n,) int64 ``0 .. n-1``: positions restart in every chunk."""
+    start: int
+    """Offset of ``inputs[0]`` inside the document, in tokens."""
+    doc: Any = None
+    """The document id passed to :func:`split_tokens`, if any."""
+
+
+def chunk_layout(doc_lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorized chunking of many documents at once (no tokens read).
+
+    ``doc_lengths``: tokens per document (EOS included). Returns three equal-length int64 arrays,
+    one entry per chunk, documents in the given order and chunks in document order:
+    ``(doc, start, length)`` = index into ``doc_lengths``, offset of the chunk's first input inside
+    its document, and number of inputs (= pairs). A document of ``N`` tokens yields
+    ``ceil((N - 1) / max_seq_len)`` chunks, all of ``max_seq_len`` inputs except the last; so
+    ``length.sum() == sum(max(N - 1, 0))``.
+    """
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    pairs = np.maximum(np.asarray(doc_lengths, dtype=np.int64) - 1, 0)
+    n_chunks = -(-pairs // max_seq_len)
+    doc = np.repeat(np.arange(pairs.size, dtype=np.int64), n_chunks)
+    first = np.cumsum(n_chunks) - n_chunks  # index of each document's first chunk
+    k = np.arange(doc.size, dtype=np.int64) - np.repeat(first, n_chunks)  # chunk number inside its doc
+    start = k * max_seq_len
+    length = np.minimum(pairs[doc] - start, max_seq_len)
+    return doc, start, length
+
+
+def split_tokens(*args: Any, max_seq_len: int = 4096) -> list[Chunk]:
+    """Split one document into independent chunks of at most ``max_seq_len`` inputs.
+
+    Call as ``split_tokens(tokens, max_seq_len=...)`` or, to tag every chunk with a document id,
+    ``split_tokens(doc_id, tokens, max_seq_len=...)``. ``tokens`` is the whole document (EOS
+    included). Every next-token pair of the document appears in exactly one chunk:
+    ``concat(inputs) == tokens[:-1]`` and ``concat(targets) == tokens[1:]``.
+
+    >>> [len(c.inputs) for c in split_tokens([11, 12, 13, 14, 15, 99], max_seq_len=4)]
+    [4, 1]
+    """
+    if len(args) == 1:
+        doc, tokens = None, args[0]
+    elif len(args) == 2:
+        doc, tokens = args
+    else:
+        raise TypeError("split_tokens(tokens, *, max_seq_len) or split_tokens(doc_id, tokens, *, max_seq_len)")
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
+    _, start, length = chunk_layout(np.array([a.size]), max_seq_len)
+    return [
+        Chunk(
+            inputs=a[s : s + n],
+            targets=a[s + 1 : s + n + 1],
+            position_ids=np.arange(n, dtype=np.int64),
+            start=s,
+            doc=doc,
+        )
+        for s, n in zip(start.tolist(), length.tolist())
+    ]
