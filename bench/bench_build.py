@@ -144,7 +144,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from h5corpus.build.tokenizer import TiktokenEncoder, fast_encoder, load_tokenizer
+    from h5corpus.build.encoders import TiktokenEncoder, fast_encoder
+    from h5corpus.build.tokenizer import load_tokenizer
 
     best: dict[str, tuple[int, float]] = {}
     encoders: dict[str, str] = {}

@@ -395,3 +395,51 @@ def owned(batch):
     """A private copy of a batch received from a DataLoader worker: its shared-memory tensors each
     hold a file descriptor, so a test that keeps a whole epoch copies them (``clone()``)."""
     return batch.clone()
+
+
+# -- build
+_READ_STAGE = (
+    "import json, sys\n"
+    "from h5corpus.build.plan import StageContext\n"
+    "from h5corpus.build.tasks import read_task\n"
+    "print(json.dumps(read_task(StageContext.load(sys.argv[1]), int(sys.argv[2])).to_json()))\n"
+)
+
+
+def run_read_stage(state: Path, index: int, cwd: Path) -> dict:
+    """Run the read stage of task ``index`` in a fresh interpreter that has only the state folder
+    (``StageContext.load``), from ``cwd``; returns the record it printed."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _READ_STAGE, str(state), str(index)],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def read_stage_files(state: Path, index: int) -> dict[str, str]:
+    """sha256 of every file task ``index``'s read stage wrote (table, signatures, meta, candidate
+    shards), its record excluded."""
+    stem = f"{index:05d}"
+    files = [
+        p
+        for p in (state / "read").rglob("*")
+        if p.is_file() and p.relative_to(state / "read").parts[0].startswith(stem)
+    ]
+    return {
+        p.relative_to(state).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(files)
+        if p.name != f"{stem}.json"
+    }
+
+
+def without_timings(record: dict) -> dict:
+    """A stage record without its CPU timings (the only field that differs between runs)."""
+    return {k: v for k, v in record.items() if k != "seconds"}

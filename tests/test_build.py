@@ -33,11 +33,20 @@ from h5corpus.build import (
     format_report,
     parse_max_tokens,
 )
-from h5corpus.build.sources import BadRecord, TaskReader, plan_tasks, resolve_sources
+from h5corpus.build.readers import BadRecord, TaskReader
+from h5corpus.build.sources import plan_tasks, resolve_sources
 from h5corpus.storage import format as fmt
 from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.validate import validate_corpus
-from tests.helpers import read_built, subprocess_env, tree, write_jsonl
+from tests.helpers import (
+    read_built,
+    read_stage_files,
+    run_read_stage,
+    subprocess_env,
+    tree,
+    without_timings,
+    write_jsonl,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 20261003
@@ -199,6 +208,31 @@ def test_split_is_the_documented_hash_and_disjoint(core_build):
         assert all(document_split(i, seed=SEED, validation_fraction=0.05) == s for i in ids[s])
 
 
+def documented_split(doc_id: bytes, seed: int, fraction: float) -> str:
+    """docs/BUILD.md's split rule, written from the text: validation when the first 8 bytes
+    (big-endian) of sha256(b"h5corpus-split:<seed>:" + id), as a fraction of 2**64, are below the
+    validation fraction."""
+    head = hashlib.sha256(f"h5corpus-split:{seed}:".encode("ascii") + doc_id).digest()[:8]
+    return "validation" if int.from_bytes(head, "big") / 2**64 < fraction else "train"
+
+
+def test_split_rule_matches_the_documented_formula():
+    """document_split and the batch rule the read stage uses agree with the formula of
+    docs/BUILD.md, computed here with hashlib alone, for many ids, seeds and fractions."""
+    from h5corpus.build.config import SplitRule
+
+    rng = random.Random(5)
+    ids = [hashlib.sha256(str(i).encode()).digest() for i in range(400)] + [rng.randbytes(32) for _ in range(100)]
+    for seed in (0, 1, SEED, 2**40 + 7):
+        for fraction in (0.0, 1e-9, 0.05, 0.3, 0.5, 0.999, 1.0):
+            want = [documented_split(i, seed, fraction) for i in ids]
+            assert [document_split(i, seed=seed, validation_fraction=fraction) for i in ids] == want
+            got = SplitRule(seed, fraction).indices(ids)
+            assert [fmt.SPLITS[k] for k in got.tolist()] == want, (seed, fraction)
+    share = sum(documented_split(i, SEED, 0.3) == "validation" for i in ids) / len(ids)
+    assert 0.25 < share < 0.35
+
+
 def test_build_validates_and_manifest_records_splits_source_build(core_build, core_sources):
     root, rep = core_build
     mpath = root / "manifests" / "shards.json"
@@ -235,7 +269,7 @@ def test_every_listed_shard_is_fsynced_before_the_manifest(tmp_path, core_source
     """Every shard the manifest lists is durable before the manifest is written: its data fsynced
     (by the worker that wrote it, in the background) and its folder fsynced after the rename into
     place, so a power cut never leaves a manifest pointing at unwritten bytes or names."""
-    import h5corpus.build.runner as B
+    import h5corpus.build.commit as B
 
     log = tmp_path / "fsynced.log"  # appended to by every process (workers fsync their shards)
     at_manifest: list[set[str]] = []
@@ -405,7 +439,7 @@ def test_bad_input_fails_naming_file_and_line_and_keeps_completed_work(tmp_path,
     root = tmp_path / "f"
     with pytest.raises(BuildError, match=rf"{bad}:2: invalid UTF-8"):
         build_corpus(config(root, [*core_sources, bad]))
-    assert any((root / "shards" / ".build" / "p1").glob("*.json"))
+    assert any((root / "shards" / ".build" / "read").glob("*.json"))
     bad.write_text('{"text": "fine"}\n{"text": "fixed"}\n')
     rep = build_corpus(config(root, [*core_sources, bad]))
     assert rep.resumed and rep.tasks_reused > 0 and rep.skipped_total == 0
@@ -436,8 +470,9 @@ def test_bad_input_skipped_counted_and_listed(tmp_path, core_sources):
 
 
 class TrimDropSign:
-    """A stand-in for issue 7's filters: strips trailing whitespace, drops texts that import os,
-    signs each text by its first line; the index calls a repeated first line a near duplicate."""
+    """A stand-in for the filters package: strips trailing whitespace, drops texts that import os,
+    signs each text by the sha256 of its first line (a uint8 array); the index calls a repeated
+    first line a near duplicate."""
 
     def __init__(self) -> None:
         self.c = {"seen": 0, "dropped_imports_os": 0, "trimmed": 0}
@@ -455,7 +490,7 @@ class TrimDropSign:
         return dict(self.c)
 
     def signature(self, text):
-        return text.split("\n", 1)[0]
+        return np.frombuffer(hashlib.sha256(text.split("\n", 1)[0].encode()).digest(), dtype=np.uint8)
 
     def near_duplicate_index(self):
         class Index:
@@ -463,8 +498,9 @@ class TrimDropSign:
                 self.seen = set()
 
             def add(self, sig):
-                dup = sig in self.seen
-                self.seen.add(sig)
+                key = bytes(np.asarray(sig, dtype=np.uint8))
+                dup = key in self.seen
+                self.seen.add(key)
                 return dup
 
         return Index()
@@ -642,7 +678,7 @@ def _cfg_json(root: Path, sources, **kw) -> dict:
 
 def test_kill_9_at_random_points_then_resume_gives_identical_bytes(tmp_path, core_build, core_sources):
     """kill -9 at random moments (tokenizers path, so the build lasts long enough to be hit in each
-    phase), then resume: the manifest and shards equal an uninterrupted build byte for byte."""
+    stage), then resume: the manifest and shards equal an uninterrupted build byte for byte."""
     cfg = _cfg_json(tmp_path / "k", core_sources[:2], workers=2, fast_path=False)
     assert kill_and_resume(cfg, seed=11, points=1) >= 1
 
@@ -666,7 +702,7 @@ def test_kill_9_at_every_stage_then_resume_gives_identical_bytes(tmp_path, core_
     """Fault injection (H5CORPUS_TEST_CRASH_AT): SIGKILL the whole build exactly at each stage
     boundary, then re-run: the result equals an uninterrupted build byte for byte, and no state,
     partial or temporary file is left."""
-    from h5corpus.build.runner import CRASH_ENV
+    from h5corpus.build.executor import CRASH_ENV
 
     srcs = core_sources[:2]  # b.jsonl repeats documents of a.jsonl, so some tasks take the copy path
     build_corpus(config(tmp_path / "ref", srcs, workers=2))
@@ -688,6 +724,82 @@ def test_kill_9_at_every_stage_then_resume_gives_identical_bytes(tmp_path, core_
         assert rep.resumed, point
         assert not (root / "shards" / ".build").exists(), point
         assert not list(root.rglob("*.partial")) and not list(root.rglob("*.tmp*")), point
+
+
+def _kill_at(point: str, cfg: dict, cwd: Path | None = None) -> Path:
+    """Run the build of ``cfg`` in a subprocess killed at ``point``; returns its state folder."""
+    from h5corpus.build.executor import CRASH_ENV
+
+    p = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(cfg)],
+        cwd=cwd,
+        env=dict(subprocess_env(), **{CRASH_ENV: point}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == -9, (point, p.returncode, p.stderr[-2000:])
+    return Path(cfg["shards_dir"]) / ".build"
+
+
+def test_read_stage_runs_in_a_fresh_process_from_the_state_folder_alone(tmp_path, core_sources):
+    """The plan seam: a build (relative SOURCE paths) is killed right after its first read record;
+    another interpreter, started elsewhere with nothing but the state folder, runs the read stage
+    of that task again and gets the same record and byte-identical table and candidate shards."""
+    root = tmp_path / "b"
+    srcs = [p.name for p in core_sources[:2]]  # relative to the build's working folder
+    cfg = _cfg_json(root, srcs, workers=1)
+    state = _kill_at("read-record", cfg, cwd=core_sources[0].parent)
+    [rec_path] = (state / "read").glob("*.json")
+    index = int(rec_path.stem)
+    before = read_stage_files(state, index)
+    assert any(k.endswith(".h5") for k in before) and any(k.endswith(".docs") for k in before)
+    record = json.loads(rec_path.read_text())
+    (tmp_path / "elsewhere").mkdir()
+    got = run_read_stage(state, index, cwd=tmp_path / "elsewhere")
+    assert without_timings(got) == without_timings(record) and got["documents"] > 0
+    assert read_stage_files(state, index) == before
+
+
+def test_stage_records_round_trip_and_decide_at_once_equals_the_run(tmp_path, core_sources):
+    """A budgeted build killed just before its manifest: every record in the state folder (plan,
+    read, finish) parses into its dataclass and back to the same JSON; folding every read task
+    through the decide stage at once gives the decisions the incremental run finished with, and
+    stops at the same task."""
+    from h5corpus.build.decide import DecideInput, Decider, decide
+    from h5corpus.build.plan import BuildPlan
+    from h5corpus.build.state import FinishRecord, ReadRecord, StateDir, TaskDecision
+
+    cfg = _cfg_json(
+        tmp_path / "b", core_sources, workers=2, task_bytes=40_000, max_tokens={"train": 400_000, "validation": 30_000}
+    )
+    state = StateDir(_kill_at("manifest-before", cfg))
+    plan_json = json.loads(state.plan.read_text())
+    plan = BuildPlan.from_json(plan_json)
+    assert plan.to_json() == plan_json and len(plan.tasks) > 3
+    reads = {}
+    for p in sorted((state.root / "read").glob("*.json")):
+        d = json.loads(p.read_text())
+        rec = ReadRecord.from_json(d)
+        assert rec.to_json() == d and ReadRecord.from_json(rec.to_json()) == rec
+        reads[rec.index] = rec
+    finishes = {}
+    for p in sorted((state.root / "finish").glob("*.json")):
+        d = json.loads(p.read_text())
+        rec = FinishRecord.from_json(d)
+        assert rec.to_json() == d
+        finishes[rec.index] = rec
+    assert sorted(finishes) == list(range(len(finishes))) and len(finishes) < len(plan.tasks)
+    inputs = (DecideInput(reads[i], *state.load_read_outputs(reads[i])) for i in sorted(reads))
+    result = decide(Decider.for_plan(plan, None), inputs)
+    assert [d.sha256 for d in result.decisions] == [finishes[i].decision_sha256 for i in sorted(finishes)]
+    d0 = result.decisions[0]
+    again = TaskDecision.from_json(json.loads(json.dumps(d0.to_json())), d0.keep.copy())
+    assert again.to_json() == d0.to_json() and np.array_equal(again.keep, d0.keep)
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        TaskDecision.from_json(d0.to_json(), 1 - d0.keep)
+    with pytest.raises(ValueError, match="version"):
+        ReadRecord.from_json(dict(reads[0].to_json(), version=2))
 
 
 # -- CLI ------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`h5corpus build` with the filter stages (issue 7): cleaning, language ID, quality, PII, near-dedup
+"""`h5corpus build` with the filter stages: cleaning, language ID, quality, PII, near-dedup
 wired into the real build, the manifest's per-rule counts, `--explain-drops`, the summary, the CLI
 flags, determinism across worker counts and crash + resume.
 
@@ -29,7 +29,15 @@ for _mod in ("py3langid", "trafilatura", "ftfy", "rensa", "scipy"):
 from h5corpus.build import BuildConfig, build_corpus, document_split, filtered_total, format_report  # noqa: E402
 from h5corpus.filters import DocumentFilter, FilterConfig  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
-from tests.helpers import read_built, subprocess_env, tree, write_jsonl  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    read_built,
+    read_stage_files,
+    run_read_stage,
+    subprocess_env,
+    tree,
+    without_timings,
+    write_jsonl,
+)
 
 # ------------------------------------------------------------------------------------------------
 # Documents written for these tests.
@@ -483,7 +491,7 @@ def test_cli_without_filter_flags_is_the_filter_free_build(tmp_path, core_inputs
 def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_list(tmp_path, core_inputs):
     """SIGKILL the filtered build at stage boundaries (H5CORPUS_TEST_CRASH_AT), re-run the same
     command: shards, manifest and explain file equal an uninterrupted run, nothing left over."""
-    from h5corpus.build.runner import CRASH_ENV
+    from h5corpus.build.executor import CRASH_ENV
 
     srcs = [str(s) for s in core_inputs["sources"]]
     flags = [
@@ -515,7 +523,7 @@ def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_lis
 def test_resume_of_a_run_without_explain_rereads_tasks_for_the_drop_list(tmp_path, core_inputs):
     """A build interrupted without --explain-drops and resumed with it re-reads the tasks whose
     records lack locations: the drop list equals a fresh run's."""
-    from h5corpus.build.runner import CRASH_ENV
+    from h5corpus.build.executor import CRASH_ENV
 
     srcs = [str(s) for s in core_inputs["sources"]]
     flags = ["--tokenizer", "bytes", "--workers", "2", "--clean", "--near-dedup"]
@@ -526,6 +534,45 @@ def test_resume_of_a_run_without_explain_rereads_tasks_for_the_drop_list(tmp_pat
     assert p.returncode == -9
     assert _cli(tmp_path / "c", *srcs, *flags, "--explain-drops", "drops.jsonl").returncode == 0
     assert tree(tmp_path / "c") == tree(tmp_path / "ref")
+
+
+def test_filtered_stages_run_from_the_state_folder_alone(tmp_path, core_inputs):
+    """The plan seam with the filters: a near-dedup + explain build killed after a read record;
+    a fresh interpreter with only the state folder rebuilds the DocumentFilter from the plan and
+    reruns that read task (same record, table, .npy signatures, meta, candidates). Killed again
+    just before its manifest: the decide stage folded over every task at once, from the state
+    folder, gives the run's decisions and exactly the drop list it published."""
+    from h5corpus.build.decide import DecideInput, Decider, decide
+    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.plan import StageContext
+
+    srcs = [str(s) for s in core_inputs["sources"]]
+    flags = ["--tokenizer", "bytes", "--workers", "2", "--clean", "--near-dedup", "--explain-drops", "drops.jsonl"]
+    root = tmp_path / "a"
+    root.mkdir()
+    assert _cli(root, *srcs, *flags, env=dict(subprocess_env(), **{CRASH_ENV: "read-record"})).returncode == -9
+    state = root / "shards" / ".build"
+    index = int(sorted((state / "read").glob("*.json"))[0].stem)
+    before = read_stage_files(state, index)
+    assert any(k.endswith(".sig.npy") for k in before) and any(k.endswith(".meta.json") for k in before)
+    record = json.loads((state / "read" / f"{index:05d}.json").read_text())
+    got = run_read_stage(state, index, cwd=tmp_path)
+    assert without_timings(got) == without_timings(record)
+    assert read_stage_files(state, index) == before
+
+    root = tmp_path / "b"
+    root.mkdir()
+    assert _cli(root, *srcs, *flags, env=dict(subprocess_env(), **{CRASH_ENV: "manifest-before"})).returncode == -9
+    ctx = StageContext.load(root / "shards" / ".build")
+    assert ctx.filters.describe() == DocumentFilter(FilterConfig(clean=True, near_dedup=True)).describe()
+    reads = [ctx.state.load_read_record(t.index, t.key) for t in ctx.plan.tasks]
+    result = decide(
+        Decider.for_plan(ctx.plan, ctx.filters), (DecideInput(r, *ctx.state.load_read_outputs(r)) for r in reads)
+    )
+    finished = [ctx.state.load_finish_record(t.index, t.key) for t in ctx.plan.tasks]
+    assert [d.sha256 for d in result.decisions] == [f.decision_sha256 for f in finished]
+    lines = [json.loads(x) for x in (root / "drops.jsonl").read_text().splitlines()]
+    assert result.explain_lines == lines and any(x["reason"] == "near_dup" for x in lines)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,21 +3,19 @@
 Imports :mod:`h5corpus.storage` (to write and check shards) and :mod:`h5corpus.filters` (the
 optional document filters); nothing imports it but the CLI and the inspection layer. See
 ``docs/BUILD.md`` and ``docs/ARCHITECTURE.md``.
+
+Modules: :mod:`~.config` (settings, split rule, errors), :mod:`~.sources` (SOURCE specs -> tasks),
+:mod:`~.readers` (a task's records), :mod:`~.tokenizer` and :mod:`~.encoders`, :mod:`~.plan` (the
+persisted plan, the stage context), :mod:`~.tasks` (read and finish stages), :mod:`~.decide`,
+:mod:`~.commit`, :mod:`~.state` (state folder, records, shard names), :mod:`~.executor`,
+:mod:`~.explain`, :mod:`~.report`, :mod:`~.runner` (the driver, :func:`build_corpus`).
 """
 
 from __future__ import annotations
 
-from .runner import (
-    BuildConfig,
-    BuildConflict,
-    BuildError,
-    BuildReport,
-    build_corpus,
-    document_split,
-    filtered_total,
-    format_report,
-    parse_max_tokens,
-)
+from .config import BuildConfig, BuildConflict, BuildError, document_split, parse_max_tokens
+from .report import BuildReport, filtered_total, format_report
+from .runner import build_corpus
 
 __all__ = [
     "BuildConfig",

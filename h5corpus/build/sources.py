@@ -23,21 +23,20 @@ Input order is the order of the SOURCE arguments, then file order within each, t
 The unit of work is a :class:`Task`: a byte range of an uncompressed ``.jsonl`` (whole lines: a
 line belongs to the range holding its first byte), a run of row groups of a parquet file, a whole
 compressed file, or a run of consecutive ``.txt`` files. Tasks are planned from file sizes and
-parquet footers only; no document is read while planning. Readers stream: memory holds one line,
-one row batch, or one ``.txt`` document at a time.
+parquet footers only; no document is read while planning. A task serializes to JSON
+(:meth:`Task.to_json`), so the persisted plan carries everything its reader needs
+(:mod:`h5corpus.build.readers` streams its records).
 """
 
 from __future__ import annotations
 
 import glob as globlib
 import hashlib
-import io
-import json
 import os
 import re
 import sys
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,15 +53,6 @@ STDLIB_SPEC = "stdlib"
 HF_PREFIX = "hf://"
 _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-#: Rows per parquet read batch.
-PARQUET_BATCH_ROWS = 1024
-#: JSON lines are parsed leniently about raw control characters inside strings (unambiguous in
-#: line-delimited JSON); one decoder for all lines (``json.loads(..., strict=False)`` builds one per call).
-_JSON = json.JSONDecoder(strict=False)
-try:  # ~2x faster than the json module on the dev corpus; strict RFC 8259 (see _jsonl_record)
-    from orjson import loads as _fast_loads
-except ImportError:  # pragma: no cover - orjson is a dependency; the json module gives the same records
-    _fast_loads = None
 
 
 class SourceError(ValueError):
@@ -77,13 +67,27 @@ class SourceFile:
     """Display name, stable across machines: the path as globbed/listed, ``<stdlib>/json/decoder.py``,
     or the path inside a hub repository."""
     path: str
-    """Where to open it: a local path or an ``hf://`` fsspec URL."""
+    """Where to open it: an absolute local path (so any process can open it, whatever its current
+    folder) or an ``hf://`` fsspec URL."""
     kind: str
     """Reader kind: jsonl, jsonl.gz, jsonl.zst, parquet, text."""
     size: int
     """Bytes on disk (or on the hub)."""
     mtime_ns: int = 0
     """Local modification time (0 for remote files); only used to notice edits between resumes."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "kind": self.kind, "size": self.size, "mtime_ns": self.mtime_ns}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SourceFile:
+        return cls(
+            name=str(d["name"]),
+            path=str(d["path"]),
+            kind=str(d["kind"]),
+            size=int(d["size"]),
+            mtime_ns=int(d["mtime_ns"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,30 @@ class Task:
     nbytes: int = 0
     """Approximate input bytes (for scheduling and progress)."""
 
+    def to_json(self) -> dict[str, Any]:
+        """Everything a reader needs (the persisted plan holds this): no re-listing, no footers."""
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "files": [f.to_json() for f in self.files],
+            "start": self.start,
+            "stop": self.stop,
+            "first_row": self.first_row,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Task:
+        return cls(
+            index=int(d["index"]),
+            kind=str(d["kind"]),
+            files=tuple(SourceFile.from_json(f) for f in d["files"]),
+            start=int(d["start"]),
+            stop=int(d["stop"]),
+            first_row=int(d["first_row"]),
+            nbytes=int(d["nbytes"]),
+        )
+
     @property
     def key(self) -> str:
         """Identity of the task's input (paths, range, sizes, mtimes): a resumed build reuses a
@@ -164,7 +192,7 @@ def _local_file(name: str, path: Path, kind: str) -> SourceFile:
         st = path.stat()
     except OSError as e:
         raise SourceError(f"{name}: cannot stat ({e.strerror or e})") from None
-    return SourceFile(name=name, path=str(path), kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns)
+    return SourceFile(name=name, path=str(path.absolute()), kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 def stdlib_files() -> list[tuple[str, Path]]:
@@ -304,7 +332,7 @@ def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str
 
 
 # -- planning tasks -----------------------------------------------------------------------------
-def _open_parquet(path: str):
+def open_parquet(path: str):
     import pyarrow.parquet as pq
 
     if path.startswith(HF_PREFIX):
@@ -351,7 +379,7 @@ def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
                     add(kind="jsonl", files=(f,), start=a, stop=b if b < f.size else -1, nbytes=b - a)
             elif f.kind == "parquet":
                 try:
-                    md = _open_parquet(f.path).metadata
+                    md = open_parquet(f.path).metadata
                     sizes = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
                     rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
                 except Exception:
@@ -380,294 +408,3 @@ def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
         if group:
             add(kind="text", files=tuple(group), nbytes=group_bytes)
     return tasks
-
-
-# -- reading records ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BadRecord:
-    """A record that is not a usable document. ``where`` names file and line/row."""
-
-    where: str
-    reason: str
-    code: str
-    """Kind: invalid_utf8, invalid_unicode, malformed_json, not_object, missing_field, not_string,
-    unreadable."""
-    fatal: bool = False
-    """True when the rest of the task could not be read (corrupt stream, unreadable file)."""
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.reason}"
-
-
-def _type_name(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-#: A document as read: its text and the text's UTF-8 bytes (``data`` hashes to the document id).
-Doc = tuple[str, bytes]
-
-
-def _utf8(text: str) -> bytes | None:
-    """UTF-8 bytes of ``text``; None when it holds lone surrogates (JSON ``\\ud800`` escapes)."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-
-
-#: Bytes read at a time from a JSONL stream (lines are split out of each block).
-_JSONL_BLOCK = 1 << 20
-
-
-class TaskReader:
-    """Stream one task's records: documents ``(text, utf8_bytes)`` (text possibly empty) or
-    :class:`BadRecord`.
-
-    Lines that are empty or whitespace only are not records (they are passed over silently).
-    """
-
-    def __init__(self, task: Task, text_field: str = "text") -> None:
-        self.task = task
-        self.text_field = text_field
-
-    def __iter__(self) -> Iterator[Doc | BadRecord]:
-        k = self.task.kind
-        if k in ("jsonl", "jsonl.gz", "jsonl.zst"):
-            return self._jsonl()
-        if k == "parquet":
-            return self._parquet()
-        if k == "text":
-            return self._text()
-        raise ValueError(f"unknown task kind {k!r}")
-
-    # jsonl --------------------------------------------------------------------------------------
-    @staticmethod
-    def _line_base(fh_path: str, first: int) -> int:
-        """1-based number of the line starting at byte ``first`` (counted only when needed)."""
-        if first == 0:
-            return 1
-        n = 0
-        with open(fh_path, "rb") as fh:
-            left = first
-            while left > 0:
-                b = fh.read(min(left, 1 << 24))
-                if not b:
-                    break
-                n += b.count(b"\n")
-                left -= len(b)
-        return n + 1
-
-    def _jsonl_record(self, line: bytes, where) -> Doc | BadRecord:
-        # Fast path: orjson accepts a subset of what json(strict=False) accepts (RFC 8259: valid
-        # UTF-8, no raw control characters in strings, no lone surrogate escapes, no NaN) and parses
-        # that subset to the same objects. Its result is used only for the common case, an object
-        # whose text field is a string; everything else (errors included) goes through the json
-        # module below, so every BadRecord and every document is exactly what it gives.
-        if _fast_loads is not None:
-            try:
-                obj = _fast_loads(line)
-            except ValueError:
-                obj = None
-            if type(obj) is dict:
-                v = obj.get(self.text_field)
-                if type(v) is str:
-                    return v, v.encode("utf-8")  # no lone surrogates: orjson rejects them
-        return self._jsonl_record_slow(line, where)
-
-    def _jsonl_record_slow(self, line: bytes, where) -> Doc | BadRecord:
-        try:
-            s = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return BadRecord(
-                where(), f"invalid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start} of the line)", "invalid_utf8"
-            )
-        try:
-            obj = _JSON.decode(s)
-        except ValueError as e:
-            return BadRecord(where(), f"malformed JSON ({e})", "malformed_json")
-        except RecursionError:
-            return BadRecord(where(), "malformed JSON (nested too deeply to parse)", "malformed_json")
-        if not isinstance(obj, dict):
-            return BadRecord(where(), f"not a JSON object (a {_type_name(obj)})", "not_object")
-        if self.text_field not in obj:
-            keys = ", ".join(list(obj)[:8])
-            return BadRecord(where(), f"no field {self.text_field!r} (fields: {keys})", "missing_field")
-        v = obj[self.text_field]
-        if not isinstance(v, str):
-            return BadRecord(where(), f"field {self.text_field!r} is {_type_name(v)}, not a string", "not_string")
-        data = _utf8(v)
-        if data is None:
-            return BadRecord(
-                where(),
-                f"field {self.text_field!r} holds a lone UTF-16 surrogate escape (not valid Unicode)",
-                "invalid_unicode",
-            )
-        return v, data
-
-    def _jsonl(self) -> Iterator[Doc | BadRecord]:
-        t = self.task
-        f = t.files[0]
-        base: list[int] = []
-        lineno = 0
-        first = 0  # byte offset of this task's first line (uncompressed jsonl)
-
-        def where() -> str:
-            if not base:
-                base.append(self._line_base(f.path, first))
-            return f"{f.name}:{base[0] + lineno - 1}"
-
-        try:
-            fh = self._open_stream(f)
-        except OSError as e:
-            yield BadRecord(f.name, f"cannot open ({e.strerror or e})", "unreadable", fatal=True)
-            return
-        with fh:
-            try:
-                if t.kind == "jsonl" and t.start > 0:
-                    fh.seek(t.start - 1)
-                    if fh.read(1) != b"\n":
-                        fh.readline()  # this line belongs to the previous range
-                pos = first = fh.tell() if t.kind == "jsonl" else 0
-                stop = t.stop if t.kind == "jsonl" else -1
-                # Read in blocks and split them into lines (a line belongs to the task when it starts
-                # before ``stop``); far fewer calls than readline() per record.
-                pending: list[bytes] = []  # pieces of a line that continues in the next block
-                eof = False
-                while not eof:
-                    block = fh.read(_JSONL_BLOCK)
-                    if not block:
-                        eof = True
-                        lines = [b"".join(pending)] if pending else []
-                    elif b"\n" not in block:
-                        pending.append(block)  # joined once, when the line ends: linear in its length
-                        continue
-                    else:
-                        if pending:
-                            pending.append(block)
-                            block = b"".join(pending)
-                        lines = block.split(b"\n")
-                        last = lines.pop()
-                        pending = [last] if last else []
-                    for line in lines:
-                        if 0 <= stop <= pos:
-                            return
-                        pos += len(line) + 1
-                        lineno += 1
-                        if not line or line.isspace():
-                            continue
-                        yield self._jsonl_record(line, where)
-            except (OSError, EOFError, ValueError) as e:  # corrupt/truncated compressed stream, I/O error
-                lineno += 1
-                yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
-
-    @staticmethod
-    def _open_stream(f: SourceFile):
-        if f.kind == "jsonl":
-            return open(f.path, "rb")
-        if f.kind == "jsonl.gz":
-            import gzip
-
-            return gzip.open(f.path, "rb")
-        if f.kind == "jsonl.zst":
-            import zstandard
-
-            raw = open(f.path, "rb")
-            try:
-                return io.BufferedReader(
-                    zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), buffer_size=1 << 20
-                )
-            except Exception:
-                raw.close()
-                raise
-        raise ValueError(f.kind)
-
-    # parquet ------------------------------------------------------------------------------------
-    def _parquet(self) -> Iterator[Doc | BadRecord]:
-        import pyarrow as pa
-
-        t = self.task
-        f = t.files[0]
-        try:
-            pf = _open_parquet(f.path)
-            n_groups = pf.metadata.num_row_groups
-        except Exception as e:
-            yield BadRecord(f.name, f"cannot open as parquet ({type(e).__name__}: {e})", "unreadable", fatal=True)
-            return
-        stop = n_groups if t.stop < 0 else t.stop
-        groups = list(range(t.start, stop))
-        n_rows = sum(pf.metadata.row_group(i).num_rows for i in groups)
-        row = t.first_row
-        names = pf.schema_arrow.names
-        fld = self.text_field
-        if fld not in names:
-            reason = f"no column {fld!r} (columns: {', '.join(names[:8])})"
-            for r in range(row, row + n_rows):
-                yield BadRecord(f"{f.name} row {r}", reason, "missing_field")
-            return
-        typ = pf.schema_arrow.field(fld).type
-        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
-            reason = f"column {fld!r} is {typ}, not a string"
-            for r in range(row, row + n_rows):
-                yield BadRecord(f"{f.name} row {r}", reason, "not_string")
-            return
-        if not groups:
-            return
-        try:
-            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld])
-            for batch in batches:
-                col = batch.column(0)
-                try:
-                    values = col.to_pylist()
-                except Exception:  # invalid UTF-8 somewhere in the batch: find the row
-                    values = []
-                    for i in range(len(col)):
-                        try:
-                            values.append(col[i].as_py())
-                        except Exception as e:
-                            values.append(
-                                BadRecord(
-                                    f"{f.name} row {row + i}",
-                                    f"invalid string ({type(e).__name__}: {e})",
-                                    "invalid_utf8",
-                                )
-                            )
-                for i, v in enumerate(values):
-                    if isinstance(v, str):
-                        data = _utf8(v)
-                        yield (
-                            (v, data)
-                            if data is not None
-                            else BadRecord(
-                                f"{f.name} row {row + i}", f"field {fld!r} is not valid Unicode", "invalid_unicode"
-                            )
-                        )
-                    elif isinstance(v, BadRecord):
-                        yield v
-                    else:
-                        yield BadRecord(
-                            f"{f.name} row {row + i}", f"field {fld!r} is {_type_name(v)}, not a string", "not_string"
-                        )
-                row += len(values)
-        except Exception as e:
-            yield BadRecord(
-                f"{f.name} row {row}", f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
-            )
-
-    # text ---------------------------------------------------------------------------------------
-    def _text(self) -> Iterator[Doc | BadRecord]:
-        for f in self.task.files:
-            try:
-                with open(f.path, "rb") as fh:
-                    raw = fh.read()
-            except OSError as e:
-                yield BadRecord(f.name, f"cannot read ({e.strerror or e})", "unreadable")
-                continue
-            try:
-                yield raw.decode("utf-8"), raw
-            except UnicodeDecodeError as e:
-                line = raw.count(b"\n", 0, e.start) + 1
-                yield BadRecord(
-                    f.name,
-                    f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start:,}, line {line})",
-                    "invalid_utf8",
-                )

@@ -264,6 +264,12 @@ class DocumentFilter:
         """CPU seconds of this process spent per stage (clean, lang, quality, pii, signature),
         for build summaries and benchmarks (CPU time: robust to other jobs on the machine)."""
 
+    @classmethod
+    def from_description(cls, description: Mapping[str, Any]) -> DocumentFilter:
+        """The filter :meth:`describe` described (how a process that has only a build's plan gets
+        the build's filters back)."""
+        return cls(FilterConfig.from_json(description))
+
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "stats": dict(self._stats)}
 

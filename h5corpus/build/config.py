@@ -1,0 +1,236 @@
+"""What a build depends on: :class:`BuildConfig`, the split rule it defines, the filters seam, errors.
+
+Nothing here touches the disk; the other build modules take these objects as explicit inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..storage import format as fmt
+from ..storage.manifest import DEFAULT_MANIFEST, DEFAULT_SHARDS_DIR
+
+DEFAULT_SPLIT_SEED = 20261003
+DEFAULT_VALIDATION_FRACTION = 0.05
+#: Input bytes per task: small enough to balance 2+ workers and bound the reading past a filled
+#: budget, large enough that each task's shards are not tiny.
+DEFAULT_TASK_BYTES = 16 << 20
+#: Most tokens one shard holds (a single longer document gets a shard of its own).
+DEFAULT_SHARD_TOKENS = 1 << 27
+#: Skipped records listed per task and in the manifest (all are counted).
+MAX_LISTED = 100
+
+
+class BuildError(Exception):
+    """The input is bad (a record that cannot be read under ``on_error="fail"``): names file and line."""
+
+
+class BuildConflict(Exception):
+    """The output is in use or holds something else: another build holds the lock, the manifest was
+    built with another tokenizer or other settings, or an interrupted build used other settings."""
+
+
+# -- the filter seam ----------------------------------------------------------------------------
+@runtime_checkable
+class DocumentFilters(Protocol):
+    """What the build needs from cleaning / quality / language / PII / near-dedup stages
+    (:class:`h5corpus.filters.DocumentFilter` is the implementation the CLI uses).
+
+    Required:
+
+    * ``process(text) -> (text_or_None, drop_reason_or_None)``: return the (possibly cleaned) text
+      to keep it, or ``(None, reason)`` to drop it; called once per document by the read stage, in
+      input order within a task, in a worker process (the object is inherited by fork or pickled).
+    * ``counters() -> Mapping[str, int]``: monotonically growing per-rule counters of this process's
+      copy. The build takes the difference across each task and sums tasks in input order, so they
+      merge deterministically across workers.
+
+    Optional:
+
+    * ``process_batch(texts, *, signatures) -> [result]``: the fast path, called instead of
+      ``process`` with up to 256 documents (or ~1 M characters) at a time. Each result has
+      ``.text``/``.reason`` as ``process`` would give, and may carry ``.signature`` and ``.info``
+      (a mapping; ``info["lang"]``/``info["lang_prob"]`` are recorded per document).
+    * ``signature(text) -> np.ndarray``: a near-duplicate signature (e.g. a MinHash) of a kept text,
+      computed by the read stage when a batch result carries none. Signatures are 1-D arrays of one
+      dtype and length within a build; each task stores them as one ``.npy`` array.
+    * ``near_duplicate_index() -> index | None`` where ``index.add(signature) -> bool`` (True = a
+      near duplicate of something added before): the decide stage creates one index per build and
+      feeds it the signatures of exact-dedup survivors, in global input order. None = near-dedup
+      off (no signature is computed).
+    * ``describe() -> Mapping``: JSON-able settings, recorded in the manifest and part of the
+      build fingerprint (changing them invalidates an interrupted build).
+    * ``from_description(description)`` (a classmethod): rebuild the object from ``describe()``, so
+      a process that has only the state folder (:meth:`h5corpus.build.plan.StageContext.load`) can
+      run the stages.
+    * ``timings() -> Mapping[str, float]``: growing seconds per stage (build report only).
+    * ``warm_up()``: load models; called once in the main process before the workers fork.
+    * ``config.lang`` (truthy): the filters detect languages; the manifest then counts stored
+      documents per language (``splits.<split>.languages``).
+    """
+
+    def process(self, text: str) -> tuple[str | None, str | None]: ...
+
+    def counters(self) -> Mapping[str, int]: ...
+
+
+def filters_detect_language(f: Any) -> bool:
+    """True when the filters run language ID (a :class:`h5corpus.filters.DocumentFilter` with
+    ``lang``, or any object whose ``config.lang`` is set)."""
+    return bool(getattr(getattr(f, "config", None), "lang", None))
+
+
+# -- configuration ------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class BuildConfig:
+    """Everything a build depends on. Paths are relative to the current directory."""
+
+    sources: Sequence[str] = ("stdlib",)
+    """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``), in input order."""
+    tokenizer: str = "gpt2"
+    """Tokenizer spec: ``gpt2``, ``bytes``, or a path to ``tokenizer.json`` / its folder."""
+    shards_dir: str | os.PathLike[str] = DEFAULT_SHARDS_DIR
+    manifest: str | os.PathLike[str] = DEFAULT_MANIFEST
+    workers: int | None = None
+    """Worker processes (default: all cores). Never changes the output."""
+    text_field: str = "text"
+    """JSON field / parquet column holding the text."""
+    split_seed: int = DEFAULT_SPLIT_SEED
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION
+    """Probability that a document goes to validation (by hash of id and seed), in [0, 1]."""
+    max_tokens: Mapping[str, int] | None = None
+    """Per-split token budgets (EOS included): whole documents in input order until filled, the
+    last one kept whole. A split without a budget keeps all its documents."""
+    max_document_tokens: int | None = None
+    """Cut longer documents to this many tokens when writing (no EOS after a cut; flagged)."""
+    on_error: str = "fail"
+    """``fail``: a bad record stops the build, naming file and line. ``skip``: count and list it."""
+    overwrite: bool = False
+    """Delete the manifest, this build's shards and any interrupted state first."""
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    """Most tokens per shard file (a longer single document gets its own shard)."""
+    chunk_tokens: int = fmt.DEFAULT_CHUNK_TOKENS
+    """HDF5 chunk size of ``/tokens``, in tokens."""
+    task_bytes: int = DEFAULT_TASK_BYTES
+    """Input bytes per task (the unit of parallel work, resume and shard naming)."""
+    filters: DocumentFilters | None = None
+    """Optional :class:`DocumentFilters` (cleaning, quality, language, PII, near-dedup)."""
+    fast_path: bool = True
+    """Use a proven-equal fast encoder (tiktoken / raw bytes) when the tokenizer allows one."""
+    progress: bool = False
+    """Show a tqdm bar (documents, tokens, tokens/s) on stderr."""
+    hf_cache_dir: str | os.PathLike[str] | None = None
+    """Hugging Face hub cache (default: ``$HF_HUB_CACHE`` or ``~/.cache/huggingface/hub``)."""
+    eos_token: str | None = None
+    """End-of-document token text (default: the first of ``<|endoftext|>``, ``</s>``, ... present)."""
+    explain_drops: str | os.PathLike[str] | None = None
+    """Write one JSON line per document that was read but not stored (id of the text as read,
+    source, line/row, reason), in input order, atomically. Not part of the build's settings: it
+    never changes a shard or the manifest."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not self.sources:
+            raise ValueError("sources: give at least one SOURCE")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not 0.0 <= float(self.validation_fraction) <= 1.0:
+            raise ValueError(f"validation_fraction must be in [0, 1], got {self.validation_fraction}")
+        if int(self.split_seed) < 0:
+            raise ValueError(f"split_seed must be >= 0, got {self.split_seed}")
+        for k, v in (self.max_tokens or {}).items():
+            if k not in fmt.SPLITS:
+                raise ValueError(f"max_tokens: unknown split {k!r} (splits: {', '.join(fmt.SPLITS)})")
+            if int(v) <= 0:
+                raise ValueError(f"max_tokens: budget for {k} must be positive, got {v}")
+        if self.max_document_tokens is not None and int(self.max_document_tokens) < 1:
+            raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens}")
+        if self.on_error not in ("fail", "skip"):
+            raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
+        for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.filters is not None and not callable(getattr(self.filters, "process", None)):
+            raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that determine the output bytes (recorded in the manifest)."""
+        f = self.filters
+        fdesc: Any = None
+        if f is not None:
+            fdesc = dict(f.describe()) if callable(getattr(f, "describe", None)) else {"class": type(f).__qualname__}
+        return {
+            "text_field": self.text_field,
+            "split_seed": int(self.split_seed),
+            "validation_fraction": float(self.validation_fraction),
+            "max_tokens": {k: int(v) for k, v in sorted((self.max_tokens or {}).items())} or None,
+            "max_document_tokens": None if self.max_document_tokens is None else int(self.max_document_tokens),
+            "shard_tokens": int(self.shard_tokens),
+            "chunk_tokens": int(self.chunk_tokens),
+            "task_bytes": int(self.task_bytes),
+            "filters": fdesc,
+            "format_version": fmt.FORMAT_VERSION,
+        }
+
+
+def parse_max_tokens(spec: str) -> dict[str, int]:
+    """``"train=8M,validation=100k"`` -> ``{"train": 8_000_000, "validation": 100_000}``.
+    Suffixes k/M/B (powers of 1000) and ``_`` separators are accepted."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "=" not in part:
+            raise ValueError(f"--max-tokens: {part!r} is not SPLIT=N (e.g. train=8M,validation=100k)")
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k not in fmt.SPLITS:
+            raise ValueError(f"--max-tokens: unknown split {k!r} (splits: {', '.join(fmt.SPLITS)})")
+        m = re.fullmatch(r"(\d[\d_]*(?:\.\d+)?)\s*([kKmMbBgG]?)", v)
+        if not m:
+            raise ValueError(f"--max-tokens: {v!r} is not a token count (e.g. 8000000, 8M, 100k)")
+        mult = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}[m.group(2).lower()]
+        n = int(float(m.group(1).replace("_", "")) * mult)
+        if n <= 0:
+            raise ValueError(f"--max-tokens: budget for {k} must be positive")
+        out[k] = n
+    if not out:
+        raise ValueError("--max-tokens: give SPLIT=N pairs, e.g. train=8M,validation=100k")
+    return out
+
+
+# -- the split rule -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SplitRule:
+    """Which split a document goes to, from its id alone (docs/BUILD.md, "split"): ``validation``
+    when the first 8 bytes (big-endian) of ``sha256(b"h5corpus-split:<seed>:" + doc_id)``, read as
+    a fraction of 2**64, fall below ``validation_fraction``; else ``train``. The only
+    implementation of the rule: the read stage, bad records and :func:`document_split` all use it."""
+
+    seed: int = DEFAULT_SPLIT_SEED
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION
+
+    def indices(self, doc_ids: Sequence[bytes]) -> np.ndarray:
+        """uint8 split index per 32-byte id (0 = ``train``, 1 = ``validation``), for a batch."""
+        prefix = b"h5corpus-split:%d:" % int(self.seed)
+        sha256 = hashlib.sha256
+        heads = np.frombuffer(b"".join([sha256(prefix + i).digest()[:8] for i in doc_ids]), dtype=">u8")
+        threshold = min(int(float(self.validation_fraction) * (1 << 64)), 1 << 64)
+        if threshold >= 1 << 64:  # fraction 1: every value is below 2**64
+            return np.ones(heads.size, dtype=np.uint8)
+        return (heads < np.uint64(threshold)).astype(np.uint8)
+
+    def split_of(self, doc_id: bytes) -> str:
+        """The split name of one document id."""
+        return fmt.SPLITS[int(self.indices([doc_id])[0])]
+
+
+def document_split(
+    doc_id: bytes, *, seed: int = DEFAULT_SPLIT_SEED, validation_fraction: float = DEFAULT_VALIDATION_FRACTION
+) -> str:
+    """The split of a document (:class:`SplitRule`); ``doc_id`` is the 32-byte sha256 of its UTF-8 text."""
+    return SplitRule(int(seed), float(validation_fraction)).split_of(doc_id)

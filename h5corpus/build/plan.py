@@ -1,0 +1,200 @@
+"""The persisted plan of a build, and the context every stage runs in.
+
+:class:`BuildPlan` is written to the state folder (``plan.json``, with ``tokenizer.json`` beside it)
+before any stage runs. It holds the task list (files, byte and row ranges, sizes: all a reader
+needs), the settings, the tokenizer's identity, the encoder and the build's fingerprint, so that
+any process -- a worker of another executor, another node, an array job -- can run task *i* from
+the state folder alone, without listing the inputs again or reading parquet footers:
+:meth:`StageContext.load` rebuilds the tokenizer, the encoder and the filters from it.
+
+The driver writes the plan at the start of every run (a resumed run plans its inputs again: a task
+whose files changed gets a new key and is redone); it rewrites it once more only when the fast
+encoder's proof fails, naming ``tokenizers`` as the encoder from then on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..storage.format import TokenizerIdentity
+from .config import BuildConflict, SplitRule
+from .encoders import Encoder, encoder_named
+from .sources import Task
+from .state import StateDir, write_state_file
+from .tokenizer import Tokenizer
+
+PLAN_VERSION = 1
+
+
+class StageEvents(Protocol):
+    """How a stage tells its executor what it is doing (never needed for its result)."""
+
+    def step(self, name: str) -> None:
+        """The stage passed the named point (``read-candidates``, ``read-record``, ``finish-renamed``,
+        ...; docs/BUILD.md lists them). The local executor injects test crashes here."""
+
+    def progress(self, documents: int, tokens: int) -> None:
+        """Documents and tokens just written."""
+
+
+class NoEvents:
+    """Events nobody listens to (a stage run outside an executor)."""
+
+    def step(self, name: str) -> None:
+        pass
+
+    def progress(self, documents: int, tokens: int) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildPlan:
+    """Everything a stage needs besides the state folder's records (``plan.json``)."""
+
+    run: dict[str, Any]
+    """What identifies the build (settings, tokenizer identity, SOURCE specs): an interrupted build
+    resumes only with an equal ``run``."""
+    fingerprint: str
+    """sha256 over ``run`` and the inputs' description (the manifest's ``build.fingerprint``)."""
+    shards_dir: str
+    """Absolute path of the shards folder."""
+    tokenizer: TokenizerIdentity
+    encoder: str
+    """The encoder the read stage uses (``tiktoken``, ``bytes``, ``tokenizers``)."""
+    tasks: tuple[Task, ...]
+    text_field: str
+    split: SplitRule
+    on_error: str
+    chunk_tokens: int
+    shard_tokens: int
+    max_document_tokens: int | None
+    filters: dict[str, Any] | None = None
+    """``{"factory": "module:Class", "description": {...}}`` of the filters object, or None."""
+    want_signatures: bool = False
+    """The read stage computes near-dedup signatures (the decide stage has an index to feed)."""
+    record_lang: bool = False
+    """The read stage records each stored document's detected language."""
+    explain: bool = False
+    """The read stage records what ``--explain-drops`` needs."""
+    newlines_before: dict[int, int] = field(default_factory=dict)
+    """Task index -> line breaks before its first byte (JSONL tasks inside a file; explain only)."""
+    version: int = PLAN_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["tokenizer"] = self.tokenizer.to_json()
+        d["tasks"] = [t.to_json() for t in self.tasks]
+        d["split"] = {"seed": self.split.seed, "validation_fraction": self.split.validation_fraction}
+        d["newlines_before"] = {str(k): v for k, v in self.newlines_before.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> BuildPlan:
+        if not isinstance(d, Mapping) or d.get("version") != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {d.get('version') if isinstance(d, Mapping) else None!r} is not {PLAN_VERSION}"
+            )
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
+        kw["tokenizer"] = TokenizerIdentity.from_json(d["tokenizer"])
+        kw["tasks"] = tuple(Task.from_json(t) for t in d["tasks"])
+        kw["split"] = SplitRule(int(d["split"]["seed"]), float(d["split"]["validation_fraction"]))
+        kw["newlines_before"] = {int(k): int(v) for k, v in d["newlines_before"].items()}
+        return cls(**kw)
+
+    def write(self, state: StateDir, tokenizer_json: str | None = None) -> None:
+        """Write ``plan.json`` (atomically and durably) and ``tokenizer.json``, when given."""
+        if tokenizer_json is not None:
+            write_state_file(state.tokenizer, tokenizer_json.encode("utf-8"))
+        write_state_file(state.plan, json.dumps(self.to_json(), sort_keys=True).encode("utf-8"), durable=True)
+
+
+def read_plan_run(state: StateDir) -> dict[str, Any] | None:
+    """The ``run`` identity of the plan in ``state``, or None when there is no readable plan."""
+    try:
+        d = json.loads(state.plan.read_text())
+    except (OSError, ValueError):
+        return None
+    return d.get("run") if isinstance(d, dict) else None
+
+
+def filters_spec(filters: Any) -> dict[str, Any] | None:
+    """How to rebuild ``filters`` in another process (see :meth:`StageContext.load`)."""
+    if filters is None:
+        return None
+    cls = type(filters)
+    desc = dict(filters.describe()) if callable(getattr(filters, "describe", None)) else None
+    return {"factory": f"{cls.__module__}:{cls.__qualname__}", "description": desc}
+
+
+def rebuild_filters(spec: Mapping[str, Any] | None) -> Any:
+    """The filters object ``spec`` (:func:`filters_spec`) describes, via its class's
+    ``from_description``; raises :class:`BuildConflict` when it cannot be rebuilt or describes itself
+    otherwise than the plan says."""
+    if spec is None:
+        return None
+    mod, _, qual = str(spec["factory"]).partition(":")
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise BuildConflict(f"the build's filters ({spec['factory']}) cannot be imported here: {e}") from None
+    make = getattr(obj, "from_description", None)
+    if not callable(make) or spec.get("description") is None:
+        raise BuildConflict(
+            f"the build's filters ({spec['factory']}) cannot be rebuilt from the plan: give the class describe() "
+            "and a from_description(description) classmethod, or run the build with the local executor"
+        )
+    filters = make(spec["description"])
+    if json.loads(json.dumps(dict(filters.describe()))) != json.loads(json.dumps(spec["description"])):
+        raise BuildConflict(
+            f"the build's filters ({spec['factory']}) describe themselves otherwise here than in the plan"
+        )
+    return filters
+
+
+@dataclass
+class StageContext:
+    """What a stage function runs with: the plan, the state folder, and the objects built from the
+    plan once per process (encoder, filters). Passed explicitly to every stage; never global."""
+
+    plan: BuildPlan
+    state: StateDir
+    encoder: Encoder
+    filters: Any = None
+    events: StageEvents = field(default_factory=NoEvents)
+
+    @property
+    def shards_dir(self) -> Path:
+        return Path(self.plan.shards_dir)
+
+    def step(self, name: str) -> None:
+        self.events.step(name)
+
+    @classmethod
+    def load(cls, state_dir: str | Path, *, events: StageEvents | None = None) -> StageContext:
+        """The context of the build whose state folder is ``state_dir`` (``<shards_dir>/.build``),
+        rebuilt from ``plan.json`` and ``tokenizer.json`` alone."""
+        state = StateDir(Path(state_dir).absolute())
+        try:
+            plan = BuildPlan.from_json(json.loads(state.plan.read_text()))
+            json_text = state.tokenizer.read_text(encoding="utf-8")
+        except (OSError, ValueError, KeyError) as e:
+            raise BuildConflict(f"{state.root}: no usable build plan ({type(e).__name__}: {e})") from None
+        tok = Tokenizer(plan.tokenizer, json_text)
+        if hashlib.sha256(json_text.encode("utf-8")).hexdigest() != plan.tokenizer.sha256:
+            raise BuildConflict(f"{state.tokenizer}: does not match the plan's tokenizer sha256")
+        return cls(
+            plan=plan,
+            state=state,
+            encoder=encoder_named(tok, plan.encoder),
+            filters=rebuild_filters(plan.filters),
+            events=events or NoEvents(),
+        )

@@ -1,0 +1,403 @@
+"""Streaming a task's records: documents ``(text, utf8_bytes)`` or :class:`BadRecord`, in input order.
+
+:class:`TaskReader` reads one :class:`~h5corpus.build.sources.Task` (a byte range of a JSONL file, row
+groups of a parquet file, a compressed file, a run of ``.txt`` files). Memory holds one line, one
+parquet row batch, or one ``.txt`` document at a time. :class:`LocatingReader` also names where each
+record came from (``--explain-drops``); :func:`sample_texts` takes the fast-path proof's sample.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .sources import SourceFile, Task, open_parquet
+
+#: Rows per parquet read batch.
+PARQUET_BATCH_ROWS = 1024
+#: JSON lines are parsed leniently about raw control characters inside strings (unambiguous in
+#: line-delimited JSON); one decoder for all lines (``json.loads(..., strict=False)`` builds one per call).
+_JSON = json.JSONDecoder(strict=False)
+try:  # faster than the json module (docs/BUILD.md); strict RFC 8259 (see _jsonl_record)
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - orjson is a dependency; the json module gives the same records
+    _fast_loads = None
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """A record that is not a usable document. ``where`` names file and line/row."""
+
+    where: str
+    reason: str
+    code: str
+    """Kind: invalid_utf8, invalid_unicode, malformed_json, not_object, missing_field, not_string,
+    unreadable."""
+    fatal: bool = False
+    """True when the rest of the task could not be read (corrupt stream, unreadable file)."""
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+#: A document as read: its text and the text's UTF-8 bytes (``data`` hashes to the document id).
+Doc = tuple[str, bytes]
+
+
+def _utf8(text: str) -> bytes | None:
+    """UTF-8 bytes of ``text``; None when it holds lone surrogates (JSON ``\\ud800`` escapes)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+
+
+#: Bytes read at a time from a JSONL stream (lines are split out of each block).
+_JSONL_BLOCK = 1 << 20
+
+
+class TaskReader:
+    """Stream one task's records: documents ``(text, utf8_bytes)`` (text possibly empty) or
+    :class:`BadRecord`.
+
+    Lines that are empty or whitespace only are not records (they are passed over silently).
+    """
+
+    def __init__(self, task: Task, text_field: str = "text") -> None:
+        self.task = task
+        self.text_field = text_field
+
+    def __iter__(self) -> Iterator[Doc | BadRecord]:
+        k = self.task.kind
+        if k in ("jsonl", "jsonl.gz", "jsonl.zst"):
+            return self._jsonl()
+        if k == "parquet":
+            return self._parquet()
+        if k == "text":
+            return self._text()
+        raise ValueError(f"unknown task kind {k!r}")
+
+    # jsonl --------------------------------------------------------------------------------------
+    @staticmethod
+    def _line_base(fh_path: str, first: int) -> int:
+        """1-based number of the line starting at byte ``first`` (counted only when needed)."""
+        if first == 0:
+            return 1
+        n = 0
+        with open(fh_path, "rb") as fh:
+            left = first
+            while left > 0:
+                b = fh.read(min(left, 1 << 24))
+                if not b:
+                    break
+                n += b.count(b"\n")
+                left -= len(b)
+        return n + 1
+
+    def _jsonl_record(self, line: bytes, where) -> Doc | BadRecord:
+        # Fast path: orjson accepts a subset of what json(strict=False) accepts (RFC 8259: valid
+        # UTF-8, no raw control characters in strings, no lone surrogate escapes, no NaN) and parses
+        # that subset to the same objects. Its result is used only for the common case, an object
+        # whose text field is a string; everything else (errors included) goes through the json
+        # module below, so every BadRecord and every document is exactly what it gives.
+        if _fast_loads is not None:
+            try:
+                obj = _fast_loads(line)
+            except ValueError:
+                obj = None
+            if type(obj) is dict:
+                v = obj.get(self.text_field)
+                if type(v) is str:
+                    return v, v.encode("utf-8")  # no lone surrogates: orjson rejects them
+        return self._jsonl_record_slow(line, where)
+
+    def _jsonl_record_slow(self, line: bytes, where) -> Doc | BadRecord:
+        try:
+            s = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return BadRecord(
+                where(), f"invalid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start} of the line)", "invalid_utf8"
+            )
+        try:
+            obj = _JSON.decode(s)
+        except ValueError as e:
+            return BadRecord(where(), f"malformed JSON ({e})", "malformed_json")
+        except RecursionError:
+            return BadRecord(where(), "malformed JSON (nested too deeply to parse)", "malformed_json")
+        if not isinstance(obj, dict):
+            return BadRecord(where(), f"not a JSON object (a {_type_name(obj)})", "not_object")
+        if self.text_field not in obj:
+            keys = ", ".join(list(obj)[:8])
+            return BadRecord(where(), f"no field {self.text_field!r} (fields: {keys})", "missing_field")
+        v = obj[self.text_field]
+        if not isinstance(v, str):
+            return BadRecord(where(), f"field {self.text_field!r} is {_type_name(v)}, not a string", "not_string")
+        data = _utf8(v)
+        if data is None:
+            return BadRecord(
+                where(),
+                f"field {self.text_field!r} holds a lone UTF-16 surrogate escape (not valid Unicode)",
+                "invalid_unicode",
+            )
+        return v, data
+
+    def _jsonl(self) -> Iterator[Doc | BadRecord]:
+        t = self.task
+        f = t.files[0]
+        base: list[int] = []
+        lineno = 0
+        first = 0  # byte offset of this task's first line (uncompressed jsonl)
+
+        def where() -> str:
+            if not base:
+                base.append(self._line_base(f.path, first))
+            return f"{f.name}:{base[0] + lineno - 1}"
+
+        try:
+            fh = self._open_stream(f)
+        except OSError as e:
+            yield BadRecord(f.name, f"cannot open ({e.strerror or e})", "unreadable", fatal=True)
+            return
+        with fh:
+            try:
+                if t.kind == "jsonl" and t.start > 0:
+                    fh.seek(t.start - 1)
+                    if fh.read(1) != b"\n":
+                        fh.readline()  # this line belongs to the previous range
+                pos = first = fh.tell() if t.kind == "jsonl" else 0
+                stop = t.stop if t.kind == "jsonl" else -1
+                # Read in blocks and split them into lines (a line belongs to the task when it starts
+                # before ``stop``); far fewer calls than readline() per record.
+                pending: list[bytes] = []  # pieces of a line that continues in the next block
+                eof = False
+                while not eof:
+                    block = fh.read(_JSONL_BLOCK)
+                    if not block:
+                        eof = True
+                        lines = [b"".join(pending)] if pending else []
+                    elif b"\n" not in block:
+                        pending.append(block)  # joined once, when the line ends: linear in its length
+                        continue
+                    else:
+                        if pending:
+                            pending.append(block)
+                            block = b"".join(pending)
+                        lines = block.split(b"\n")
+                        last = lines.pop()
+                        pending = [last] if last else []
+                    for line in lines:
+                        if 0 <= stop <= pos:
+                            return
+                        pos += len(line) + 1
+                        lineno += 1
+                        if not line or line.isspace():
+                            continue
+                        yield self._jsonl_record(line, where)
+            except (OSError, EOFError, ValueError) as e:  # corrupt/truncated compressed stream, I/O error
+                lineno += 1
+                yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
+
+    @staticmethod
+    def _open_stream(f: SourceFile):
+        if f.kind == "jsonl":
+            return open(f.path, "rb")
+        if f.kind == "jsonl.gz":
+            import gzip
+
+            return gzip.open(f.path, "rb")
+        if f.kind == "jsonl.zst":
+            import zstandard
+
+            raw = open(f.path, "rb")
+            try:
+                return io.BufferedReader(
+                    zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), buffer_size=1 << 20
+                )
+            except Exception:
+                raw.close()
+                raise
+        raise ValueError(f.kind)
+
+    # parquet ------------------------------------------------------------------------------------
+    def _parquet(self) -> Iterator[Doc | BadRecord]:
+        import pyarrow as pa
+
+        t = self.task
+        f = t.files[0]
+        try:
+            pf = open_parquet(f.path)
+            n_groups = pf.metadata.num_row_groups
+        except Exception as e:
+            yield BadRecord(f.name, f"cannot open as parquet ({type(e).__name__}: {e})", "unreadable", fatal=True)
+            return
+        stop = n_groups if t.stop < 0 else t.stop
+        groups = list(range(t.start, stop))
+        n_rows = sum(pf.metadata.row_group(i).num_rows for i in groups)
+        row = t.first_row
+        names = pf.schema_arrow.names
+        fld = self.text_field
+        if fld not in names:
+            reason = f"no column {fld!r} (columns: {', '.join(names[:8])})"
+            for r in range(row, row + n_rows):
+                yield BadRecord(f"{f.name} row {r}", reason, "missing_field")
+            return
+        typ = pf.schema_arrow.field(fld).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
+            reason = f"column {fld!r} is {typ}, not a string"
+            for r in range(row, row + n_rows):
+                yield BadRecord(f"{f.name} row {r}", reason, "not_string")
+            return
+        if not groups:
+            return
+        try:
+            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld])
+            for batch in batches:
+                col = batch.column(0)
+                try:
+                    values = col.to_pylist()
+                except Exception:  # invalid UTF-8 somewhere in the batch: find the row
+                    values = []
+                    for i in range(len(col)):
+                        try:
+                            values.append(col[i].as_py())
+                        except Exception as e:
+                            values.append(
+                                BadRecord(
+                                    f"{f.name} row {row + i}",
+                                    f"invalid string ({type(e).__name__}: {e})",
+                                    "invalid_utf8",
+                                )
+                            )
+                for i, v in enumerate(values):
+                    if isinstance(v, str):
+                        data = _utf8(v)
+                        yield (
+                            (v, data)
+                            if data is not None
+                            else BadRecord(
+                                f"{f.name} row {row + i}", f"field {fld!r} is not valid Unicode", "invalid_unicode"
+                            )
+                        )
+                    elif isinstance(v, BadRecord):
+                        yield v
+                    else:
+                        yield BadRecord(
+                            f"{f.name} row {row + i}", f"field {fld!r} is {_type_name(v)}, not a string", "not_string"
+                        )
+                row += len(values)
+        except Exception as e:
+            yield BadRecord(
+                f"{f.name} row {row}", f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
+            )
+
+    # text ---------------------------------------------------------------------------------------
+    def _text(self) -> Iterator[Doc | BadRecord]:
+        for f in self.task.files:
+            try:
+                with open(f.path, "rb") as fh:
+                    raw = fh.read()
+            except OSError as e:
+                yield BadRecord(f.name, f"cannot read ({e.strerror or e})", "unreadable")
+                continue
+            try:
+                yield raw.decode("utf-8"), raw
+            except UnicodeDecodeError as e:
+                line = raw.count(b"\n", 0, e.start) + 1
+                yield BadRecord(
+                    f.name,
+                    f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start:,}, line {line})",
+                    "invalid_utf8",
+                )
+
+
+class LocatingReader(TaskReader):
+    """A :class:`TaskReader` that also names where each record came from, for ``--explain-drops``:
+    ``(file, "line", n)`` for JSONL (1-based line), ``(file, "row", n)`` for parquet (0-based row),
+    ``(file, None, None)`` for ``.txt``. Call :meth:`location` right after a record is yielded.
+
+    JSONL line numbers come from the reader's own ``where`` (the line it just parsed); the count of
+    lines before the task's byte range is given (``newlines_before``, counted once per file by
+    :func:`newlines_before`) instead of re-reading the file prefix for every task."""
+
+    def __init__(self, task: Task, text_field: str, newlines_before: int) -> None:
+        super().__init__(task, text_field)
+        self._newlines_before = int(newlines_before)
+        self._where: Any = None
+
+    def _line_base(self, path: str, first: int) -> int:  # type: ignore[override]
+        t = self.task
+        extra = 0
+        if first > t.start:  # the partial line skipped at the start of the range
+            with open(path, "rb") as fh:
+                fh.seek(t.start)
+                extra = fh.read(first - t.start).count(b"\n")
+        return self._newlines_before + extra + 1
+
+    def _jsonl_record(self, line: bytes, where: Any) -> Doc | BadRecord:
+        self._where = where
+        return super()._jsonl_record(line, where)
+
+    def location(self, ordinal: int) -> tuple[str, str | None, int | None]:
+        """Where record number ``ordinal`` (0-based, bad records included) of the task is."""
+        t = self.task
+        if t.kind == "parquet":
+            return t.files[0].name, "row", t.first_row + ordinal
+        if t.kind == "text":
+            return t.files[ordinal].name, None, None
+        name, _, line = self._where().rpartition(":")
+        return name, "line", int(line)
+
+
+def newlines_before(tasks: Sequence[Task]) -> dict[int, int]:
+    """For every uncompressed-JSONL task that starts inside its file: the number of line breaks
+    before its first byte (one sequential pass per file)."""
+    out: dict[int, int] = {}
+    by_file: dict[str, list[Task]] = {}
+    for t in tasks:
+        if t.kind == "jsonl" and t.start > 0:
+            by_file.setdefault(t.files[0].path, []).append(t)
+    for path, ts in by_file.items():
+        ts.sort(key=lambda t: t.start)
+        n = pos = 0
+        with open(path, "rb") as fh:
+            for t in ts:
+                while pos < t.start:
+                    b = fh.read(min(t.start - pos, 1 << 24))
+                    if not b:
+                        break
+                    n += b.count(b"\n")
+                    pos += len(b)
+                out[t.index] = n
+    return out
+
+
+def sample_texts(tasks: Sequence[Task], text_field: str, limit_chars: int, per_task: int) -> list[str]:
+    """The first documents of each task in input order (whole documents, the last one of a task
+    cut at a line break), up to ``per_task`` characters per task and ``limit_chars`` in all."""
+    out: list[str] = []
+    total = 0
+    for t in tasks:
+        here = 0
+        for rec in TaskReader(t, text_field):
+            if isinstance(rec, BadRecord) or not rec[0]:
+                continue
+            text = rec[0]
+            room = min(per_task - here, limit_chars - total)
+            if len(text) > room:
+                cut = text.rfind("\n", 0, room)
+                text = text[: cut if cut > 0 else room]
+            out.append(text)
+            here += len(text)
+            total += len(text)
+            if here >= per_task or total >= limit_chars or len(text) < len(rec[0]):
+                break
+        if total >= limit_chars:
+            break
+    return out

@@ -1,0 +1,180 @@
+"""The build's shard files: their names, and writing a task's documents into a sequence of them.
+
+Final shards are ``<shards_dir>/<split>/<split>-<task:05d>-<n:03d>.h5`` (:func:`final_shard_name`):
+task index and sequence number in input order, so sorting the names sorts the corpus (up to 99,999
+tasks and 1,000 shards per task; wider numbers are written and recognized, but sort apart).
+Candidate shards, in a task's candidate folder, are ``<split>-<n:03d>.h5``. Nothing else in the
+build spells a shard file name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..storage import format as fmt
+from ..storage.format import PARTIAL_SUFFIX, ShardRecord, TokenizerIdentity
+from ..storage.writer import ShardWriter, fsync_files
+
+# -- names ------------------------------------------------------------------------------------
+#: A shard file name: split, task index (5+ digits), sequence number within the task (3+ digits).
+SHARD_NAME = re.compile(r"^(train|validation)-(\d{5,})-(\d{3,})\.h5$")
+
+
+def shard_file_name(split: str, task: int, n: int) -> str:
+    """``<split>-<task:05d>-<n:03d>.h5``: a task's ``n``-th shard of ``split`` (sortable in input order
+    up to 99,999 tasks and 1,000 shards per task; wider numbers still parse)."""
+    return f"{split}-{task:05d}-{n:03d}.h5"
+
+
+def candidate_shard_name(split: str, n: int) -> str:
+    """Name of a candidate shard inside its task's candidate folder."""
+    return f"{split}-{n:03d}.h5"
+
+
+def final_shard_name(split: str, task: int, n: int) -> str:
+    """Path of a final shard relative to the shards folder."""
+    return f"{split}/{shard_file_name(split, task, n)}"
+
+
+def candidate_number(name: str) -> int:
+    """``n`` of a candidate shard name ``<split>-<n>.h5``."""
+    return int(Path(name).stem.rsplit("-", 1)[1])
+
+
+def is_final_shard(p: Path) -> bool:
+    """True for a file named like a final shard, in the folder of its split."""
+    m = SHARD_NAME.match(p.name)
+    return bool(m) and p.parent.name == m.group(1)
+
+
+def task_shard_files(shards_dir: Path, index: int) -> list[Path]:
+    """Final shard files of task ``index`` on disk (partial ones included)."""
+    out = []
+    for split in fmt.SPLITS:
+        d = shards_dir / split
+        if d.is_dir():
+            out.extend(sorted(d.glob(f"{split}-{index:05d}-*.h5*")))
+    return out
+
+
+def our_shard_files(shards_dir: Path) -> list[Path]:
+    """Every file in ``<shards_dir>/<split>/`` named like a build's shard, or a partial one."""
+    out: list[Path] = []
+    for split in fmt.SPLITS:
+        d = shards_dir / split
+        if d.is_dir():
+            out.extend(p for p in sorted(d.iterdir()) if is_final_shard(p) or p.name.endswith(".h5" + PARTIAL_SUFFIX))
+    return out
+
+
+# -- writing a task's shards --------------------------------------------------------------------
+class Syncer:
+    """fsync files on one background thread (fsync and the tokenizer both release the GIL, so the
+    disk flush of one shard overlaps the encoding of the next). ``wait()`` returns once every
+    submitted file is durable, re-raising the first error."""
+
+    def __init__(self) -> None:
+        self.ex = ThreadPoolExecutor(1, thread_name_prefix="h5corpus-fsync")
+        self.futures: list[Any] = []
+
+    def submit(self, path: str | Path) -> None:
+        self.futures.append(self.ex.submit(fsync_files, [path], dirs=False))
+
+    def wait(self) -> None:
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            self.futures.clear()
+            self.ex.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        self.ex.shutdown(wait=False)
+
+
+class ShardSequence:
+    """One split's documents of one task, in order, into shards of at most ``shard_tokens`` tokens
+    (greedy, documents whole; a longer single document gets a shard of its own). The read stage's
+    candidates and the finish stage's copies both use it, so a shard's boundaries depend only on
+    the documents it holds, never on how they were batched.
+
+    The writer does not fsync: each closed shard goes to ``syncer`` (fsynced in the background
+    while this process goes on tokenizing), or is fsynced by :meth:`close` itself. The build fsyncs
+    the shards' folders before it writes the manifest that lists them."""
+
+    def __init__(
+        self,
+        directory: Path,
+        name: Callable[[int], str],
+        split: str,
+        identity: TokenizerIdentity,
+        chunk_tokens: int,
+        shard_tokens: int,
+        syncer: Syncer | None = None,
+    ) -> None:
+        self.directory, self.name, self.split = directory, name, split
+        self.identity, self.chunk_tokens, self.cap = identity, chunk_tokens, shard_tokens
+        self.syncer = syncer
+        self.w: ShardWriter | None = None
+        self.infos: list[ShardRecord] = []
+
+    def add(self, flat: np.ndarray, lengths: np.ndarray, ids: np.ndarray, flags: np.ndarray) -> None:
+        i, n, pos = 0, lengths.size, 0
+        while i < n:
+            if self.w is None:
+                self.w = ShardWriter(
+                    self.directory / self.name(len(self.infos)),
+                    split=self.split,
+                    tokenizer=self.identity,
+                    chunk_tokens=self.chunk_tokens,
+                    fsync=False,
+                )
+            cs = np.cumsum(lengths[i:])
+            k = int(np.searchsorted(cs, self.cap - self.w.tokens, side="right"))
+            if k == 0:
+                if self.w.tokens == 0:
+                    k = 1
+                else:
+                    self._close()
+                    continue
+            take = int(cs[k - 1])
+            self.w.add_documents(flat[pos : pos + take], lengths[i : i + k], ids[i : i + k], flags[i : i + k])
+            pos += take
+            i += k
+            if self.w.tokens >= self.cap:
+                self._close()
+
+    def _close(self) -> None:
+        if self.w is not None:
+            info = self.w.close()
+            self.infos.append(info)
+            self.w = None
+            if self.syncer is not None:
+                self.syncer.submit(info.path)
+
+    def close(self) -> list[ShardRecord]:
+        self._close()
+        if self.syncer is None:
+            fsync_files([i.path for i in self.infos], dirs=False)
+        return self.infos
+
+    def abort(self) -> None:
+        if self.w is not None:
+            self.w.abort()
+            self.w = None
+
+
+def shards_intact(
+    directory: Path, shards: Sequence[ShardRecord], identity: TokenizerIdentity, chunk_tokens: int
+) -> bool:
+    """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
+    from ..storage.validate import ShardExpectation, check_shard
+
+    expect = ShardExpectation.of(identity, chunk_tokens)
+    return all(not check_shard(str(directory / s.path), s, expect)[0] for s in shards)
