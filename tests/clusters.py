@@ -11,7 +11,8 @@ scope, registered in ``tests/conftest.py``) wrap them; benches may use the class
 Where an engine cannot start here (binaries missing, not root for Slurm) ``start`` raises
 ``EngineUnavailable`` and the fixtures skip with its reason, or fail when
 ``H5CORPUS_REQUIRE_CLUSTERS=1`` (CI). Every wait has a timeout and a message naming what it waited
-for, with the daemon's log tail. docs/SCALING.md ("Test clusters") explains the settings.
+for, with the daemon's log tail. docs/SCALING.md ("Test clusters") explains the settings. Both
+engines and their process bookkeeping share this one module so tests and benches import one place.
 """
 
 from __future__ import annotations
