@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The pinned CPU wheel first: an unpinned torch can pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,filters,plot]"
+	# ray pinned to the version the cluster tests were checked with (the extra has only a floor).
+	$(BIN)/pip install -q -e ".[dev,filters,plot,cluster]" ray==2.60.0
 	touch $(STAMP)
 
 install: $(STAMP)
