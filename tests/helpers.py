@@ -443,3 +443,36 @@ def read_stage_files(state: Path, index: int) -> dict[str, str]:
 def without_timings(record: dict) -> dict:
     """A stage record without its CPU timings (the only field that differs between runs)."""
     return {k: v for k, v in record.items() if k != "seconds"}
+
+
+# -- Hugging Face transformers oracles -----------------------------------------------------------
+def paragraph_texts(texts: Sequence[str], limit: int) -> list[str]:
+    """The non-empty paragraphs (blank-line separated, stripped) of ``texts`` in order, at most
+    ``limit``: many documents shorter than a pack, so packs and windows hold several of them."""
+    out = [p.strip() for t in texts for p in t.split("\n\n") if p.strip()]
+    return out[:limit]
+
+
+def window_segments(input_ids: np.ndarray, row_len: int, eos_id: int) -> list[np.ndarray]:
+    """The documents' parts inside document-masked windows, found from the tokens alone: a segment
+    starts at every window start and after every EOS (the last token of a document)."""
+    starts = set(range(0, input_ids.size, row_len)) | {int(i) + 1 for i in np.flatnonzero(input_ids == eos_id)}
+    bounds = sorted(s for s in starts if s < input_ids.size) + [input_ids.size]
+    return [input_ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def per_document_logits(model, segments: Sequence[np.ndarray]):
+    """Each segment through ``model`` on its own (a batch of one on the model's device, default
+    positions, no packing, no grad), logits concatenated: (sum of lengths, vocab). The oracle for
+    packed execution."""
+    import torch
+
+    with torch.no_grad():
+        return torch.cat(
+            [
+                model(
+                    input_ids=torch.as_tensor(np.asarray(s, dtype=np.int64), device=model.device)[None], use_cache=False
+                ).logits[0]
+                for s in segments
+            ]
+        )
