@@ -207,8 +207,8 @@ def test_document_scores_equal_the_naive_chain_rule():
         assert tot == pytest.approx(want, abs=1e-4 * len(units))
     ppl = model.perplexities(texts)
     np.testing.assert_allclose(ppl, np.exp(-total / n))
-    for i, t in enumerate(texts):  # alone or in a batch: the same score
-        assert model.perplexities([t])[0] == pytest.approx(ppl[i], rel=1e-6)
+    for i, t in enumerate(texts):  # alone or in a batch: the same score, to the bit
+        assert model.perplexities([t])[0] == ppl[i]
 
 
 # -- the model file -------------------------------------------------------------------------------
@@ -287,6 +287,20 @@ def test_corrupt_foreign_and_missing_model_files_are_refused_naming_the_file(tmp
     other.save(tmp_path / "swapped.npz")
     with pytest.raises(ModelFileError, match="sha256"):
         load_model(tmp_path / "swapped.npz")
+
+
+def test_directory_lookup_equals_searchsorted():
+    from h5corpus.filters.perplexity import _Table
+
+    rng = np.random.default_rng(3)
+    for size in (1, 2, 3, 1000, 50_000):
+        keys = np.unique(rng.integers(0, 2**63, size, dtype=np.uint64) * np.uint64(2))
+        edges = np.array([0, 2**64 - 2], dtype=np.uint64)
+        q = np.concatenate([keys, rng.integers(0, 2**63, 20_000, dtype=np.uint64) * np.uint64(2), edges])
+        rng.shuffle(q)
+        found, pos = _Table(keys).find(q)
+        assert np.array_equal(pos, np.searchsorted(keys, q))
+        assert np.array_equal(found, np.isin(q, keys))
 
 
 def test_worst_fraction_drops_exactly_the_highest_scores_ties_by_position():
