@@ -364,6 +364,111 @@ def _build_filters(
     return DocumentFilter(cfg)  # validates (ValueError naming the field)
 
 
+quality_app = typer.Typer(
+    name="quality-model",
+    help="N-gram language models for the perplexity filter: train on reference text, score documents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(quality_app, name="quality-model")
+
+
+@quality_app.command("train")
+def quality_train_cli(
+    reference: list[str] = typer.Argument(
+        ..., help="Reference documents: build SOURCEs (files, folders, globs, hf://..., stdlib)."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Model file to write (.npz)."),
+    order: int = typer.Option(3, "--order", help="N-gram order, 1-6 (2: bigrams, as the seed lesson; 3: default)."),
+    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    max_documents: int | None = typer.Option(None, "--max-documents", help="Train on the first N documents only."),
+    as_json: bool = typer.Option(False, "--json", help="Print the model's header as JSON."),
+) -> None:
+    """Train an interpolated modified Kneser-Ney n-gram model on REFERENCE documents (docs/FILTERS.md).
+    Exit 1 on a bad record or no text, 2 on usage errors.
+
+    CREATES: the model file (written to a temporary name, then renamed).
+    """
+    from .build.sources import SourceError
+    from .filters.perplexity import MAX_ORDER
+    from .qualitymodel import BadReference, train_from_sources
+
+    check_path_arg("--output", output)
+    check_positive("--max-documents", max_documents)
+    if not 1 <= order <= MAX_ORDER:
+        raise fail(f"--order must be in 1..{MAX_ORDER}, got {order}", EXIT_USAGE)
+    try:
+        rep = train_from_sources(
+            reference,
+            output,
+            order=order,
+            text_field=text_field,
+            max_documents=max_documents,
+            progress=sys.stderr.isatty() and not as_json,
+        )
+    except SourceError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except (BadReference, ValueError) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(), indent=2, sort_keys=True))
+    else:
+        h, t = rep.header, rep.header["training"]
+        typer.echo(
+            f"trained order-{h['order']} model on {t['documents']:,} documents ({t['characters']:,} characters, "
+            f"{t['units']:,} units): n-grams {' / '.join(f'{n:,}' for n in h['ngrams'])}, vocabulary "
+            f"{h['smoothing']['vocabulary']:,}\nwrote {rep.path} ({rep.file_bytes:,} bytes, sha256 {h['sha256']})"
+        )
+    raise typer.Exit(EXIT_OK)
+
+
+@quality_app.command("score")
+def quality_score_cli(
+    model: Path = typer.Argument(..., help="Model file (quality-model train)."),
+    sources: list[str] = typer.Argument(..., help="Documents to score: build SOURCEs."),
+    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    max_documents: int | None = typer.Option(None, "--max-documents", help="Score the first N documents only."),
+    max_chars: int | None = typer.Option(None, "--max-chars", help="Score the first N characters of each document."),
+    summary_only: bool = typer.Option(False, "--summary-only", help="Print only the count and quantiles."),
+    as_json: bool = typer.Option(False, "--json", help="Print the scores and quantiles as JSON."),
+) -> None:
+    """Print each document's perplexity (where, perplexity, units, start of the text; tab-separated)
+    and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a corrupt
+    model or a bad record, 2 on usage errors."""
+    from .build.sources import SourceError
+    from .filters.perplexity import ModelFileError
+    from .qualitymodel import BadReference, score_sources
+
+    check_path_arg("MODEL", model)
+    check_positive("--max-documents", max_documents)
+    check_positive("--max-chars", max_chars)
+    if not model.is_file():
+        raise fail(f"{model}: model file not found", EXIT_USAGE)
+    try:
+        rep = score_sources(
+            model,
+            sources,
+            text_field=text_field,
+            max_documents=max_documents,
+            max_chars=max_chars,
+            progress=sys.stderr.isatty() and not as_json,
+        )
+    except SourceError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except (ModelFileError, BadReference) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(documents=not summary_only), indent=2, sort_keys=True))
+        raise typer.Exit(EXIT_OK)
+    if not summary_only:
+        for w, p, u, t in zip(rep.where, rep.perplexity, rep.units, rep.preview):
+            typer.echo(f"{w}\t{p:.2f}\t{u}\t{t}")
+    q = " ".join(f"{k}={v:,.1f}" for k, v in rep.quantiles().items())
+    typer.echo(f"scored {len(rep.perplexity):,} documents with {model} (sha256 {rep.model_sha256[:16]}): {q}")
+    raise typer.Exit(EXIT_OK)
+
+
 def main() -> None:
     app()
 

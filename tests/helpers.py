@@ -476,3 +476,152 @@ def per_document_logits(model, segments: Sequence[np.ndarray]):
                 for s in segments
             ]
         )
+
+
+# -- perplexity filter oracles ----------------------------------------------------------------------
+_LM_UNICODE_SPACE = "[\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+_LM_OWN = "\u3000-\u9fff\uf000-\uffff\u00a1-\u00bf\u2000-\u2bff"  # characters that are units by themselves
+_LM_SPACE = " \t\r\x0b\x0c\x1c-\x1f"
+_LM_PUNCT = "\x00-\x08\x0e-\x1b\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f"
+
+
+def reference_lm_units(text: str) -> list[str]:
+    """The language model's units of ``text`` by a regex over the ``str`` (the definition in
+    ``h5corpus.filters.lmunits``, written independently): own-unit characters, ASCII punctuation,
+    runs of line breaks (``"\\n"``; none at either end), runs of the other characters."""
+    import re
+
+    t = re.sub(_LM_UNICODE_SPACE, " ", text)
+    pattern = f"[{_LM_OWN}]|[{_LM_PUNCT}]|\n(?:[{_LM_SPACE}]*\n)*|[^{_LM_OWN}{_LM_PUNCT}\n{_LM_SPACE}]+"
+    units = ["\n" if u.startswith("\n") else u for u in re.findall(pattern, t)]
+    while units and units[0] == "\n":
+        units.pop(0)
+    while units and units[-1] == "\n":
+        units.pop()
+    return units
+
+
+def fold_lm_unit(unit: str) -> str:
+    """A unit as the model tells units apart: ASCII letters lowercased, ASCII digits -> ``0``."""
+    return unit.translate({c: c + 32 for c in range(65, 91)} | {c: 48 for c in range(48, 58)})
+
+
+def reference_lm_unit_hash(unit: str) -> int:
+    """The unit hash of ``h5corpus.filters.lmunits`` in plain Python integers."""
+    mask, p = (1 << 64) - 1, 0x100000001B3
+    if unit == "\n":
+        return 0x165667B19E3779F9
+    values = bytes((c + 1) & 0xFF for c in fold_lm_unit(unit).encode("utf-8", "surrogatepass"))
+    h = 0
+    for j in range(0, min(len(values), 64), 8):
+        h = (h * p + int.from_bytes(values[j : j + 8], "little")) & mask
+    h ^= (len(values) * 0x9E3779B97F4A7C15) & mask
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & mask
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & mask
+    return h ^ (h >> 33)
+
+
+def naive_kn_discounts(values: Iterable[int]) -> list[float]:
+    """Chen & Goodman's modified Kneser-Ney discounts from counts, with the fallbacks of
+    docs/FILTERS.md (one discount Y = n1 / (n1 + 2 n2), else 0.5)."""
+    vals = list(values)
+    n1, n2, n3, n4 = (sum(1 for v in vals if v == r) for r in (1, 2, 3, 4))
+    if n1 and n2:
+        y = n1 / (n1 + 2 * n2)
+        if n3 and n4:
+            d = [1 - 2 * y * n2 / n1, 2 - 3 * y * n3 / n2, 3 - 4 * y * n4 / n3]
+            if 0 < d[0] < 1 and 0 < d[1] < 2 and 0 < d[2] < 3:
+                return d
+        return [y, y, y]
+    return [0.5, 0.5, 0.5]
+
+
+class NaiveKneserNey:
+    """Interpolated modified Kneser-Ney from the formulas, with dicts and recursion (the oracle of
+    the vectorized trainer and scorer). ``docs``: each document's units (strings)."""
+
+    def __init__(self, docs: Sequence[Sequence[str]], order: int) -> None:
+        from collections import Counter
+
+        self.order = order
+        seqs = [["<s>", *map(fold_lm_unit, d), "</s>"] for d in docs]
+        counts = [Counter() for _ in range(order + 2)]
+        for s in seqs:
+            for k in range(1, order + 1):
+                for i in range(k - 1, len(s)):
+                    counts[k][tuple(s[i - k + 1 : i + 1])] += 1
+        self.a: list[dict] = [{}]
+        for k in range(1, order + 1):
+            left = Counter(g[1:] for g in counts[k + 1]) if k < order else None
+            self.a.append({g: (c if k == order or g[0] == "<s>" else left[g]) for g, c in counts[k].items()})
+        self.d = [[]] + [
+            naive_kn_discounts(v for g, v in self.a[k].items() if k > 1 or g != ("<s>",)) for k in range(1, order + 1)
+        ]
+        self.sums: list[dict] = [{} for _ in range(order + 1)]
+        self.mass: list[dict] = [{} for _ in range(order + 1)]
+        for k in range(2, order + 1):
+            for g, v in self.a[k].items():
+                self.sums[k][g[:-1]] = self.sums[k].get(g[:-1], 0) + v
+                self.mass[k][g[:-1]] = self.mass[k].get(g[:-1], 0) + self.disc(k, v)
+        self.vocab = sorted({g[0] for g in counts[1]} - {"<s>"})  # + <unk>
+        uni = [v for g, v in self.a[1].items() if g != ("<s>",)]
+        self.total = sum(uni)
+        self.gamma0 = sum(self.disc(1, v) for v in uni) / self.total
+
+    def disc(self, k: int, count: int) -> float:
+        return 0.0 if count == 0 else self.d[k][min(count, 3) - 1]
+
+    def prob(self, context: Sequence[str], unit: str) -> float:
+        """p(unit | context); units as strings (folded here); an unseen unit is ``<unk>``."""
+        h = tuple(map(fold_lm_unit, context))[max(0, len(context) - (self.order - 1)) :] if self.order > 1 else ()
+        return self._p(h, fold_lm_unit(unit))
+
+    def _p(self, h: tuple, w: str) -> float:
+        if not h:
+            a = self.a[1].get((w,), 0)
+            return max(a - self.disc(1, a), 0) / self.total + self.gamma0 / (len(self.vocab) + 1)
+        k = len(h) + 1
+        s = self.sums[k].get(h, 0)
+        if s == 0:
+            return self._p(h[1:], w)
+        a = self.a[k].get((*h, w), 0)
+        return max(a - self.disc(k, a), 0) / s + self.mass[k][h] / s * self._p(h[1:], w)
+
+
+def spam_texts(reference_words: Sequence[str], n: int = 80, seed: int = 0) -> list[str]:
+    """Spam-like documents in four kinds, in turn: keyword lists, word salad (real reference words
+    without syntax), navigation/footer boilerplate, machine noise (random tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    kw = "cheap buy online best price discount free shipping casino poker loans replica watches weight loss seo backlinks crypto bitcoin deal sale".split()
+    menu = ["Home", "About Us", "Contact", "Privacy Policy", "Terms of Service", "Login", "Register", "Cart"]
+    menu += ["FAQ", "Sitemap", "Blog", "Careers", "Support", "My Account", "Wishlist", "Subscribe"]
+    cities = ["London", "Paris", "Berlin", "Madrid", "Rome", "Dallas", "Boston", "Chicago"]
+    noise = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEF+/=_-"
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            t = ", ".join(" ".join(rng.sample(kw, rng.randint(1, 3))) for _ in range(rng.randint(40, 120)))
+        elif kind == 1:
+            t = " ".join(rng.choice(reference_words) for _ in range(rng.randint(80, 300)))
+        elif kind == 2:
+            lines = []
+            for _ in range(rng.randint(8, 25)):
+                lines.append(" | ".join(rng.sample(menu, rng.randint(3, 7))))
+                if rng.random() < 0.3:
+                    lines.append(f"Copyright © {rng.randint(2005, 2025)} All rights reserved. Click here to subscribe!")
+                if rng.random() < 0.3:
+                    lines.append(
+                        f"Best {rng.choice(kw)} {rng.choice(kw)} in {rng.choice(cities)} - {rng.choice(kw)} now"
+                    )
+            t = "\n".join(lines)
+        else:
+            t = " ".join(
+                "".join(rng.choice(noise) for _ in range(rng.randint(3, 14))) for _ in range(rng.randint(60, 200))
+            )
+        out.append(t)
+    return out
