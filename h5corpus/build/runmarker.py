@@ -13,9 +13,10 @@ Whether a marker's run is still alive:
   marker's modification time, refreshed every :data:`HEARTBEAT_S` seconds by the holder, is younger
   than :data:`STALE_AFTER_S`, measured against a file touched now in the same folder (so the file
   server's clock, not this host's, decides).
-- ``kind: "slurm"``: alive while one of its jobs is queued or running (``squeue``); a job pending
-  with ``DependencyNeverSatisfied`` will never run, so it does not count (the new run cancels it).
-  Where ``squeue`` cannot answer, the run is taken to be alive.
+- ``kind: "slurm"``: alive while one of its jobs is queued or running (``squeue``) and can still
+  run: once an element failed, was cancelled or pends with ``DependencyNeverSatisfied``, the jobs
+  after its stage wait for nothing and do not count (the new run cancels them). Where ``squeue``
+  cannot answer, the run is taken to be alive.
 - A file that is not JSON is the lock of a version that used ``flock``: alive while locked.
 
 A live marker refuses the build (:class:`~h5corpus.build.config.BuildConflict`, naming host, pid,
@@ -90,12 +91,23 @@ def describe(m: Mapping[str, Any]) -> str:
     return out
 
 
-def slurm_jobs_alive(jobs: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[bool | None, list[str]]:
-    """(whether one of ``jobs`` is queued or running, the ids of those pending forever); None when
-    ``squeue`` cannot tell."""
+_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+
+
+def slurm_chain_alive(
+    chain: Sequence[Sequence[str]], env: Mapping[str, str] | None = None
+) -> tuple[bool | None, list[str]]:
+    """Whether a chain of Slurm jobs (job ids per stage, in chain order) can still make progress,
+    and the ids of its jobs that never will (to cancel). A stage with an element that failed, was
+    cancelled or pends forever (``DependencyNeverSatisfied``) breaks the chain: every job after
+    it waits for nothing. Elements of the broken stage itself that still run, or jobs of earlier
+    stages, keep the run alive. None when ``squeue`` cannot tell."""
+    jobs = [j for ids in chain for j in ids]
+    if not jobs:
+        return False, []
     try:
         p = subprocess.run(
-            ["squeue", "-h", "-r", "--states=all", "-j", ",".join(jobs), "-o", "%i|%T|%r"],
+            ["squeue", "-h", "-r", "--states=all", "-j", ",".join(jobs), "-o", "%i|%F|%T|%r"],
             capture_output=True, text=True, timeout=60, env=None if env is None else dict(env),
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
@@ -103,13 +115,24 @@ def slurm_jobs_alive(jobs: Sequence[str], env: Mapping[str, str] | None = None) 
     if p.returncode != 0:
         # squeue refuses ids it no longer knows ("Invalid job id"): those jobs are long gone
         return (False, []) if "Invalid job id" in p.stderr else (None, [])
-    alive, never = False, []
+    by_array: dict[str, list[tuple[str, str, str]]] = {}
     for line in p.stdout.splitlines():
-        jid, state, reason = (line.strip().split("|") + ["", ""])[:3]
-        if state == "PENDING" and reason == _NEVER:
-            never.append(jid)
-        elif state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"):
-            alive = True
+        jid, array, state, reason = (line.strip().split("|") + ["", "", ""])[:4]
+        by_array.setdefault(array or jid, []).append((jid, state, reason))
+    alive, broken, never = False, False, []
+    for ids in chain:
+        rows = [r for j in ids for r in by_array.get(j, [])]
+        if broken:
+            never += [jid for jid, state, _ in rows if state in _ACTIVE]
+            continue
+        for jid, state, reason in rows:
+            if state == "PENDING" and reason == _NEVER:
+                never.append(jid)
+                broken = True
+            elif state in _ACTIVE:
+                alive = True
+            elif state != "COMPLETED":
+                broken = True
     return alive, never
 
 
@@ -235,7 +258,7 @@ class RunMarker:
             return _flock_held(self.path, raw)
         why = describe(m)
         if m.get("kind") == "slurm":
-            alive, never = slurm_jobs_alive(m.get("jobs") or [], self.slurm_env)
+            alive, never = slurm_chain_alive(m.get("chain") or [m.get("jobs") or []], self.slurm_env)
             if alive is None:
                 return True, why + " (squeue cannot say whether they still run here)"
             self.cancel_jobs = never if not alive else []

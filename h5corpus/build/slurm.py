@@ -153,9 +153,9 @@ class SlurmRun(_Run):
         jobs = self._submit(todo)
         self.report.jobs = jobs
         self.report.slurm = {"scripts": {k: str(v) for k, v in scripts.items()}, "logs": str(self.folder / "logs")}
-        self.lock.marker.update(
-            kind="slurm", jobs=[j for ids in jobs.values() for j in ids], state=str(self.t.state.root)
-        )
+        chain = [jobs[stage] for stage, _ in CHAIN if stage in jobs]
+        flat = [j for ids in chain for j in ids]
+        self.lock.marker.update(kind="slurm", jobs=flat, chain=chain, state=str(self.t.state.root))
         self.lock.marker.hand_over()
         if not self.opts.wait:
             return self.report
@@ -290,8 +290,11 @@ class SlurmRun(_Run):
         never = [j for j, (s, r) in states.items() if s == "PENDING" and r == "DependencyNeverSatisfied"]
         if not bad and not never:
             return
-        if never:  # they would pend until cancelled; elements still running go on (their work is kept)
-            subprocess.run(["scancel", *never], capture_output=True, timeout=120)
+        # What still pends can never complete the chain now: cancel it (jobs pending on a failed
+        # dependency would pend until cancelled). Elements still running go on; their work is kept.
+        pending = [j for j, (s, _) in states.items() if s == "PENDING"]
+        if pending:
+            subprocess.run(["scancel", *pending], capture_output=True, timeout=120)
         what = bad[0] if bad else (never[0], "PENDING forever (DependencyNeverSatisfied)")
         job = what[0]
         stage = stage_of.get(job.split("_")[0], "?")
