@@ -399,59 +399,108 @@ def _run_members(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(starts, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
 
 
+def _true_groups(
+    h: np.ndarray, band: np.ndarray, pos: np.ndarray, mem: Members, rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The groups of the sorted keys: documents whose signatures agree on all values of one band
+    (runs of equal hash and band, split where a hash collision joined different values), without
+    the exact duplicates of an earlier member (never kept). Returns the members' positions and
+    :class:`Members` rows, input order within each group, and the groups' offsets; groups of one
+    are left out."""
+    starts, lens = _runs(h, band)
+    multi = lens >= 2
+    at = _run_members(starts[multi], lens[multi])
+    mpos = pos[at]
+    mi = mem.index(mpos)
+    vals = _band_values(mem.sigs[mi], band[at], rows)
+    key = np.empty(at.size, dtype=[("run", "<i8"), ("values", vals.dtype)])
+    key["run"] = np.repeat(np.arange(int(multi.sum())), lens[multi])
+    key["values"] = vals
+    sub = np.unique(key, return_inverse=True)[1].ravel()
+    order = np.lexsort((mpos, sub))
+    sub, mpos, mi = sub[order], mpos[order], mi[order]
+    ident = np.empty(sub.size, dtype=[("group", "<i8"), ("id", "V32")])
+    ident["group"], ident["id"] = sub, mem.ids[mi]
+    keep = np.sort(np.unique(ident, return_index=True)[1])  # first of each id in a group: the earliest
+    sub, mpos, mi = sub[keep], mpos[keep], mi[keep]
+    gstart = np.flatnonzero(np.r_[True, sub[1:] != sub[:-1]]) if sub.size else np.zeros(0, np.int64)
+    glen = np.diff(np.r_[gstart, sub.size])
+    ok = glen >= 2
+    sel = _run_members(gstart[ok], glen[ok])
+    return mpos[sel], mi[sel], np.r_[0, np.cumsum(glen[ok])].astype(np.int64)
+
+
+def _first_similar_batch(
+    sigs: np.ndarray, lsh: LshParams, near_list: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_first_similar` of G groups of m members at once (``sigs``: G x m x num_perm): (g, j, i)
+    of the listed pairs, and (g, j) of the members with more similar earlier ones."""
+    g, m, k = sigs.shape
+    tri = np.tri(m, m, -1, dtype=bool)
+    if lsh.verify:
+        eq = (sigs[:, :, None, :] == sigs[:, None, :, :]).sum(axis=3)
+        sim = (eq.astype(np.float64) / k >= lsh.threshold) & tri
+    else:
+        sim = np.broadcast_to(tri, (g, m, m))
+    rank = np.cumsum(sim, axis=2)
+    gg, jj, ii = np.nonzero(sim & (rank <= near_list))
+    mg, mj = np.nonzero(rank[:, :, -1] > near_list)
+    return gg, jj, ii, mg, mj
+
+
+#: Booleans one batch of equal-size groups may compare at once (G x m x m x num_perm).
+BATCH_CELLS = 1 << 24
+
+
 def near_edges(
     h: np.ndarray, band: np.ndarray, pos: np.ndarray, mem: Members, lsh: LshParams, near_list: int = NEAR_LIST
 ) -> NearEdges:
-    """The edges of the groups in the sorted keys (``h``, ``band``, ``pos``; :func:`near_bucket`)."""
-    starts, lens = _runs(h, band)
-    multi = np.flatnonzero(lens >= 2)
-    counts = {"keys": int(h.size), "groups": int(multi.size)}
+    """The edges of the groups in the sorted keys (``h``, ``band``, ``pos``; :func:`near_bucket`):
+    groups of one size are compared in batches, all pairs at once; only groups of more than
+    :data:`PAIRWISE_MAX` members are scanned one by one."""
+    gpos, gmi, goff = _true_groups(h, band, pos, mem, lsh.rows)
+    sizes = np.diff(goff)
+    counts = {"keys": int(h.size), "groups": int(sizes.size)}
     d: list[np.ndarray] = []
     c: list[np.ndarray] = []
-    trunc_d: list[int] = []
-    trunc_g: list[int] = []
+    trunc_d: list[np.ndarray] = []
+    trunc_g: list[np.ndarray] = []
     groups: list[np.ndarray] = []
-    pairs = multi[lens[multi] == 2]
-    if pairs.size:  # most groups have two members: all of them at once
-        p0, p1 = pos[starts[pairs]], pos[starts[pairs] + 1]
-        i0, i1 = mem.index(p0), mem.index(p1)
-        b0 = band[starts[pairs]]
-        same = _band_values(mem.sigs[i0], b0, lsh.rows) == _band_values(mem.sigs[i1], b0, lsh.rows)
-        same &= mem.ids[i0] != mem.ids[i1]
-        if lsh.verify:
-            agree = (mem.sigs[i0] == mem.sigs[i1]).sum(axis=1).astype(np.float64) / lsh.num_perm
-            same &= agree >= lsh.threshold
-        d.append(p1[same])
-        c.append(p0[same])
-    for g in multi[lens[multi] > 2].tolist():
-        run = pos[starts[g] : starts[g] + lens[g]]
-        idx = mem.index(run)
-        vals = _band_values(mem.sigs[idx], int(band[starts[g]]), lsh.rows)
-        _, first, inverse = np.unique(vals, return_index=True, return_inverse=True)
-        for sub in np.argsort(first).tolist():  # hash collisions split a run into true groups
-            members = np.flatnonzero(inverse.ravel() == sub)
-            _, keep = np.unique(mem.ids[idx[members]], return_index=True)
-            members = members[np.sort(keep)]  # exact duplicates of an earlier member are never kept
-            if members.size < 2:
-                continue
-            jj, ii, more = _first_similar(mem.sigs[idx[members]], lsh, near_list)
-            d.append(run[members[jj]])
-            c.append(run[members[ii]])
-            if more.size:
-                trunc_d += run[members[more]].tolist()
-                trunc_g += [len(groups)] * int(more.size)
-                groups.append(run[members])
+    for m in np.unique(sizes).tolist():
+        which = np.flatnonzero(sizes == m)
+        if m > PAIRWISE_MAX:
+            for w in which.tolist():
+                members = gpos[goff[w] : goff[w + 1]]
+                jj, ii, more = _first_similar(mem.sigs[gmi[goff[w] : goff[w + 1]]], lsh, near_list)
+                d.append(members[jj])
+                c.append(members[ii])
+                if more.size:
+                    trunc_d.append(members[more])
+                    trunc_g.append(np.full(more.size, len(groups), dtype=np.uint32))
+                    groups.append(members)
+            continue
+        step = max(1, BATCH_CELLS // (m * m * lsh.num_perm))
+        for a in range(0, which.size, step):
+            idx = goff[which[a : a + step]][:, None] + np.arange(m)  # G x m rows of gpos
+            gg, jj, ii, mg, mj = _first_similar_batch(mem.sigs[gmi[idx]], lsh, near_list)
+            d.append(gpos[idx[gg, jj]])
+            c.append(gpos[idx[gg, ii]])
+            if mg.size:
+                cut, local = np.unique(mg, return_inverse=True)
+                trunc_d.append(gpos[idx[mg, mj]])
+                trunc_g.append((len(groups) + local.ravel()).astype(np.uint32))
+                groups += [gpos[idx[x]] for x in cut.tolist()]
     return _near_edges(d, c, trunc_d, trunc_g, groups, counts)
 
 
 def _near_edges(
-    d: list, c: list, trunc_d: list[int], trunc_g: list[int], groups: list[np.ndarray], counts: dict[str, int]
+    d: list, c: list, trunc_d: list, trunc_g: list, groups: list[np.ndarray], counts: dict[str, int]
 ) -> NearEdges:
     dd = np.concatenate(d).astype(np.uint64) if d else np.zeros(0, np.uint64)
     cc = np.concatenate(c).astype(np.uint64) if c else np.zeros(0, np.uint64)
     order = np.lexsort((cc, dd))
-    td = np.asarray(trunc_d, dtype=np.uint64)
-    tgg = np.asarray(trunc_g, dtype=np.uint32)
+    td = np.concatenate(trunc_d).astype(np.uint64) if trunc_d else np.zeros(0, np.uint64)
+    tgg = np.concatenate(trunc_g).astype(np.uint32) if trunc_g else np.zeros(0, np.uint32)
     o = np.lexsort((tgg, td))
     offsets = np.zeros(len(groups) + 1, dtype=np.uint64)
     offsets[1:] = np.cumsum([g.size for g in groups])

@@ -130,6 +130,7 @@ class RayExecutor:
         self.workers = max(1, int(cpus // float(options.cpus_per_task)))
         self.count_progress = count_progress
         self.pending: dict[Any, StageCall] = {}
+        self.remote = {stage: ray.remote(fn) for stage, fn in _STAGE_FUNCTIONS.items()}
         self.plan_sha = ""
         self.documents = self.tokens = 0
 
@@ -168,13 +169,16 @@ class RayExecutor:
             )
 
     def submit(self, call: StageCall) -> None:
-        fn = self.ray.remote(_STAGE_FUNCTIONS[call.stage])
-        ref = fn.options(
-            num_cpus=float(self.options.cpus_per_task),
-            max_retries=int(self.options.max_retries),
-            retry_exceptions=False,  # a stage's own error (bad input) is an answer, not a loss
-            name=f"{call.stage}_stage",
-        ).remote(self.state_dir, self.plan_sha, call)
+        ref = (
+            self.remote[call.stage]
+            .options(
+                num_cpus=float(self.options.cpus_per_task),
+                max_retries=int(self.options.max_retries),
+                retry_exceptions=False,  # a stage's own error (bad input) is an answer, not a loss
+                name=f"{call.stage}_stage",
+            )
+            .remote(self.state_dir, self.plan_sha, call)
+        )
         self.pending[ref] = call
 
     def next_result(self, timeout: float) -> StageResult | None:

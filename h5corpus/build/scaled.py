@@ -26,7 +26,7 @@ from typing import Any
 from .buckets import lsh_params, run_bucket
 from .decide import Decider
 from .merge import merge_buckets
-from .plan import BuildPlan
+from .plan import BuildPlan, filters_spec, rebuild_filters
 from .runner import _Run
 from .stages import load_read_records, stage_lsh
 from .tasks import StageCall
@@ -56,6 +56,8 @@ def decide_buckets(cfg: Any, tasks: Any, can_stop_early: bool) -> int:
 def make_run(target: Any, tasks: list, resumed: bool, lock: Any, t_start: float) -> Any:
     """The run object of this build (its ``run()`` returns the :class:`~h5corpus.build.report.BuildReport`)."""
     cfg = target.cfg
+    if cfg.executor != "local":
+        rebuild_filters(filters_spec(cfg.filters))  # the workers rebuild them from the plan: fail here, not there
     stops = Decider(budgets=cfg.max_tokens, validation_fraction=float(cfg.validation_fraction)).can_stop_early
     buckets = decide_buckets(cfg, tasks, stops)
     if cfg.executor == "slurm":
@@ -145,7 +147,8 @@ class BucketedRun(_Run):
         reads = [self.read[i] for i in range(self.n)]
         lsh = stage_lsh(ctx)
         # The workers wrote the bucket records; reading them back here checks they are complete.
-        records = [run_bucket(ctx.state, load_read_records(ctx), lsh, b, self.buckets) for b in range(self.buckets)]
+        on_disk = load_read_records(ctx)
+        records = [run_bucket(ctx.state, on_disk, lsh, b, self.buckets) for b in range(self.buckets)]
         result = merge_buckets(
             ctx, reads, records, lsh, earlier=self.earlier, explain=self.explain.write if self.explain else None
         )

@@ -214,26 +214,33 @@ class SlurmRun(_Run):
         return lines
 
     def _submit(self, todo: dict[str, Any]) -> dict[str, list[str]]:
+        """Submit the chain; on a failed ``sbatch``, cancel what was submitted and raise."""
         want = self._wanted(todo)
         jobs: dict[str, list[str]] = {}
         prev: list[str] = []
-        for stage, per in CHAIN:
-            w = want[stage]
-            if not w:
-                continue
-            script = str(self.folder / f"{stage}.sbatch")
-            dep = [f"--dependency=afterok:{':'.join(prev)}"] if prev else []
-            ids = []
-            chunks = array_chunks(w, int(self.opts.max_array_size)) if per else [(0, [])]  # type: ignore[arg-type]
-            for off, idx in chunks:
-                argv = ["sbatch", "--parsable", *dep]
-                if per:
-                    argv.append(f"--array={array_spec(idx)}")
-                if off:
-                    argv.append(f"--export=ALL,H5CORPUS_TASK_OFFSET={off}")
-                ids.append(_run_slurm([*argv, script], f"submitting the {stage} jobs").strip().split(";")[0])
-            jobs[stage] = ids
-            prev = ids
+        try:
+            for stage, per in CHAIN:
+                w = want[stage]
+                if not w:
+                    continue
+                script = str(self.folder / f"{stage}.sbatch")
+                dep = [f"--dependency=afterok:{':'.join(prev)}"] if prev else []
+                chunks = array_chunks(w, int(self.opts.max_array_size)) if per else [(0, [])]  # type: ignore[arg-type]
+                jobs[stage] = []
+                for off, idx in chunks:
+                    argv = ["sbatch", "--parsable", *dep]
+                    if per:
+                        argv.append(f"--array={array_spec(idx)}")
+                    if off:
+                        argv.append(f"--export=ALL,H5CORPUS_TASK_OFFSET={off}")
+                    out = _run_slurm([*argv, script], f"submitting the {stage} jobs")
+                    jobs[stage].append(out.strip().split(";")[0])
+                prev = jobs[stage]
+        except BaseException:
+            submitted = [j for ids in jobs.values() for j in ids]
+            if submitted:
+                subprocess.run(["scancel", *submitted], capture_output=True, timeout=120)
+            raise
         return jobs
 
     def _cancel_forever_pending(self) -> None:
@@ -269,6 +276,8 @@ class SlurmRun(_Run):
                 if not states and self.t.manifest_path.exists() and not self.t.state.root.exists():
                     break  # the jobs are gone from squeue (MinJobAge) after writing the manifest
                 time.sleep(POLL_S)
+        except KeyboardInterrupt:  # stop following; the jobs go on
+            return self.report
         finally:
             if bar is not None:
                 bar.close()
@@ -303,6 +312,13 @@ class SlurmRun(_Run):
             f"Slurm job {job} ({stage}) ended {what[1]}; its log: {log}. Completed work is kept: re-run the same "
             "command to resubmit what is missing"
         )
+
+
+def _records(folder: Path, n: int) -> int:
+    """Stage records (``00042.json``) in ``folder``; ``n`` once the state folder is gone (committed)."""
+    if not folder.parent.is_dir():
+        return n
+    return sum(1 for p in folder.glob("*.json") if p.stem.isdigit())
 
 
 def _bar(n: int):
