@@ -246,6 +246,36 @@ def build_cli(
         "--explain-drops",
         help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order.",
     ),
+    task_bytes: int | None = typer.Option(
+        None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."
+    ),
+    executor: str = typer.Option(
+        "local", "--executor", help="Where the stages run: local (process pool), ray or slurm (docs/SCALING.md)."
+    ),
+    decide_buckets: int | None = typer.Option(
+        None,
+        "--decide-buckets",
+        help="Buckets of the decide stage (0: in memory; default: in memory on local, 1 per GiB of input otherwise).",
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="Ray: auto or HOST:PORT of the cluster (default $RAY_ADDRESS, else auto)."
+    ),
+    ray_cpus_per_task: float | None = typer.Option(None, "--ray-cpus-per-task", help="Ray: CPUs per stage task (1)."),
+    partition: str | None = typer.Option(None, "--partition", help="Slurm: partition of every job."),
+    time_limit: str | None = typer.Option(None, "--time", help="Slurm: time limit of every job, e.g. 2:00:00."),
+    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="Slurm: CPUs per array element (1)."),
+    max_array_size: int | None = typer.Option(
+        None, "--max-array-size", help="Slurm: most elements per job array, the cluster's MaxArraySize (1000)."
+    ),
+    sbatch_arg: list[str] | None = typer.Option(
+        None,
+        "--sbatch-arg",
+        help="Slurm: extra sbatch argument for every job (repeatable), e.g. --sbatch-arg=--mem=8G.",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Slurm: write the plan and scripts, print them, submit nothing."
+    ),
+    wait: bool = typer.Option(False, "--wait", help="Slurm: follow the jobs until the manifest is written."),
 ) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
@@ -260,6 +290,19 @@ def build_cli(
     from .storage.format import FormatError
 
     srcs = list(sources or ["stdlib"])
+    check_positive("--task-bytes", task_bytes)
+    executor_cfg = _executor_options(
+        executor,
+        ray_address=ray_address,
+        ray_cpus_per_task=ray_cpus_per_task,
+        partition=partition,
+        time_limit=time_limit,
+        cpus_per_task=cpus_per_task,
+        max_array_size=max_array_size,
+        sbatch_arg=sbatch_arg,
+        dry_run=dry_run,
+        wait=wait,
+    )
     if tokenizer is None:
         tokenizer = "bytes" if all(s == "stdlib" for s in srcs) else "gpt2"
     try:
@@ -293,9 +336,13 @@ def build_cli(
             progress=sys.stderr.isatty() and not as_json,
             filters=filters,
             explain_drops=explain_drops,
+            decide_buckets=decide_buckets,
+            **executor_cfg,
         )
         if shard_tokens is not None:
             cfg.shard_tokens = shard_tokens
+        if task_bytes is not None:
+            cfg.task_bytes = task_bytes
         report = build_corpus(cfg)
     except BuildError as e:
         raise fail(
@@ -309,6 +356,9 @@ def build_cli(
         raise fail("interrupted; re-run the same command to resume", 130) from None
     code = EXIT_OK
     out = report.to_json()
+    if report.submitted:
+        typer.echo(json.dumps(out, indent=2, sort_keys=True) if as_json else _format_submission(report))
+        raise typer.Exit(EXIT_OK)
     if not as_json:
         typer.echo(format_report(report))
     if validate:
@@ -323,6 +373,110 @@ def build_cli(
     if as_json:
         typer.echo(json.dumps(out, indent=2, sort_keys=True))
     raise typer.Exit(code)
+
+
+def _executor_options(executor: str, **o) -> dict:
+    """The build's ``executor``/``ray``/``slurm`` settings from the flags; an engine's flag without its
+    ``--executor`` is a usage error (exit 2)."""
+    from .build.config import EXECUTORS, RayOptions, SlurmOptions
+
+    if executor not in EXECUTORS:
+        raise fail(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}", EXIT_USAGE)
+    ray_flags = {"--ray-address": o["ray_address"], "--ray-cpus-per-task": o["ray_cpus_per_task"]}
+    slurm_flags = {
+        "--partition": o["partition"],
+        "--time": o["time_limit"],
+        "--cpus-per-task": o["cpus_per_task"],
+        "--max-array-size": o["max_array_size"],
+        "--sbatch-arg": o["sbatch_arg"] or None,
+        "--dry-run": o["dry_run"] or None,
+        "--wait": o["wait"] or None,
+    }
+    for engine, flags in (("ray", ray_flags), ("slurm", slurm_flags)):
+        given = [k for k, v in flags.items() if v is not None]
+        if given and executor != engine:
+            raise fail(f"{', '.join(given)} need --executor {engine}", EXIT_USAGE)
+    check_positive("--cpus-per-task", o["cpus_per_task"])
+    check_positive("--max-array-size", o["max_array_size"])
+    if o["ray_cpus_per_task"] is not None and o["ray_cpus_per_task"] <= 0:
+        raise fail(f"--ray-cpus-per-task must be > 0, got {o['ray_cpus_per_task']}", EXIT_USAGE)
+    ray = RayOptions(address=o["ray_address"])
+    if o["ray_cpus_per_task"] is not None:
+        ray.cpus_per_task = o["ray_cpus_per_task"]
+    slurm = SlurmOptions(
+        partition=o["partition"],
+        time=o["time_limit"],
+        sbatch_args=tuple(o["sbatch_arg"] or ()),
+        dry_run=o["dry_run"],
+        wait=o["wait"],
+    )
+    if o["cpus_per_task"] is not None:
+        slurm.cpus_per_task = o["cpus_per_task"]
+    if o["max_array_size"] is not None:
+        slurm.max_array_size = o["max_array_size"]
+    return {"executor": executor, "ray": ray, "slurm": slurm}
+
+
+def _format_submission(report) -> str:
+    """What a Slurm build without --wait prints: the job ids, or (dry run) the scripts and commands."""
+    s = report.slurm
+    if not report.jobs:
+        lines = [f"dry run: nothing submitted; plan and scripts are in {Path(report.shards_dir) / '.build'}"]
+        for stage, path in s.get("scripts", {}).items():
+            lines += [f"--- {path} ({stage})", Path(path).read_text().rstrip()]
+        lines.append("--- submit with (each job after the previous ones; $X_JOBS: their ids, colon-separated):")
+        lines += s.get("commands", [])
+        return "\n".join(lines)
+    jobs = ", ".join(f"{stage} {' '.join(ids)}" for stage, ids in report.jobs.items())
+    every = ",".join(j for ids in report.jobs.values() for j in ids)
+    return (
+        f"submitted Slurm jobs: {jobs}\n"
+        f"  follow: squeue -j {every}   logs: {s.get('logs')}\n"
+        f"  the manifest {report.manifest} is written by the commit job; re-run the same command to resubmit "
+        "what is missing after a failure"
+    )
+
+
+@app.command("build-stage")
+def build_stage_cli(
+    stage: str = typer.Argument(..., help="read, bucket, decide, finish, commit, or status."),
+    state: Path = typer.Option(..., "--state", help="The build's state folder (<shards-dir>/.build)."),
+    task_index: int | None = typer.Option(
+        None, "--task-index", help="read / finish: the task; bucket: the decide bucket (0-based)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the stage's record as JSON."),
+) -> None:
+    """Run one stage of a planned build from its state folder: what the Slurm jobs run, for any
+    scheduler (docs/SCALING.md). A stage whose record is already valid does nothing. Plan a build
+    with `h5corpus build ... --executor slurm --dry-run`. Exit 1 on bad input, 2 on usage errors
+    (missing plan, stage not ready, index out of range).
+
+    CREATES: the stage's files in the state folder; finish: the task's shards; commit: the manifest
+    (then the state folder is removed).
+    """
+    from .build import BuildConflict, BuildError
+    from .build.stages import main_stage, stage_status
+    from .storage.format import FormatError
+
+    check_path_arg("--state", state)
+    try:
+        if stage == "status":
+            out = stage_status(state)
+        else:
+            rec = main_stage(stage, state, task_index)
+            out = rec.to_json() if hasattr(rec, "to_json") else rec
+    except (BuildError, FormatError) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    except (BuildConflict, ValueError) as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    if as_json or stage == "status":
+        typer.echo(json.dumps(out, indent=2, sort_keys=True, default=str))
+    else:
+        where = "" if task_index is None else f" {task_index}"
+        typer.echo(
+            f"build-stage {stage}{where}: done" + ("" if out is not None else " (past the budgets: nothing to do)")
+        )
+    raise typer.Exit(EXIT_OK)
 
 
 def _build_filters(

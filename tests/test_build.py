@@ -353,8 +353,8 @@ _WAITING_BUILD = (
 
 def test_running_build_holds_the_lock_against_a_second_cli_build(tmp_path, core_sources):
     """A real concurrent build: the first (held inside its filters until a go-file appears) holds
-    the lock; a second CLI build into the same output exits 2 with a clear message; the first
-    then finishes."""
+    the run marker (its pid in it); a second CLI build into the same output exits 2 with a clear
+    message naming that pid; the first then finishes and removes the marker."""
     env = subprocess_env()
     go = tmp_path / "go"
     cfg = {
@@ -372,25 +372,25 @@ def test_running_build_holds_the_lock_against_a_second_cli_build(tmp_path, core_
     )
     args = [sys.executable, "-m", "h5corpus", "build", str(core_sources[0]), "--tokenizer", "bytes"]
     try:
-        lock = tmp_path / "shards" / ".build.lock"
+        marker = tmp_path / "shards" / ".build.lock"
         for _ in range(300):
-            if lock.exists():
-                with open(lock) as fh:
-                    try:
-                        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        fcntl.flock(fh, fcntl.LOCK_UN)
-                    except BlockingIOError:
-                        break
+            try:
+                if json.loads(marker.read_text())["pid"] == first.pid:
+                    break
+            except (OSError, ValueError):
+                pass
             time.sleep(0.05)
         else:
-            pytest.fail("first build never took the lock")
+            pytest.fail("first build never wrote its run marker")
         second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert second.returncode == 2
         assert "another h5corpus build is writing into" in second.stderr
+        assert f"pid {first.pid}," in second.stderr
         go.touch()
         out, err = first.communicate(timeout=120)
         assert first.returncode == 0, err
         assert json.loads(out)["documents"] > 0
+        assert not marker.exists()
     finally:
         if first.poll() is None:
             first.kill()

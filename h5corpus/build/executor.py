@@ -11,12 +11,12 @@ processes or on other nodes can run it from the state folder
 forked workers that inherit the context (encoder and filters loaded once), die with the main
 process (``PR_SET_PDEATHSIG`` on Linux), close their copy of the build lock, share progress
 counters, and turn the stages' named steps into test crash points (:data:`CRASH_ENV`).
-:class:`BuildLock` is the lock a build holds on its shards folder.
+:class:`BuildLock` is the lock a build holds on its shards folder: a run marker
+(:mod:`~h5corpus.build.runmarker`), which works on NFS and Lustre where ``flock`` does not.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import sys
@@ -26,9 +26,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import BuildConflict, BuildError
+from .config import BuildError
 from .plan import StageContext
-from .tasks import StageCall, run_stage
+from .runmarker import RunMarker
+from .stages import run_stage
+from .tasks import StageCall
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
 #: (main process and workers) the N-th time (default 1st) one process reaches that point.
@@ -110,43 +112,29 @@ class LocalEvents:
 
 
 class BuildLock:
-    """Exclusive ``flock`` on ``<shards_dir>/.build.lock`` for the life of a build (the file holds
-    the holder's pid for the message a second build prints)."""
+    """The run marker ``<shards_dir>/.build.lock`` for the life of a build (host, pid, start time; a
+    second build refuses while the first is alive, and replaces a stale one). ``fd`` is None: there
+    is no descriptor for forked workers to close."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd: int | None = None
+        self.marker = RunMarker(path, f"into {path.parent}")
 
     def __enter__(self) -> BuildLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            finally:
-                os.close(fd)
-            raise BuildConflict(
-                f"another h5corpus build is writing into {self.path.parent} (lock {self.path} held by pid {holder}); "
-                "wait for it to finish, or stop it first"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
+        self.marker.acquire()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+        self.marker.release()
 
 
 def _mp_context():
     import multiprocessing as mp
 
     # fork: workers inherit the loaded encoder and filters (no re-import, no pickling). Safe here:
-    # the main process holds no open HDF5 file and runs no thread of its own when it forks.
+    # the main process holds no open HDF5 file when it forks, and its one thread besides the main
+    # one (the run marker's heartbeat) only sleeps and touches a file, holding no lock a child needs.
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 

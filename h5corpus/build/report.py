@@ -78,6 +78,18 @@ class BuildReport:
     up_to_date: bool = False
     """The manifest already described this exact build; nothing was done."""
     resumed: bool = False
+    executor: str = "local"
+    """Where the stages ran: ``local``, ``ray`` or ``slurm``."""
+    decide_buckets: int = 0
+    """Buckets of the decide stage (0: decided in memory by the driver)."""
+    jobs: dict[str, list[str]] = field(default_factory=dict)
+    """Slurm: the job ids submitted per stage (``read``, ``bucket``, ``decide``, ``finish``, ``commit``)."""
+    slurm: dict[str, Any] = field(default_factory=dict)
+    """Slurm: ``scripts`` (stage -> sbatch script path), ``logs`` (their folder), and for a dry run the
+    ``commands`` that would submit them."""
+    submitted: bool = False
+    """Slurm without ``wait``: the jobs were submitted (or, with ``dry_run``, written) and the build
+    goes on without this process; ``splits`` is empty."""
 
     @property
     def tokens(self) -> int:

@@ -142,7 +142,9 @@ def build_corpus(config: BuildConfig) -> BuildReport:
             if p.name.endswith(PARTIAL_SUFFIX):
                 p.unlink(missing_ok=True)
         tasks = plan_tasks(inputs, task_bytes=int(cfg.task_bytes))
-        return _Run(target, tasks, resumed, lock.fd, t_start).run()
+        from .scaled import make_run  # the executor and the decide stage's form (it imports _Run)
+
+        return make_run(target, tasks, resumed, lock, t_start).run()
 
 
 def _resumable(t: _Target) -> bool:
