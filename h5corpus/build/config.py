@@ -123,7 +123,10 @@ class BuildConfig:
     filters: DocumentFilters | None = None
     """Optional :class:`DocumentFilters` (cleaning, quality, language, PII, near-dedup)."""
     fast_path: bool = True
-    """Use a proven-equal fast encoder (tiktoken / raw bytes) when the tokenizer allows one."""
+    """Use a proven-equal fast encoder (fastokens / tiktoken / raw bytes) when the tokenizer allows one."""
+    fast_encoders: Sequence[str] | None = None
+    """The fast encoders to try, in order (default ``bytes``, ``fastokens``, ``tiktoken``; each
+    where it applies, each proven before use). For tests and benchmarks: never changes a byte."""
     progress: bool = False
     """Show a tqdm bar (documents, tokens, tokens/s) on stderr."""
     hf_cache_dir: str | os.PathLike[str] | None = None
@@ -157,6 +160,10 @@ class BuildConfig:
         for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        known = ("bytes", "fastokens", "tiktoken")
+        for name in self.fast_encoders or ():
+            if name not in known:
+                raise ValueError(f"fast_encoders: unknown encoder {name!r} (known: {', '.join(known)})")
         if self.filters is not None and not callable(getattr(self.filters, "process", None)):
             raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
 

@@ -199,8 +199,11 @@ class _EncodeQueue:
 
     def __init__(self, ctx: StageContext, out: _ReadOutputs, seconds: dict[str, float]) -> None:
         self.encoder = ctx.encoder
-        self.dtype = fmt.token_dtype(ctx.plan.tokenizer.vocab_size)
+        self.vocab_size = ctx.plan.tokenizer.vocab_size
+        self.dtype = fmt.token_dtype(self.vocab_size)
         self.eos = ctx.plan.tokenizer.eos_id
+        self.fallbacks = 0
+        """Documents of this task the encoder handed to the reference encoder."""
         self.max_tokens = ctx.plan.max_document_tokens
         self.out, self.seconds = out, seconds
         self.texts: list[str] = []
@@ -227,47 +230,60 @@ class _EncodeQueue:
             return
         clock = time.process_time
         c0 = clock()
-        arrs = self.encoder.encode_batch(self.texts[:k])
+        fallbacks = self.encoder.fallbacks
+        flat, offsets = self.encoder.encode_flat(self.texts[:k])
         c1 = clock()
         self.seconds["encode"] += c1 - c0
-        full = np.fromiter((a.size + 1 for a in arrs), dtype=np.int64, count=k)
+        self.fallbacks += self.encoder.fallbacks - fallbacks
+        full = np.diff(offsets) + 1
         stored = np.minimum(full, self.max_tokens) if self.max_tokens else full
         flags = (stored < full).astype(np.uint8) * fmt.FLAG_TRUNCATED
+        tokens = self._stored_tokens(flat, offsets, stored)
         split = np.asarray(self.splits[:k], dtype=np.uint8)
         ids = b"".join(self.ids[:k])
         id_rows = np.frombuffer(ids, dtype=np.uint8).reshape(k, fmt.DOC_ID_BYTES)
+        starts = np.zeros(k + 1, dtype=np.int64)
+        np.cumsum(stored, out=starts[1:])
         for s in (0, 1):
-            sel = np.flatnonzero(split == s)
-            if sel.size:
-                flat = self._tokens(arrs, sel, stored, bool(flags[sel].any()))
-                self.out.add_split(s, flat, stored[sel], id_rows[sel], flags[sel])
+            sel = split == s
+            if sel.all():
+                self.out.add_split(s, tokens, stored, id_rows, flags)
+            elif sel.any():
+                self.out.add_split(s, _gather(tokens, starts, sel), stored[sel], id_rows[sel], flags[sel])
         self.out.add_rows(ids, stored, self.chars[:k], split, flags)
         self.size -= sum(self.chars[:k])
         for lst in (self.texts, self.ids, self.chars, self.splits):
             del lst[:k]
         self.seconds["write"] += clock() - c1
 
-    def _tokens(self, arrs: list[np.ndarray], sel: np.ndarray, stored: np.ndarray, cut: bool) -> np.ndarray:
-        """The stored tokens of documents ``sel``, one flat array: each one's ids then EOS, or, when
+    def _stored_tokens(self, flat: np.ndarray, offsets: np.ndarray, stored: np.ndarray) -> np.ndarray:
+        """The stored tokens of the batch, one flat array: each document's ids then EOS, or, when
         cut at ``max_document_tokens``, its first ``stored`` ids without EOS."""
-        if not cut:
-            eos = np.array([self.eos], dtype=self.dtype)
-            parts = []
-            for i in sel.tolist():
-                parts.append(arrs[i])
-                parts.append(eos)
-            return np.concatenate(parts, dtype=self.dtype, casting="unsafe")
-        flat = np.empty(int(stored[sel].sum()), dtype=self.dtype)
-        pos = 0
-        for i in sel.tolist():
-            a, m = arrs[i], int(stored[i])
-            if m == a.size + 1:
-                flat[pos : pos + m - 1] = a
-                flat[pos + m - 1] = self.eos
-            else:
-                flat[pos : pos + m] = a[:m]
-            pos += m
-        return flat
+        k = offsets.size - 1
+        if flat.size and int(flat.max()) >= self.vocab_size:  # before the cast to the stored dtype
+            raise BuildError(
+                f"{self.out.label}: tokenizer output cannot be stored: id {int(flat.max())} >= vocabulary size "
+                f"{self.vocab_size}"
+            )
+        out = np.empty(flat.size + k, dtype=self.dtype)
+        eos_at = offsets[1:] + np.arange(k)
+        keep = np.ones(out.size, dtype=bool)
+        keep[eos_at] = False
+        out[keep] = flat
+        out[eos_at] = self.eos
+        full = np.diff(offsets) + 1
+        if bool((stored < full).any()):
+            starts = offsets[:-1] + np.arange(k)
+            out = np.concatenate([out[a : a + m] for a, m in zip(starts.tolist(), stored.tolist())])
+        return out
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """The tokens of the documents ``sel`` (bool per document; document ``i`` holds
+    ``tokens[starts[i]:starts[i + 1]]``), in order: one slice per run of selected documents."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], sel, [False])).astype(np.int8)))
+    runs = starts[edges].reshape(-1, 2).tolist()
+    return np.concatenate([tokens[a:b] for a, b in runs]) if len(runs) > 1 else tokens[runs[0][0] : runs[0][1]]
 
 
 class _TaskRead:
@@ -483,6 +499,7 @@ def read_task(ctx: StageContext, index: int) -> ReadRecord:
         skipped_records=run.listed,
         filter_counters=_counter_delta(counters0, f),
         seconds={k: round(v, 4) for k, v in seconds.items()},
+        encoder_fallbacks=run.queue.fallbacks,
     )
     write_state_file(paths.record, json.dumps(record.to_json(), sort_keys=True).encode("utf-8"))
     ctx.step("read-record")
