@@ -180,7 +180,7 @@ class FastokensEncoder:
         global _POOL_STARTED_IN
         native = self.native
         texts = texts if isinstance(texts, list) else list(texts)
-        watch = sys.platform.startswith("linux") and any(len(t) >= _WATCH_CHARS for t in texts)
+        watch = sys.platform.startswith("linux") and max(map(len, texts), default=0) >= _WATCH_CHARS
         before = _thread_count() if watch else 0
         try:
             ids, offs = native.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=True)

@@ -22,8 +22,10 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from ..storage.format import ShardRecord
 from .config import MAX_LISTED, BuildError
 from .explain import explain_line
 from .plan import StageContext
-from .readers import BadRecord, LocatingReader, TaskReader
+from .readers import BadRecord, DocChunk, LocatingReader, TaskReader
 from .shards import (
     ShardSequence,
     Syncer,
@@ -378,9 +380,17 @@ class _TaskRead:
     def accept(self, b: _Batch) -> None:
         """The one accept path of every document past the filters: id, split, empty and duplicate
         checks, then the encode queue."""
-        ids = [hashlib.sha256(d).digest() for d in b.datas]
+        sha256 = hashlib.sha256
+        ids = [sha256(d).digest() for d in b.datas]
         splits = self.rule.indices(ids)
         texts, seen = b.texts, self.seen
+        fresh = set(ids)
+        if len(fresh) == len(ids) and seen.isdisjoint(fresh) and all(texts):  # the common case, in C
+            seen |= fresh
+            if self.out.sigs is not None or self.out.langs is not None or self.explain:
+                self._kept_extras(b, range(len(ids)), ids)
+            self.queue.extend(texts, ids, list(map(len, texts)), splits.tolist())
+            return
         kept: list[int] = []
         dropped: list[tuple[int, str]] = []
         for i, doc_id in enumerate(ids):
@@ -413,7 +423,7 @@ class _TaskRead:
                 dup_of = ids[i].hex() if why == "exact_dup" else None
                 self.out.ex_drops.append((b.ordinals[i], explain_line(read_id.hex(), b.locs[i], why, info, dup_of)))
 
-    def _kept_extras(self, b: _Batch, kept: list[int], kept_ids: list[bytes]) -> None:
+    def _kept_extras(self, b: _Batch, kept: Sequence[int], kept_ids: list[bytes]) -> None:
         """Per kept document: its signature, its language, its explain row (table order)."""
         out = self.out
         for j, i in enumerate(kept):
@@ -432,6 +442,9 @@ class _TaskRead:
 
 def _read_records(run: _TaskRead, reader: TaskReader, locate: Callable[[int], Any] | None) -> None:
     """The read stage's hot loop: stream the task's records into batches; bad records aside."""
+    if locate is None and reader.task.kind == "parquet":
+        _read_chunks(run, reader.parquet_chunks())
+        return
     batch = _Batch()
     size = 0
     for k, rec in enumerate(reader):
@@ -449,6 +462,34 @@ def _read_records(run: _TaskRead, reader: TaskReader, locate: Callable[[int], An
         if len(batch.texts) >= RECORD_BATCH_DOCS or size >= RECORD_BATCH_CHARS:
             run.documents(batch)
             batch, size = _Batch(), 0
+    run.documents(batch)
+    run.queue.flush()
+
+
+def _read_chunks(run: _TaskRead, chunks: Iterable[DocChunk | BadRecord]) -> None:
+    """:func:`_read_records` for a reader that gives runs of documents: the same batches (a batch
+    ends at the document that reaches :data:`RECORD_BATCH_DOCS` or :data:`RECORD_BATCH_CHARS`),
+    cut out of each run without a Python step per record."""
+    batch = _Batch()
+    size = 0
+    for chunk in chunks:
+        if isinstance(chunk, BadRecord):
+            run.bad(chunk)
+            continue
+        texts, datas = chunk
+        i, n = 0, len(texts)
+        while i < n:
+            room = RECORD_BATCH_DOCS - len(batch.texts)
+            ends = list(accumulate(map(len, texts[i : i + room]), initial=size))
+            j = bisect_left(ends, RECORD_BATCH_CHARS, lo=1)  # documents up to the one that fills it
+            take = min(j, len(ends) - 1)
+            batch.texts += texts[i : i + take]
+            batch.datas += datas[i : i + take]
+            size = ends[take]
+            i += take
+            if len(batch.texts) >= RECORD_BATCH_DOCS or size >= RECORD_BATCH_CHARS:
+                run.documents(batch)
+                batch, size = _Batch(), 0
     run.documents(batch)
     run.queue.flush()
 
