@@ -260,7 +260,9 @@ class TaskReader:
             return
         try:
             # use_threads=False: the worker decodes on its own thread (workers are the parallelism)
-            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld], use_threads=False)
+            batches = pf.iter_batches(
+                batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld], use_threads=False
+            )
             for batch in batches:
                 col = batch.column(0)
                 yield from _string_chunks(col, f"{f.name} row ", row, fld)
