@@ -113,7 +113,7 @@ def _thread_count() -> int:
         return 0
 
 
-def _one_thread() -> None:
+def fastokens_on_one_thread() -> None:
     """Size fastokens' pools to one thread. The variables are read when a pool starts (the first
     encode that needs it) and the build parallelizes by processes: a pool of its own per worker
     would compete with the other workers for the same cores."""
@@ -127,7 +127,7 @@ class FastokensEncoder:
 
     A batch it raises on (PCRE2 match or JIT-stack limits on pathological text) is encoded one
     text at a time; a text it raises on is encoded by the reference and counted in
-    :attr:`fallbacks`. It runs on one thread (:func:`_one_thread`). Pickles as the tokenizer; the
+    :attr:`fallbacks`. It runs on one thread (:func:`fastokens_on_one_thread`). Pickles as the tokenizer; the
     native object is rebuilt lazily.
     """
 
@@ -153,7 +153,7 @@ class FastokensEncoder:
             return None, "fastokens is not installed"
         if _POOL_STARTED_IN == os.getpid():
             return None, "its thread pool already runs in this process, and workers forked from it could not use it"
-        _one_thread()
+        fastokens_on_one_thread()
         try:
             native = fastokens.Tokenizer.from_json_str(tok.json_text)
             native.no_truncation()
@@ -295,6 +295,14 @@ def _structure(tok: Tokenizer) -> tuple[str | None, Any, str]:
     return ("tiktoken", enc, "") if enc is not None else (None, None, why)
 
 
+def _is_bytes(tok: Tokenizer) -> bool:
+    """True for the ``bytes`` tokenizer's model (from the cached verdict when there is one)."""
+    verdict = load_facts(tok.identity.sha256, "fast path")
+    if verdict is not None and (verdict.get("kind") in ("bytes", "tiktoken") or isinstance(verdict.get("why"), str)):
+        return verdict.get("kind") == "bytes"
+    return _structure(tok)[0] == "bytes"
+
+
 def _tiktoken_encoding_of(json_text: str, parsed: dict[str, Any] | None = None) -> tuple[Any, str]:
     """The tiktoken encoding of a tokenizer JSON, or (None, why not); the verdict is cached."""
     try:
@@ -321,9 +329,9 @@ def _candidate(tok: Tokenizer, name: str) -> tuple[Encoder | None, str]:
         return FastokensEncoder.load(tok)
     if name not in ("bytes", "tiktoken"):
         raise ValueError(f"unknown fast encoder {name!r} (known: {', '.join(FAST_ENCODERS)})")
-    kind, enc, why = _structure(tok)
     if name == "bytes":
-        return (BytesEncoder(), "") if kind == "bytes" else (None, "")
+        return (BytesEncoder(), "") if _is_bytes(tok) else (None, "")
+    kind, enc, why = _structure(tok)
     if enc is None:
         return None, "" if kind == "bytes" else why
     e = TiktokenEncoder(tok.json_text)
