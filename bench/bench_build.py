@@ -292,7 +292,11 @@ def main() -> None:
             for procs in sorted({1, P}):
                 keep(f"raw_fastokens_{procs}", *raw("fastokens", ft, texts, procs))
                 keep(f"raw_tiktoken_{procs}", *raw("tiktoken", tk, texts, procs))
-            runs = [(f"build_{fmt}_{w}", src, w, warm) for w in sorted({1, P}) for fmt, src in (("jsonl", jsonl), ("parquet", parquet))]
+            runs = [
+                (f"build_{fmt}_{w}", src, w, warm)
+                for w in sorted({1, P})
+                for fmt, src in (("jsonl", jsonl), ("parquet", parquet))
+            ]
             runs.append((f"build_first_jsonl_{P}", jsonl, P, tmp / f"cache-cold-{r}"))
             for name, src, w, cache in runs:
                 n, s, rep, cpu = run_build(src, args.tokenizer, w, tmp / "out", cache)
@@ -345,7 +349,9 @@ def report(args, best, seconds, main_cpu, encoders, parts, documents, load_befor
     alone = {k: round(v * 1e7 / parts["tokens"], 3) for k, v in parts.items() if k != "tokens"}
     for name in (f"build_jsonl_{P}", "build_jsonl_1"):
         if name in per10m:
-            read_alone = sum(alone[k] for k in ("read_and_split_lines", "json_parse", "utf8_encode", "sha256_ids", "split_hash"))
+            read_alone = sum(
+                alone[k] for k in ("read_and_split_lines", "json_parse", "utf8_encode", "sha256_ids", "split_hash")
+            )
             per10m[name]["read_rest"] = round(per10m[name]["read"] - read_alone, 3)
     return {
         "corpus": str(args.corpus),
@@ -354,7 +360,9 @@ def report(args, best, seconds, main_cpu, encoders, parts, documents, load_befor
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "measurements": {k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s)} for k, (n, s) in best.items()},
+        "measurements": {
+            k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s)} for k, (n, s) in best.items()
+        },
         "encoders": encoders,
         "ratios": {k: v for k, v in ratios.items() if v is not None},
         "targets": targets,

@@ -104,6 +104,8 @@ _POOL_STARTED_IN: int | None = None
 #: Texts at least this long may make fastokens split them on its thread pool (it does from a few
 #: hundred thousand characters on, with a PCRE2 split regex); only such batches are watched.
 _WATCH_CHARS = 1 << 16
+#: What fastokens' failures never include: these propagate.
+_INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 def _thread_count() -> int:
@@ -127,8 +129,8 @@ class FastokensEncoder:
 
     A batch it raises on (PCRE2 match or JIT-stack limits on pathological text) is encoded one
     text at a time; a text it raises on is encoded by the reference and counted in
-    :attr:`fallbacks`. It runs on one thread (:func:`fastokens_on_one_thread`). Pickles as the tokenizer; the
-    native object is rebuilt lazily.
+    :attr:`fallbacks`. It runs on one thread (:func:`fastokens_on_one_thread`). Pickles as the
+    tokenizer; the native object is rebuilt lazily.
     """
 
     name = "fastokens"
@@ -185,7 +187,9 @@ class FastokensEncoder:
         try:
             ids, offs = native.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=True)
             flat, offsets = np.frombuffer(ids, dtype="<u4"), np.frombuffer(offs, dtype="<u8").astype(np.int64)
-        except Exception:
+        except _INTERRUPTS:
+            raise
+        except BaseException:  # also a Rust panic (pyo3's PanicException is a BaseException)
             flat, offsets = self._one_by_one(native, texts)
         if watch and _POOL_STARTED_IN is None and _thread_count() > before:
             _POOL_STARTED_IN = os.getpid()
@@ -197,7 +201,9 @@ class FastokensEncoder:
             try:
                 ids, _ = native.encode_batch_flat([t], add_special_tokens=False, split_special_tokens=True)
                 parts.append(np.frombuffer(ids, dtype="<u4"))
-            except Exception:
+            except _INTERRUPTS:
+                raise
+            except BaseException:
                 parts.append(self.tok.encode(t))  # the reference; what it raises, the build reports
                 self.fallbacks += 1
         return flat_of(parts)
