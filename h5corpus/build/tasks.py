@@ -11,6 +11,9 @@ written last, carries their hashes.
 task that keeps every candidate document has its candidate shards renamed into place; otherwise
 its kept documents are copied into new shards (at most ``shard_tokens`` tokens each, documents
 whole). Both report named steps through ``ctx.step`` (the executor's crash points in tests).
+
+The module runs past 600 lines because the read stage's hot path (record batches, the accept
+path, the encode queue and its flat-id assembly) is meant to be read in one place.
 """
 
 from __future__ import annotations
