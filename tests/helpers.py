@@ -283,6 +283,111 @@ def bpe_tokenizer_json(merges: list[tuple[str, str]], *, normalizer=None, pre_to
     }
 
 
+# -- tokenizer families ----------------------------------------------------------------------------
+#: Llama-3's pre-tokenizer split regex (a ``Split`` before a regex-free ``ByteLevel``).
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+#: A ``Split`` regex PCRE2 cannot match on long words (its JIT stack overflows on ~2,000 letters:
+#: fastokens raises), while ``tokenizers`` and tiktoken match it.
+DEEP_PATTERN = r"(?:\p{L}|\p{N})+|\s+|[^\s\p{L}\p{N}]+"
+#: The families :func:`train_tokenizer_family` builds: byte-level BPE like GPT-2 and like
+#: Llama-3 (``Split`` regex), SentencePiece-style BPE (NFKC, Metaspace, byte fallback), BERT
+#: WordPiece, and a Metaspace Unigram.
+TOKENIZER_FAMILIES = ("gpt2_bpe", "llama3_bpe", "sentencepiece_bpe", "bert_wordpiece", "metaspace_unigram")
+
+
+def _chars_prefix(texts: Sequence[str], chars: int) -> list[str]:
+    out, n = [], 0
+    for t in texts:
+        out.append(t)
+        n += len(t)
+        if n >= chars:
+            break
+    return out
+
+
+def train_tokenizer_family(family: str, texts: Sequence[str]) -> str:
+    """A ``tokenizer.json`` of ``family`` (:data:`TOKENIZER_FAMILIES`), trained by ``tokenizers``
+    itself on ``texts`` (a small vocabulary, so it trains in seconds). Each has an EOS token of
+    :data:`h5corpus.build.tokenizer.EOS_CANDIDATES`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if family == "gpt2_bpe":
+        t = Tokenizer(models.BPE())
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        t.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+        )
+    elif family == "llama3_bpe":
+        t = Tokenizer(models.BPE(ignore_merges=True))
+        t.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        t.decoder = decoders.ByteLevel()
+        special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+        trainer = trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+        )
+    elif family == "sentencepiece_bpe":
+        t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+        t.normalizer = normalizers.NFKC()
+        t.pre_tokenizer = pre_tokenizers.Metaspace()
+        t.decoder = decoders.Metaspace()
+        special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=special, show_progress=False)
+    elif family == "bert_wordpiece":
+        t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        t.normalizer = normalizers.BertNormalizer(lowercase=True)
+        t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        t.decoder = decoders.WordPiece()
+        special = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "</s>"]
+        trainer = trainers.WordPieceTrainer(vocab_size=1500, special_tokens=special, show_progress=False)
+    elif family == "metaspace_unigram":
+        t = Tokenizer(models.Unigram())
+        t.pre_tokenizer = pre_tokenizers.Metaspace()
+        t.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(
+            vocab_size=600,
+            special_tokens=["<unk>", "</s>"],
+            unk_token="<unk>",
+            max_piece_length=12,
+            show_progress=False,
+        )
+        texts = _chars_prefix(texts, 150_000)  # Unigram training is the slow one
+    else:
+        raise ValueError(f"unknown tokenizer family {family!r}")
+    t.train_from_iterator(list(texts), trainer)
+    return t.to_str()
+
+
+def with_split_pattern(tokenizer_json: str, pattern: str) -> str:
+    """A byte-level BPE ``tokenizer.json`` (a Split + ByteLevel sequence, or a plain ByteLevel)
+    with its split regex replaced by ``pattern``."""
+    d = json.loads(tokenizer_json)
+    d["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ],
+    }
+    return json.dumps(d, ensure_ascii=False)
+
+
+def reference_ids(tokenizer_json: str, texts: Sequence[str]) -> list[np.ndarray]:
+    """Ids of ``texts`` by ``tokenizers`` itself (special-token text encoded as text, nothing
+    added): the oracle every encoder is compared with."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True
+    return [np.asarray(tok.encode(t, add_special_tokens=False).ids, dtype=np.int64) for t in texts]
+
+
 # -- loaders -------------------------------------------------------------------------------------
 # Oracles of the loaders' documented rules (docs/PACKING.md), written as plain loops that share no
 # code with h5corpus.loaders, and batch comparisons used by several loader tests and benchmarks.

@@ -596,15 +596,22 @@ def test_hf_source_fineweb_schema_from_local_cache(tmp_path, stdlib_corpus_texts
 
 def test_fast_path_that_differs_on_the_input_falls_back_to_tokenizers(tmp_path):
     """A tokenizer whose tiktoken mirror looks eligible but merges "abc" differently: the proof at
-    build start catches it on the build's own text, and the corpus equals the tokenizers ids."""
+    build start catches it on the build's own text, and the corpus equals the tokenizers ids.
+    (fastokens gives the right ids here: the build is limited to tiktoken to reach the fallback.)"""
     from h5corpus.build.tokenizer import load_tokenizer
     from tests.helpers import bpe_tokenizer_json
 
     tj = tmp_path / "tokenizer.json"
     tj.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("a", "bc")])))
     src = write_jsonl(tmp_path / "in.jsonl", ["we sing the abc song", "abcabc and cab", "nothing here"])
-    rep = build_corpus(config(tmp_path / "o", [src], tokenizer=str(tj), validation_fraction=0.0))
+    rep = build_corpus(
+        config(tmp_path / "o", [src], tokenizer=str(tj), validation_fraction=0.0, fast_encoders=("tiktoken",))
+    )
     assert rep.encoder == "tokenizers" and "differs at token" in rep.encoder_note
+    assert (
+        build_corpus(config(tmp_path / "f", [src], tokenizer=str(tj), validation_fraction=0.0)).encoder == "fastokens"
+    )
+    assert tree(tmp_path / "f") == tree(tmp_path / "o")
     tok = load_tokenizer(str(tj))
     ex = model(records([src], 60_000), encode=lambda t: tok.encode(t).tolist(), fraction=0.0)
     check_content(tmp_path / "o" / "manifests" / "shards.json", ex, lambda t: tok.encode(t).tolist(), eos=tok.eos_id)
@@ -922,12 +929,12 @@ def dev_encode(gpt2_json, dev_texts, dev_gpt2_ids):
 
 
 def test_dev_corpus_every_document_equals_gpt2_encode_plus_eos(dev_build, dev_inputs, dev_encode):
-    """Whole dev corpus + extras, 2 workers, GPT-2 via the proven tiktoken fast path: every stored
+    """Whole dev corpus + extras, 2 workers, GPT-2 via the proven fastokens fast path: every stored
     document = tokenizers ids + [50256]; EOS nowhere else (also where the text says <|endoftext|>);
     duplicates dropped exactly once; no id in both splits; the corpus validates."""
     root, rep = dev_build
     sources, texts = dev_inputs
-    assert rep.encoder == "tiktoken"
+    assert rep.encoder == "fastokens" and rep.encoder_fallbacks == 0
     ex = model([texts], encode=dev_encode)
     check_content(root / "manifests" / "shards.json", ex, dev_encode, eos=50256)
     n_dups = len(texts) - len(set(texts))

@@ -158,7 +158,10 @@ class BuildConfig:
     filters: DocumentFilters | None = None
     """Optional :class:`DocumentFilters` (cleaning, quality, language, PII, near-dedup)."""
     fast_path: bool = True
-    """Use a proven-equal fast encoder (tiktoken / raw bytes) when the tokenizer allows one."""
+    """Use a proven-equal fast encoder (fastokens / tiktoken / raw bytes) when the tokenizer allows one."""
+    fast_encoders: Sequence[str] | None = None
+    """The fast encoders to try, in order (default ``bytes``, ``fastokens``, ``tiktoken``; each
+    where it applies, each proven before use). For tests and benchmarks: never changes a byte."""
     progress: bool = False
     """Show a tqdm bar (documents, tokens, tokens/s) on stderr."""
     hf_cache_dir: str | os.PathLike[str] | None = None
@@ -219,6 +222,10 @@ class BuildConfig:
             raise ValueError("ray: cpus_per_task must be > 0 and max_retries >= 0")
         if int(self.slurm.cpus_per_task) < 1 or int(self.slurm.max_array_size) < 1:
             raise ValueError("slurm: cpus_per_task and max_array_size must be >= 1")
+        known = ("bytes", "fastokens", "tiktoken")
+        for name in self.fast_encoders or ():
+            if name not in known:
+                raise ValueError(f"fast_encoders: unknown encoder {name!r} (known: {', '.join(known)})")
         if self.filters is not None and not callable(getattr(self.filters, "process", None)):
             raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
 

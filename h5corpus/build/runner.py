@@ -43,10 +43,11 @@ from .config import (
     filters_detect_language,
 )
 from .decide import DecideInput, Decider
-from .encoders import Encoder, HFEncoder, fast_encoder, prove_same_ids
+from .encoders import Encoder, HFEncoder, fast_encoder
 from .executor import BuildLock, LocalExecutor
 from .explain import ExplainFile
 from .plan import BuildPlan, StageContext, filters_spec, read_plan_run
+from .proof import prove_fast_path
 from .readers import newlines_before, sample_texts
 from .report import BuildReport, report_from_manifest
 from .shards import our_shard_files
@@ -218,11 +219,12 @@ class _Run:
         self.fast: Encoder | None = None
         self.note = ""
         if cfg.fast_path:
-            self.fast, why = fast_encoder(target.tok)
+            self.fast, why = fast_encoder(target.tok, cfg.fast_encoders)
             if self.fast is None:
                 self.note = f"fast path not applicable: {why}"
             else:
                 self.encoder = self.fast
+                self.note = f"not applicable: {why}" if why else ""
         self.read: dict[int, ReadRecord] = {}
         for t in tasks:
             rec = target.state.load_read_record(t.index, t.key)
@@ -339,17 +341,16 @@ class _Run:
         if fast is None or self.encoder is not fast:
             return
         sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
-        diff = prove_same_ids(HFEncoder(self.t.tok), fast, sample)
-        if diff is None:
+        chosen, note = prove_fast_path(HFEncoder(self.t.tok), fast, sample, names=self.cfg.fast_encoders)
+        if chosen is fast:
             return
-        self.note = f"fast path ({fast.name}) disabled: {diff}"
+        self.note = "; ".join(filter(None, (self.note, note)))
         self.executor.cancel()
-        hf = HFEncoder(self.t.tok)
-        for i in [i for i, r in self.read.items() if not self._usable(r, hf)]:
+        for i in [i for i, r in self.read.items() if not self._usable(r, chosen)]:
             del self.read[i]
         self.to_read = [i for i in self.order if i not in self.read]
         self.read_pending.clear()
-        self._start(hf, dataclasses.replace(self.plan, encoder=hf.name))
+        self._start(chosen, dataclasses.replace(self.plan, encoder=chosen.name))
         self._submit_reads()
 
     def _usable(self, rec: ReadRecord, encoder: Encoder) -> bool:
@@ -459,6 +460,7 @@ class _Run:
         r.tasks_read = len(reads)
         r.splits = m.splits
         r.skipped_total, r.skipped_records = totals.skipped_total, totals.skipped_records
+        r.encoder_fallbacks = totals.encoder_fallbacks
         r.filter_counters, r.seconds = totals.filter_counters, totals.seconds
         if self.explain is not None:
             r.explain_drops, r.explained = str(self.cfg.explain_drops), self.explain.lines
