@@ -311,6 +311,26 @@ def test_to_iterable_dataset_shards_equal_the_dataset(tmp_path, ds, texts):
     assert stored(tmp_path / "i") == stored(tmp_path / "d")
 
 
+def test_streaming_load_dataset_dict_with_one_split_equals_the_jsonl_route(tmp_path, ds, texts):
+    """load_dataset(..., streaming=True) without a split gives an IterableDatasetDict: its only split
+    is read (one task per data file), storing the JSONL route's documents; the manifest names it."""
+    a = write_jsonl(tmp_path / "in" / "a.jsonl", texts[:35])
+    b = write_jsonl(tmp_path / "in" / "b.jsonl", texts[35:])
+    it = ds.load_dataset("json", data_files=[str(a), str(b)], streaming=True)
+    assert isinstance(it, ds.IterableDatasetDict) and list(it) == ["train"]
+    rep = build_corpus(cfg(tmp_path / "s", [it], workers=2))
+    assert rep.tasks == 2
+    build_corpus(cfg(tmp_path / "j", [str(a), str(b)]))
+    assert stored(tmp_path / "s") == stored(tmp_path / "j")
+    [inp] = manifest(tmp_path / "s")["source"]["inputs"]
+    assert (inp["dataset"], inp["split"], inp["num_shards"], inp["builder_name"]) == (
+        "IterableDataset",
+        "train",
+        2,
+        "json",
+    )
+
+
 # -- the persisted plan: other processes, kill -9 and resume -------------------------------------
 _DATASET_BUILD = (
     "import json, sys\n"
