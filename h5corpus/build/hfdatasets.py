@@ -182,7 +182,8 @@ def _check_column(name: str, column: str, features: Any) -> None:
 
     feature = features[column]
     typ = getattr(feature, "pa_type", None)
-    if typ is None or not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
+    is_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    if typ is None or not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_view(typ)):
         raise SourceError(f"{name}: column {column!r} is {feature}, not a string column")
 
 
