@@ -168,7 +168,7 @@ def build_cli(
     sources: list[str] | None = typer.Argument(
         None,
         help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
-        "or 'stdlib' (the default: the Python standard library's sources, offline).",
+        "datasets save_to_disk folders, or 'stdlib' (the default: the Python standard library's sources, offline).",
     ),
     tokenizer: str | None = typer.Option(
         None,
@@ -197,7 +197,9 @@ def build_cli(
     on_error: str = typer.Option(
         "fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."
     ),
-    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="JSON field / parquet, CSV or datasets column holding the text."
+    ),
     shard_tokens: int | None = typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
     validate: bool = typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

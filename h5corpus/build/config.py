@@ -127,8 +127,10 @@ class SlurmOptions:
 class BuildConfig:
     """Everything a build depends on. Paths are relative to the current directory."""
 
-    sources: Sequence[str] = ("stdlib",)
-    """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``), in input order."""
+    sources: Sequence[Any] = ("stdlib",)
+    """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``) and ``datasets``
+    objects (``Dataset``, ``IterableDataset``, :class:`~h5corpus.build.hfdatasets.DatasetSource`), in
+    input order."""
     tokenizer: str = "gpt2"
     """Tokenizer spec: ``gpt2``, ``bytes``, or a path to ``tokenizer.json`` / its folder."""
     shards_dir: str | os.PathLike[str] = DEFAULT_SHARDS_DIR
@@ -136,7 +138,7 @@ class BuildConfig:
     workers: int | None = None
     """Worker processes (default: all cores). Never changes the output."""
     text_field: str = "text"
-    """JSON field / parquet column holding the text."""
+    """JSON field / parquet or ``datasets`` column holding the text."""
     split_seed: int = DEFAULT_SPLIT_SEED
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION
     """Probability that a document goes to validation (by hash of id and seed), in [0, 1]."""

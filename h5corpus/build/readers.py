@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .sources import SourceFile, Task, open_parquet
+from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
 
 #: Rows per parquet read batch.
 PARQUET_BATCH_ROWS = 1024
@@ -82,6 +82,10 @@ class TaskReader:
             return self._parquet()
         if k == "text":
             return self._text()
+        if k.startswith(DATASETS_KIND_PREFIX):
+            from .hfreaders import read_records
+
+            return read_records(self.task, self.text_field)
         raise ValueError(f"unknown task kind {k!r}")
 
     # jsonl --------------------------------------------------------------------------------------
@@ -405,6 +409,10 @@ class LocatingReader(TaskReader):
     def location(self, ordinal: int) -> tuple[str, str | None, int | None]:
         """Where record number ``ordinal`` (0-based, bad records included) of the task is."""
         t = self.task
+        if t.kind.startswith(DATASETS_KIND_PREFIX):
+            from .hfreaders import record_location
+
+            return record_location(t, ordinal)
         if t.kind == "parquet":
             return t.files[0].name, "row", t.first_row + ordinal
         if t.kind == "text":

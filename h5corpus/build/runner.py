@@ -111,11 +111,11 @@ def build_corpus(config: BuildConfig) -> BuildReport:
     cfg = config
     cfg.check()
     tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, cache_dir=cfg.hf_cache_dir)
-    inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir)
+    inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
     shards_dir = Path(cfg.shards_dir).absolute()
     settings = cfg.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
-    run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": list(cfg.sources)}
+    run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": [i.spec for i in inputs]}
     target = _Target(
         cfg=cfg,
         tok=tok,
@@ -157,7 +157,7 @@ def _resumable(t: _Target) -> bool:
     if old != t.run_id:
         if old.get("tokenizer") and not TokenizerIdentity.from_json(old["tokenizer"]).same_ids(t.tok.identity):
             raise _tokenizer_conflict(t.state.root, TokenizerIdentity.from_json(old["tokenizer"]), t.tok.identity)
-        srcs = list(t.cfg.sources)
+        srcs = t.run_id["sources"]
         raise BuildConflict(
             f"{t.state.root} holds an interrupted build with other settings ({_diff_keys(old.get('settings') or {}, t.settings)}"
             f"{'; sources ' + repr(old.get('sources')) if old.get('sources') != srcs else ''}); "
