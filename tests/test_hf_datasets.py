@@ -404,6 +404,16 @@ def test_in_memory_tasks_refuse_another_process_and_resume_with_the_same_rows(tm
     assert tree(root) == tree(tmp_path / "ref")
 
 
+@pytest.mark.parametrize("executor", ["ray", "slurm"])
+def test_cluster_executors_refuse_in_memory_datasets_before_submitting(tmp_path, ds, texts, executor):
+    """Ray and Slurm workers load the plan from the state folder, where an in-memory Dataset cannot
+    be: the build refuses it up front, naming the remedy, and neither writes a plan nor submits."""
+    with pytest.raises(SourceError, match=r"held in this process's memory.*save_to_disk"):
+        build_corpus(cfg(tmp_path, [ds.Dataset.from_dict({"text": texts})], executor=executor, task_bytes=50_000))
+    assert not list((tmp_path / "shards").glob(".build/plan*"))
+    assert not (tmp_path / "manifests" / "shards.json").exists()
+
+
 def test_cli_builds_a_save_to_disk_folder_and_refuses_a_dataset_dict_folder(tmp_path, ds, texts):
     """`h5corpus build FOLDER` reads a save_to_disk folder (exit 0, validated, the JSONL route's
     shards); a saved DatasetDict folder is a usage error naming its splits (exit 2)."""

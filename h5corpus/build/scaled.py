@@ -58,6 +58,7 @@ def make_run(target: Any, tasks: list, resumed: bool, lock: Any, t_start: float)
     cfg = target.cfg
     if cfg.executor != "local":
         rebuild_filters(filters_spec(cfg.filters))  # the workers rebuild them from the plan: fail here, not there
+        _refuse_in_process_tasks(cfg.executor, tasks)
     stops = Decider(budgets=cfg.max_tokens, validation_fraction=float(cfg.validation_fraction)).can_stop_early
     buckets = decide_buckets(cfg, tasks, stops)
     if cfg.executor == "slurm":
@@ -76,6 +77,20 @@ def make_run(target: Any, tasks: list, resumed: bool, lock: Any, t_start: float)
         run.workers = max(1, min(run.executor.workers, max(run.n, 1)))
         run.events = run.executor.driver_events()
     return run
+
+
+def _refuse_in_process_tasks(executor: str, tasks: list) -> None:
+    """An in-memory ``datasets`` object cannot travel in the plan: refuse it before submitting."""
+    from .hfreaders import in_process_only, task_label
+    from .sources import SourceError
+
+    held = [t for t in tasks if in_process_only(t)]
+    if held:
+        raise SourceError(
+            f"--executor {executor}: {task_label(held[0])} ({len(held)} task(s)) reads a datasets object held in this "
+            "process's memory, which other processes cannot open; save it with save_to_disk() (or flatten_indices()) "
+            "and build from the folder, or use --executor local"
+        )
 
 
 def plan_for_stages(plan: BuildPlan, target: Any, buckets: int) -> BuildPlan:
