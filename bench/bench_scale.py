@@ -296,6 +296,14 @@ def decide_memory(n: int, tmp: Path) -> dict:
     return res
 
 
+def progress(report: dict, out: Path | None) -> None:
+    """Each part as it ends, on stderr and in ``out``: a later part's failure keeps the earlier ones."""
+    print(json.dumps(report), file=sys.stderr, flush=True)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     shared = Path(os.environ.get("H5CORPUS_SHARED", REPO.parent / "shared"))
@@ -312,7 +320,9 @@ def main() -> None:
         tmp = Path(d)
         if not a.skip_engines:
             report["engines"] = engines(args, a.rounds, tmp)
+            progress(report, a.out)
         report["stages"] = stages(args, tmp)
+        progress(report, a.out)
         report["decide_memory"] = decide_memory(a.docs, tmp)
     report["load_after"] = os.getloadavg()
     emit(report, a.out)
