@@ -16,7 +16,7 @@ stage's memory per million documents, in memory vs bucketed.
   submission and of an ``afterok`` link (submission to completion of a no-op job, and of its
   dependent).
 * ``stages``: every stage of the same build run in this process from the state folder, one after
-  the other (``h5corpus.build.stages``): seconds per call, and per stage.
+  the other (``h5corpus.build.stages``): seconds per call, and per stage (wall and CPU seconds).
 * ``decide_memory``: a synthetic JSONL corpus of ``--docs`` short documents (10 % exact copies,
   20 % near copies: one word changed) read with ``--near-dedup``; then the decide stage over its
   state folder in memory (:func:`h5corpus.build.decide.decide`, the in-memory ids and LSH index)
@@ -166,11 +166,13 @@ def stages(args: list[str], tmp: Path) -> dict:
     state = out / "shards" / ".build"
     status = st.stage_status(state)
     t: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
 
     def timed(name, fn, *a):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(state, *a)
         t.setdefault(name, []).append(time.perf_counter() - t0)
+        cpu.setdefault(name, []).append(time.process_time() - c0)
 
     for i in range(status["tasks"]):
         timed("read", st.stage_read, i)
@@ -185,6 +187,9 @@ def stages(args: list[str], tmp: Path) -> dict:
         "buckets": status["buckets"],
         "per_call_s": {k: round(sum(v) / len(v), 4) for k, v in t.items()},
         "per_stage_s": {k: round(sum(v), 3) for k, v in t.items()},
+        # CPU seconds of this process: what a stage costs a core, less sensitive to the machine's load
+        "per_call_cpu_s": {k: round(sum(v) / len(v), 4) for k, v in cpu.items()},
+        "per_stage_cpu_s": {k: round(sum(v), 3) for k, v in cpu.items()},
     }
 
 
