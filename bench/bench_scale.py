@@ -80,19 +80,23 @@ def engines(args: list[str], rounds: int, tmp: Path) -> dict:
     )
     out["fixed_costs"] = {"build_stage_noop_s": noop_stage_command(args, tmp, env)}
     try:
-        with RayCluster.start(_cluster_root("h5c-ray-")) as ray:
+        root = _cluster_root("h5c-ray-")
+        with RayCluster.start(root) as ray:
             out["ready_s"]["ray"] = round(ray.ready_s, 2)
             ra = args + ["--executor", "ray", "--ray-address", ray.address, "--decide-buckets", "2"]
             sec["ray"] = best(lambda: cli_build(ra, ray.shared_dir / "b", ray.env), rounds)
             out["fixed_costs"]["ray_noop_task_s"] = ray_noop(ray)
+        shutil.rmtree(root, ignore_errors=True)  # stopped cleanly: its files go (a failed start keeps them)
     except EngineUnavailable as e:
         out["ray"] = f"skipped: {e}"
     try:
-        with SlurmCluster.start(_cluster_root("h5c-slurm-")) as slurm:
+        root = _cluster_root("h5c-slurm-")
+        with SlurmCluster.start(root) as slurm:
             out["ready_s"]["slurm"] = round(slurm.ready_s, 2)
             sa = args + ["--executor", "slurm", "--decide-buckets", "2", "--wait"]
             sec["slurm"] = best(lambda: cli_build(sa, tmp / "slurm", slurm.env), rounds)
             out["fixed_costs"].update(slurm_latency(slurm, tmp))
+        shutil.rmtree(root, ignore_errors=True)
     except EngineUnavailable as e:
         out["slurm"] = f"skipped: {e}"
     base = sec["local_2_workers"]
