@@ -16,7 +16,7 @@ stage's memory per million documents, in memory vs bucketed.
   submission and of an ``afterok`` link (submission to completion of a no-op job, and of its
   dependent).
 * ``stages``: every stage of the same build run in this process from the state folder, one after
-  the other (``h5corpus.build.stages``): seconds per call, and per stage.
+  the other (``h5corpus.build.stages``): seconds per call, and per stage (wall and CPU seconds).
 * ``decide_memory``: a synthetic JSONL corpus of ``--docs`` short documents (10 % exact copies,
   20 % near copies: one word changed) read with ``--near-dedup``; then the decide stage over its
   state folder in memory (:func:`h5corpus.build.decide.decide`, the in-memory ids and LSH index)
@@ -80,19 +80,23 @@ def engines(args: list[str], rounds: int, tmp: Path) -> dict:
     )
     out["fixed_costs"] = {"build_stage_noop_s": noop_stage_command(args, tmp, env)}
     try:
-        with RayCluster.start(_cluster_root("h5c-ray-")) as ray:
+        root = _cluster_root("h5c-ray-")
+        with RayCluster.start(root) as ray:
             out["ready_s"]["ray"] = round(ray.ready_s, 2)
             ra = args + ["--executor", "ray", "--ray-address", ray.address, "--decide-buckets", "2"]
             sec["ray"] = best(lambda: cli_build(ra, ray.shared_dir / "b", ray.env), rounds)
             out["fixed_costs"]["ray_noop_task_s"] = ray_noop(ray)
+        shutil.rmtree(root, ignore_errors=True)  # stopped cleanly: its files go (a failed start keeps them)
     except EngineUnavailable as e:
         out["ray"] = f"skipped: {e}"
     try:
-        with SlurmCluster.start(_cluster_root("h5c-slurm-")) as slurm:
+        root = _cluster_root("h5c-slurm-")
+        with SlurmCluster.start(root) as slurm:
             out["ready_s"]["slurm"] = round(slurm.ready_s, 2)
             sa = args + ["--executor", "slurm", "--decide-buckets", "2", "--wait"]
             sec["slurm"] = best(lambda: cli_build(sa, tmp / "slurm", slurm.env), rounds)
             out["fixed_costs"].update(slurm_latency(slurm, tmp))
+        shutil.rmtree(root, ignore_errors=True)
     except EngineUnavailable as e:
         out["slurm"] = f"skipped: {e}"
     base = sec["local_2_workers"]
@@ -166,11 +170,13 @@ def stages(args: list[str], tmp: Path) -> dict:
     state = out / "shards" / ".build"
     status = st.stage_status(state)
     t: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
 
     def timed(name, fn, *a):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(state, *a)
         t.setdefault(name, []).append(time.perf_counter() - t0)
+        cpu.setdefault(name, []).append(time.process_time() - c0)
 
     for i in range(status["tasks"]):
         timed("read", st.stage_read, i)
@@ -185,6 +191,9 @@ def stages(args: list[str], tmp: Path) -> dict:
         "buckets": status["buckets"],
         "per_call_s": {k: round(sum(v) / len(v), 4) for k, v in t.items()},
         "per_stage_s": {k: round(sum(v), 3) for k, v in t.items()},
+        # CPU seconds of this process: what a stage costs a core, less sensitive to the machine's load
+        "per_call_cpu_s": {k: round(sum(v) / len(v), 4) for k, v in cpu.items()},
+        "per_stage_cpu_s": {k: round(sum(v), 3) for k, v in cpu.items()},
     }
 
 
@@ -296,6 +305,14 @@ def decide_memory(n: int, tmp: Path) -> dict:
     return res
 
 
+def progress(report: dict, out: Path | None) -> None:
+    """Each part as it ends, on stderr and in ``out``: a later part's failure keeps the earlier ones."""
+    print(json.dumps(report), file=sys.stderr, flush=True)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     shared = Path(os.environ.get("H5CORPUS_SHARED", REPO.parent / "shared"))
@@ -312,7 +329,9 @@ def main() -> None:
         tmp = Path(d)
         if not a.skip_engines:
             report["engines"] = engines(args, a.rounds, tmp)
+            progress(report, a.out)
         report["stages"] = stages(args, tmp)
+        progress(report, a.out)
         report["decide_memory"] = decide_memory(a.docs, tmp)
     report["load_after"] = os.getloadavg()
     emit(report, a.out)

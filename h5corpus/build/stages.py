@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,7 +96,10 @@ def load_read_records(ctx: StageContext, upto: int | None = None) -> list[ReadRe
 def _context(state_dir: str | Path) -> StageContext:
     state = Path(state_dir)
     if not (state / "plan.json").is_file():
-        raise BuildConflict(f"{state}: no build plan here (is this the state folder, <shards>/.build, of a build?)")
+        raise BuildConflict(
+            f"{state}: no build plan here, seen from host {socket.gethostname()} (is this the state folder, "
+            "<shards>/.build, of a build, on a filesystem this node mounts at the same path?)"
+        )
     return StageContext.load(state)
 
 
