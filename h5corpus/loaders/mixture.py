@@ -180,10 +180,10 @@ class Mixture:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over every source's name and fingerprint, in order."""
+        """sha256 over every source's fingerprint, in order (names and weights are settings)."""
         h = hashlib.sha256(b"h5corpus mixture")
         for s in self.sources:
-            h.update(f"{s.name}\0{s.corpus.fingerprint}\0".encode())
+            h.update(f"{s.corpus.fingerprint}\0".encode())
         return h.hexdigest()
 
     def settings(self) -> dict[str, Any]:

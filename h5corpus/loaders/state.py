@@ -231,11 +231,13 @@ def merge_dataloader_state(state: Any) -> Any:
     vouches for. The workers must agree on everything but their progress."""
     if not isinstance(state, Mapping) or "version" in state:
         return state
-    if "dataset_state" in state:
+    if "dataset_state" in state and "fetcher_state" in state:  # in-process StatefulDataLoader
         return state["dataset_state"]
-    snaps = state.get("_snapshot", {}).get("_worker_snapshots") if isinstance(state.get("_snapshot"), Mapping) else None
+    if "_snapshot" not in state:
+        return state  # a loader state (parse_state names what is wrong with it)
+    snaps = state["_snapshot"].get("_worker_snapshots") if isinstance(state["_snapshot"], Mapping) else None
     if not isinstance(snaps, Mapping) or not snaps:
-        raise _fail("state", "neither a loader state nor a StatefulDataLoader state_dict() with worker states")
+        raise _fail("_snapshot", "a StatefulDataLoader state_dict() without worker states")
     parts = []
     for key in sorted(snaps, key=str):
         ws = snaps[key].get("dataset_state") if isinstance(snaps[key], Mapping) else None
