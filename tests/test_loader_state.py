@@ -106,7 +106,11 @@ CASES = (
         ("position-past-end", _consistent(10**6), "position"),
         ("tokens-negative", _set("tokens", -1), "tokens"),
         ("tokens-float", _set("tokens", lambda t: float(t)), "tokens"),
-        ("tokens-off-by-one", lambda st: (_set("tokens", lambda t: t + 1)(st), _set("source_tokens", lambda s: [s[0] + 1])(st)), "tokens"),
+        (
+            "tokens-off-by-one",
+            lambda st: (_set("tokens", lambda t: t + 1)(st), _set("source_tokens", lambda s: [s[0] + 1])(st)),
+            "tokens",
+        ),
         ("tokens-stale", _consistent(2), "tokens"),
         ("source-tokens-sum", _set("source_tokens", lambda s: [s[0] + 3]), "source_tokens"),
         ("source-tokens-length", _set("source_tokens", lambda s: s + [0]), "source_tokens"),
@@ -119,7 +123,11 @@ CASES = (
         ("writer-num-workers-0", _set("writer.num_workers", 0), "writer.num_workers"),
         ("writer-yielded-negative", _set("writer.yielded", -2), "writer.yielded"),
         ("writer-yielded-fraction", _set("writer.yielded", 2.5), "writer.yielded"),
-        ("writer-start-past-end", lambda st: (_set("writer.start", 10**6)(st), _set("position", 10**6 + 5)(st)), "writer.start"),
+        (
+            "writer-start-past-end",
+            lambda st: (_set("writer.start", 10**6)(st), _set("position", 10**6 + 5)(st)),
+            "writer.start",
+        ),
     ]
 )
 
@@ -138,7 +146,9 @@ def test_garbled_state_is_refused_naming_the_field(manifest, references, loader,
 
 
 @pytest.mark.parametrize("loader", list(LOADERS))
-@pytest.mark.parametrize("junk", [None, [1, 2], "state", 7, torch.zeros(3)], ids=["none", "list", "str", "int", "tensor"])
+@pytest.mark.parametrize(
+    "junk", [None, [1, 2], "state", 7, torch.zeros(3)], ids=["none", "list", "str", "int", "tensor"]
+)
 def test_a_non_state_is_refused(manifest, loader, junk):
     with pytest.raises(LoaderStateError, match="loader state field"):
         LOADERS[loader](open_corpus(manifest, "train")).load_state_dict(junk)
@@ -187,8 +197,10 @@ def test_allow_mismatch_continues_by_tokens(manifest, references, loader):
     _, st = references[loader]
     corpus = open_corpus(manifest, "train")
     make = LOADERS[loader]
-    other = (lambda: BestFitDataset(corpus, 512, 6, 32, seed=2)) if loader == "bestfit" else (
-        lambda: SlidingWindowDataset(corpus, 600, 6, seed=2)
+    other = (
+        (lambda: BestFitDataset(corpus, 512, 6, 32, seed=2))
+        if loader == "bestfit"
+        else (lambda: SlidingWindowDataset(corpus, 600, 6, seed=2))
     )
     with pytest.raises(LoaderStateError, match="settings.batch_size"):
         other().load_state_dict(st)

@@ -39,9 +39,17 @@ def manifests(tmp_path_factory) -> dict[str, Path]:
     for name, part, ident in (
         ("big", texts[:140], BYTE_IDENTITY),
         ("small", texts[140:], BYTE_IDENTITY),
-        ("alien", texts[:20], TokenizerIdentity(
-            name="other", revision="x", sha256="f" * 64, vocab_size=BYTE_IDENTITY.vocab_size, eos_id=BYTE_IDENTITY.eos_id
-        )),
+        (
+            "alien",
+            texts[:20],
+            TokenizerIdentity(
+                name="other",
+                revision="x",
+                sha256="f" * 64,
+                vocab_size=BYTE_IDENTITY.vocab_size,
+                eos_id=BYTE_IDENTITY.eos_id,
+            ),
+        ),
     ):
         root = tmp_path_factory.mktemp(f"mix-{name}")
         out[name] = write_corpus(root, part, byte_encode, ident, chunk_tokens=4096, shard_tokens=200_000)
@@ -54,8 +62,12 @@ def sources(manifests):
 
 def bf_source_tokens(batches, doc_split: int) -> np.ndarray:
     """(microbatches, 2) input tokens from documents below / from ``doc_split`` (the second source)."""
-    return np.array([[int(s[s[:, 0] < doc_split, 2].sum()), int(s[s[:, 0] >= doc_split, 2].sum())] for s in
-                     (b.segments.numpy() for b in batches)])
+    return np.array(
+        [
+            [int(s[s[:, 0] < doc_split, 2].sum()), int(s[s[:, 0] >= doc_split, 2].sum())]
+            for s in (b.segments.numpy() for b in batches)
+        ]
+    )
 
 
 def window_source_tokens(ds, token_split: int) -> np.ndarray:
@@ -167,8 +179,10 @@ def test_mixture_is_deterministic_records_source_tokens_and_resumes(manifests, l
         per_rank.append([batch_digest(b) for b in d])
     seq = interleave_ranks(per_rank)
     assert seq[:2] == ref[9:11] and seq == [ref[i % len(ref)] for i in range(9, 9 + len(seq))]
-    other = BestFitDataset(mix([big, small], [1, 1]), L_BF, B_BF, seed=1) if loader == "bestfit" else (
-        SlidingWindowDataset(mix([big, small], [1, 1]), L_W, B_W, seed=1)
+    other = (
+        BestFitDataset(mix([big, small], [1, 1]), L_BF, B_BF, seed=1)
+        if loader == "bestfit"
+        else (SlidingWindowDataset(mix([big, small], [1, 1]), L_W, B_W, seed=1))
     )
     with pytest.raises(LoaderStateError, match="settings.mixture"):
         other.load_state_dict(st)
@@ -179,14 +193,22 @@ def test_mix_takes_paths_pairs_and_lists_and_refuses_bad_sources(manifests):
     source whose tokenizer gives other ids, and random-mode windows over a mixture are refused."""
     m = mix([manifests["big"], (manifests["small"], "validation")])
     assert m.num_sources == 2 and m.names == ["source0", "source1"]
-    assert m.num_tokens == open_corpus(manifests["big"]).num_tokens + open_corpus(manifests["small"], "validation").num_tokens
+    assert (
+        m.num_tokens
+        == open_corpus(manifests["big"]).num_tokens + open_corpus(manifests["small"], "validation").num_tokens
+    )
     listed = BestFitDataset([manifests["big"], manifests["small"]], L_BF, B_BF)
     shares = [s["share"] for s in listed.mixture_summary()]
     toks = [open_corpus(manifests[k]).num_tokens for k in ("big", "small")]
     assert shares == pytest.approx([t / sum(toks) for t in toks])
     assert isinstance(h5corpus.Mixture, type)
-    for weights, msg in (([1, 0], "weight must be"), ([1, -1], "weight must be"), ([1, float("nan")], "weight"),
-                         ([1], "2 sources but 1 weights"), ({"source0": 1}, "name every source")):
+    for weights, msg in (
+        ([1, 0], "weight must be"),
+        ([1, -1], "weight must be"),
+        ([1, float("nan")], "weight"),
+        ([1], "2 sources but 1 weights"),
+        ({"source0": 1}, "name every source"),
+    ):
         with pytest.raises(ValueError, match=msg):
             mix([manifests["big"], manifests["small"]], weights)
     with pytest.raises(ValueError, match="'source1': tokenizer 'other'"):

@@ -25,12 +25,26 @@ def ddp_runs(tmp_path_factory, stdlib_corpus_texts):
     from tests.helpers import BYTE_IDENTITY, byte_encode, write_corpus
 
     root = tmp_path_factory.mktemp("ddp")
-    manifest = write_corpus(root, stdlib_corpus_texts, byte_encode, BYTE_IDENTITY, chunk_tokens=4096, shard_tokens=400_000)
+    manifest = write_corpus(
+        root, stdlib_corpus_texts, byte_encode, BYTE_IDENTITY, chunk_tokens=4096, shard_tokens=400_000
+    )
     out = root / "out"
     out.mkdir()
     for loader, workers in (("bestfit", 1), ("window", 0)):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "tests" / "ddp_epoch.py"), str(manifest), str(out), loader, "7", str(workers)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "tests" / "ddp_epoch.py"),
+            str(manifest),
+            str(out),
+            loader,
+            "7",
+            str(workers),
+        ]
         r = subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"torchrun {loader} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return manifest, out

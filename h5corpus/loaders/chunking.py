@@ -79,15 +79,20 @@ class ChunkTable(NamedTuple):
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         if L >= 2**31:
             raise ValueError(f"max_seq_len must be < 2**31 tokens, got {L:,}")
-        pairs = np.maximum(np.asarray(doc_lengths, dtype=np.int64) - 1, 0)
-        n = -(-pairs // L)
+        pairs = np.asarray(doc_lengths, dtype=np.int64) - 1  # in-place steps below: few temporaries
+        np.maximum(pairs, 0, out=pairs)
+        n = pairs + (L - 1)
+        n //= L  # chunks per document
         first = np.zeros(pairs.size + 1, dtype=np.int64)
         np.cumsum(n, out=first[1:])
         idx = np.int32 if pairs.size < 2**31 else np.int64
         doc = np.repeat(np.arange(pairs.size, dtype=idx), n)
         length = np.full(doc.size, L, dtype=np.int32)
-        has = n > 0
-        length[first[1:][has] - 1] = pairs[has] - (n[has] - 1) * L  # each document's last chunk
+        step = 1 << 18  # documents per block: bounded temporaries on any corpus size
+        for a in range(0, pairs.size, step):
+            b = min(a + step, pairs.size)
+            has = np.flatnonzero(n[a:b]) + a
+            length[first[has + 1] - 1] = pairs[has] - (n[has] - 1) * L  # each document's last chunk
         return cls(doc, length, first, L)
 
     @property
