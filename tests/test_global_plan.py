@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+
 import numpy as np
 import pytest
 import torch

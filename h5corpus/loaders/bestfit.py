@@ -74,7 +74,9 @@ class _ChunkReads:
 
     def _starts(self, chunks: np.ndarray) -> np.ndarray:
         """Global token position of each chunk's first input."""
-        return self.doc_offsets[self.chunks.doc[chunks]] + self.chunks.starts(chunks)
+        t = self.chunks
+        doc = t.doc[chunks]
+        return self.doc_offsets[doc] + (chunks - t.first[doc]) * t.max_seq_len
 
     def prepare(self, g: MicrobatchGroup) -> list[_Prepared]:
         """Per-microbatch inputs of :meth:`batch` for a whole group, with one numpy call per
@@ -156,7 +158,7 @@ class _Prepared(NamedTuple):
     """One microbatch of a group, with what :meth:`_ChunkReads.batch` needs."""
 
     chunks: np.ndarray
-    """(S,) int64 chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows)."""
+    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows)."""
     lengths: np.ndarray
     """(S,) int64 inputs per segment."""
     row_ends: np.ndarray
@@ -342,9 +344,18 @@ class BestFitDataset(GlobalSequenceDataset):
 
     def _indices(self, live: Any, plan: EpochPlan) -> Iterator[tuple[int, bool]]:
         """(global microbatch, wrapped) of every item this consumer yields, in order: the schedule
-        and the remainder rule (a wrapped one is microbatch ``g mod M`` of the epoch's start)."""
+        and the remainder rule (a wrapped one is microbatch ``g mod M`` of the epoch's start).
+        Checked a group of items at a time while the epoch is far from its end."""
         sched = live.schedule
-        for j in sched.local_items():
+        K, G = sched.consumer.num_workers, self.GROUP
+        items = sched.local_items()
+        for j in items:
+            last = j + K * (G - 1)
+            if plan.reach(sched.needed(last) + sched.consumer.world_size):  # the whole group is inside the epoch
+                yield from ((sched.global_index(i), False) for i in range(j, last + 1, K))
+                for _ in range(G - 1):
+                    next(items)
+                continue
             if not plan.reach(sched.needed(j)):
                 return
             g = sched.global_index(j)

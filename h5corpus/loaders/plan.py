@@ -121,8 +121,8 @@ class Microbatch(NamedTuple):
     """One microbatch of a plan: which chunks, how long, and where each pack begins."""
 
     chunks: np.ndarray
-    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows), pack after pack, each
-    pack's chunks in pick (placement) order."""
+    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows; the stream's dtype,
+    int32 below 2**31 chunks), pack after pack, each pack's chunks in pick (placement) order."""
     lengths: np.ndarray
     """(S,) int64 inputs per chunk."""
     pack_starts: np.ndarray
@@ -139,7 +139,7 @@ class MicrobatchGroup(NamedTuple):
     packs ``mb_packs[j]:mb_packs[j + 1]``."""
 
     chunks: np.ndarray
-    """(S,) chunk ids, every microbatch's packs end to end."""
+    """(S,) chunk ids (int32 below 2**31 chunks), every microbatch's packs end to end."""
     lengths: np.ndarray
     """(S,) int64 inputs per chunk."""
     pack_starts: np.ndarray
@@ -219,23 +219,19 @@ class EpochPlan:
         """Keep exactly these microbatches (the wrapped ones of an epoch's last step)."""
         self._want = frozenset(int(i) for i in indices)
 
-    def _wanted(self, g: int) -> bool:
-        w = self._want
-        if isinstance(w, frozenset):
-            return g in w
-        return g >= w[0] and (g - w[0]) % w[1] == 0
-
     # -- planning -------------------------------------------------------------------------------
     def reach(self, n: int) -> bool:
         """Plan until at least ``n`` microbatches exist; False if the epoch holds fewer."""
-        while self.planned < n and self.total is None:
-            self._record(self.next_group(max(GROUP, min(n - self.planned, 64))))
+        while (
+            self.planned < n and self.total is None
+        ):  # whole groups: a consumer of every microbatch takes them as planned
+            self._record(self.next_group(GROUP * max(1, min((n - self.planned) // GROUP, 8))))
         return self.planned >= n
 
     def plan_all(self) -> int:
         """Plan the whole epoch; returns M."""
         while self.total is None:
-            self._record(self.next_group(64))
+            self._record(self.next_group(8 * GROUP))
         return self.total
 
     def _record(self, g: MicrobatchGroup | None) -> None:
@@ -251,9 +247,14 @@ class EpochPlan:
                 mb = np.repeat(np.arange(K), np.diff(bounds))
                 add = np.bincount(mb * S + src, weights=g.lengths, minlength=K * S).reshape(K, S)
                 self._src[g0 + 1 : g0 + K + 1] = self._src[g0] + np.cumsum(add.astype(np.int64), axis=0)
-            for j in range(K):
-                if self._wanted(g0 + j):
-                    self._kept[g0 + j] = (g, j)
+            w = self._want
+            if isinstance(w, frozenset):
+                wanted = [j for j in range(K) if g0 + j in w]
+            else:  # first, first + stride, ... inside [g0, g0 + K)
+                lo = w[0] if g0 <= w[0] else g0 + (-(g0 - w[0]) % w[1])
+                wanted = range(lo - g0, K, w[1])
+            for j in wanted:
+                self._kept[g0 + j] = (g, j)
         self.planned = g0 + K
         if g is None or K == 0:
             self.total = self.planned
@@ -291,7 +292,7 @@ class EpochPlan:
         g = self._buffer_group(self.packer, k) if self.packer is not None else self._bfd_group(k)
         if g is None:
             return None
-        return g._replace(chunks=self.stream[g.chunks].astype(np.int64, copy=False))
+        return g._replace(chunks=self.stream[g.chunks])
 
     def _buffer_group(self, packer: BufferPacker, k: int) -> MicrobatchGroup | None:
         B = self.settings.batch_size

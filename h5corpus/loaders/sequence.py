@@ -200,6 +200,10 @@ class GlobalSequenceDataset(IterableDataset):
         else:
             self._check_position(st, M)
             exact = st.exact
+            if st.position >= M:  # the epoch is complete (its last step may have wrapped past M)
+                pending = _Pending(st.epoch, M)
+                self.epoch, self._pending, self._live = st.epoch, pending, None
+                return
             pending = _Pending(
                 st.epoch,
                 st.position if exact else st.writer.start,

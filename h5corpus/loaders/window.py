@@ -269,12 +269,12 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         bases = self._shard_windows()[self.mixture.shard_bases]
         return self.mixture.describe(self.mixture.select(bases, None, self.seq_len, self.seed, e, True))
 
-    def _batches_of(self, sched: Schedule, M: int) -> Iterator[int]:
+    @staticmethod
+    def _batches_of(sched: Schedule, M: int) -> np.ndarray:
         """The global batches (wrapped: ``mod M``) this consumer yields, in order."""
-        for j in sched.local_items():
-            if sched.needed(j) > M:
-                return
-            yield sched.global_index(j) % M
+        c = sched.consumer
+        j = np.arange(c.worker_id + c.num_workers * sched.skip, sched.steps(M), c.num_workers, dtype=np.int64)
+        return (sched.start + c.rank + j * c.world_size) % max(M, 1)
 
     def plan(self, epoch: int | None = None, consumer: Consumer | None = None) -> np.ndarray:
         """Global start token of every window ``consumer`` (default: this process's) reads in a
@@ -282,7 +282,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         consumer = consumer or current_consumer(self.rank, self.world_size)
         e = self.epoch if epoch is None else int(epoch)
         M, N, B = self._num_microbatches(e), self.epoch_windows(e), self.batch_size
-        gs = np.fromiter(self._batches_of(Schedule(consumer, drop_last=self.drop_last), M), dtype=np.int64)
+        gs = self._batches_of(Schedule(consumer, drop_last=self.drop_last), M)
         return self._starts(e, _positions(gs, B, N)[0])
 
     # -- iteration ----------------------------------------------------------------------------------
@@ -296,11 +296,8 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         epoch, sched = live.epoch, live.schedule
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
-        while True:  # window starts (and masking) for PLAN_BLOCK_BATCHES batches at once
-            gs = np.fromiter((g for _, g in zip(range(PLAN_BLOCK_BATCHES), batches)), dtype=np.int64)
-            if not gs.size:
-                return
-            items, offs = _positions(gs, B, N)
+        for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
+            items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
             block = self._starts(epoch, items)
             mask = self._mask_plan(block) if self.document_mask else None
             for lo, hi in zip(offs[:-1].tolist(), offs[1:].tolist()):
