@@ -28,21 +28,19 @@ sources as byte ids):
   4-rank run: its quarter of the global sequence, whose plan it still computes whole) and
   ``dataloader_2_workers`` (torch DataLoader, 2 worker processes, after the first batch). Every
   measurement is interleaved (each repetition runs every loader once); the best repetition counts.
-* ``compare`` (``--compare-tree PATH``, e.g. a worktree of the previous commit): the in-process
-  loader figures measured alternately in fresh processes importing this checkout's h5corpus and
-  PATH's, ``--compare-rounds`` each; medians per checkout and their ratio (this / other).
+* ``compare`` (``--compare-tree PATH``, e.g. a worktree of the previous commit): PATH's h5corpus
+  loaded beside this one (a copy under another package name) and both checkouts' loaders iterated
+  in one process, every loader of both once per repetition, best of ``--compare-reps``: tokens/s
+  per checkout (wall clock and CPU time), this / other, and each one's ratio to its window loader.
 
 Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE] [--sections fill,packer,plan,loader,compare]
-       [--plan-docs 1,3,10] [--compare-tree PATH] [--compare-rounds 4]
+       [--plan-docs 1,3,10] [--compare-tree PATH] [--compare-reps 30]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -259,39 +257,59 @@ def loader_rates(manifest: Path, reps: int, modes: tuple[str, ...]) -> dict:
     return out
 
 
-def compare_rows(manifest: Path, other: Path, rounds: int) -> dict:
-    """In-process loader figures of this checkout and ``other``, alternately in fresh processes."""
-    modes = "in_process,in_process_cpu_time"
-    runs: dict[str, list[dict]] = {"this": [], "other": []}
-    for _ in range(rounds):
-        for name, tree in (("this", REPO), ("other", other)):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--measure-loaders",
-                modes,
-                "--tree",
-                str(tree),
-                "--manifest",
-                str(manifest),
-            ]
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            runs[name].append(json.loads(r.stdout))
-    out: dict = {"other_tree": str(other), "rounds": rounds}
-    for how in modes.split(","):
+def _import_as(tree: Path, name: str, tmp: Path):
+    """``tree``'s h5corpus package imported under ``name`` (a copy; it imports itself relatively)."""
+    import importlib
+    import shutil
+
+    dst = tmp / "pkgs" / name
+    shutil.copytree(tree / "h5corpus", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in dst.rglob("*.py"):
+        if "from h5corpus" in f.read_text() or "import h5corpus" in f.read_text():
+            raise RuntimeError(f"{f} imports h5corpus absolutely: it cannot be loaded beside this one")
+    sys.path.insert(0, str(tmp / "pkgs"))
+    return importlib.import_module(name)
+
+
+def compare_rows(manifest: Path, other: Path, reps: int, tmp: Path) -> dict:
+    """This checkout's loaders against ``other``'s in one process, epochs interleaved (every
+    loader of both once per repetition), best of ``reps``: the fairest A/B on a shared machine."""
+    import h5corpus as this_pkg
+
+    other_pkg = _import_as(other, "h5corpus_other", tmp)
+    made = {}
+    for tag, pkg in (("this", this_pkg), ("other", other_pkg)):
+        c = pkg.open_corpus(manifest, "train")
+        made[tag] = {
+            "window": pkg.SlidingWindowDataset(c, L, B),
+            "window_document_mask": pkg.SlidingWindowDataset(c, L, B, document_mask=True),
+            "bestfit_buffer_64": pkg.BestFitDataset(c, L, B, 64, mode="buffer"),
+            "bestfit_bfd": pkg.BestFitDataset(c, L, B, mode="bfd"),
+        }
+    best: dict = {}
+    for _ in range(reps):
+        for k in made["this"]:
+            for tag in ("this", "other"):
+                for clock in (time.perf_counter, time.process_time):
+                    t, n = clock(), 0
+                    for batch in made[tag][k]:
+                        n += batch.num_tokens
+                    key = (tag, k, clock.__name__)
+                    best[key] = max(best.get(key, 0.0), n / (clock() - t))
+    out: dict = {"other_tree": str(other), "repetitions": reps}
+    for clock in ("perf_counter", "process_time"):
         row = {}
-        for k in ("window", "window_document_mask", "bestfit_buffer_64", "bestfit_bfd"):
-            med = {n: statistics.median(x[how][k]["tokens_per_s"] for x in runs[n]) for n in runs}
-            ratio = {n: statistics.median(x[how][k]["ratio_vs_window"] for x in runs[n]) for n in runs}
+        for k in made["this"]:
+            r = {t: best[(t, k, clock)] for t in ("this", "other")}
+            w = {t: best[(t, "window", clock)] for t in ("this", "other")}
             row[k] = {
-                "tokens_per_s_this": round(med["this"]),
-                "tokens_per_s_other": round(med["other"]),
-                "ratio_vs_window_this": ratio["this"],
-                "ratio_vs_window_other": ratio["other"],
-                "this_over_other_ratio_vs_window": round(ratio["this"] / ratio["other"], 3),
+                "tokens_per_s_this": round(r["this"]),
+                "tokens_per_s_other": round(r["other"]),
+                "this_over_other": round(r["this"] / r["other"], 3),
+                "ratio_vs_window_this": round(r["this"] / w["this"], 3),
+                "ratio_vs_window_other": round(r["other"] / w["other"], 3),
             }
-        out[how] = row
+        out["wall" if clock == "perf_counter" else "cpu_time"] = row
     return out
 
 
@@ -304,14 +322,9 @@ def main() -> None:
     ap.add_argument("--sections", default="fill,packer,plan,loader,compare")
     ap.add_argument("--plan-docs", default="1,3,10", help="synthetic corpus sizes, in millions of documents")
     ap.add_argument("--compare-tree", type=Path, help="another checkout to measure the loaders against")
-    ap.add_argument("--compare-rounds", type=int, default=4)
-    ap.add_argument("--measure-loaders", help=argparse.SUPPRESS)  # internal: one process of `compare`
-    ap.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--compare-reps", type=int, default=30)
     args = ap.parse_args()
-    use_tree(args.tree or REPO)
-    if args.measure_loaders:
-        print(json.dumps(loader_rates(args.manifest, 5, tuple(args.measure_loaders.split(",")))))
-        return
+    use_tree(REPO)
     from h5corpus import open_corpus
 
     sections = set(args.sections.split(","))
@@ -343,7 +356,7 @@ def main() -> None:
             modes = ("in_process", "in_process_cpu_time", "in_process_fields_cpu", "rank0_of_4", "dataloader_2_workers")
             out["loader"] = loader_rates(manifest, 7, modes)
         if "compare" in sections and args.compare_tree:
-            out["compare"] = compare_rows(manifest, args.compare_tree, args.compare_rounds)
+            out["compare"] = compare_rows(manifest, args.compare_tree, args.compare_reps, Path(tmp))
         out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         train.close()
     emit(out, args.out, indent=1)

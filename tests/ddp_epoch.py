@@ -2,7 +2,7 @@
 
 Run by ``tests/test_torchrun.py``: ``torchrun --standalone --nproc_per_node N tests/ddp_epoch.py
 MANIFEST OUT LOADER SAVE_AT WORKERS``. Rank and world size come from ``torch.distributed`` (the
-datasets' default). Writes ``OUT/LOADER-RANK.json`` (every batch's digest, ``len()``, the
+datasets' default), also inside spawned DataLoader workers. Writes ``OUT/LOADER-RANK.json`` (every batch's digest, ``len()``, the
 all-reduced token count of each step) and, after step SAVE_AT, ``OUT/LOADER-RANK.pt`` (the
 StatefulDataLoader's state). A rank that ran out early would leave the other one waiting in the
 all-reduce until the gloo timeout (60 s) fails the run.
@@ -34,7 +34,9 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     ds = make(loader_name, open_corpus(manifest, "train"))
-    loader = StatefulDataLoader(ds, batch_size=None, num_workers=int(workers))
+    # spawned workers have no process group: the dataset carries the rank it resolved here
+    kw = {"multiprocessing_context": "spawn"} if int(workers) else {}
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=int(workers), **kw)
     digests, step_tokens = [], []
     for step, b in enumerate(loader):
         t = torch.tensor([b.num_tokens], dtype=torch.int64)

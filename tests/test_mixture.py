@@ -172,6 +172,7 @@ def test_mixture_is_deterministic_records_source_tokens_and_resumes(manifests, l
     else:
         per = window_source_tokens(make(), big.num_tokens)[:9].sum(axis=0).tolist()
     assert st["source_tokens"] == per and st["settings"]["mixture"]["sources"] == ["big", "small"]
+    assert [r["tokens_consumed"] for r in ds.mixture_summary()] == per
     per_rank = []
     for r in range(2):
         d = make(rank=r, world_size=2)

@@ -1,5 +1,6 @@
-"""A real ``torchrun --nproc_per_node 2`` (gloo, CPU): an epoch of each loader with an all-reduce per
-step completes on both ranks with equal counts and no timeout, the ranks' batches interleave into
+"""A real ``torchrun --nproc_per_node 2`` (gloo, CPU): an epoch of each loader (best-fit through a
+spawned DataLoader worker, windows in-process) with an all-reduce per step completes on both ranks
+with equal counts and no timeout, the ranks' batches interleave into
 the single process's global sequence, and a checkpoint taken mid-epoch resumes on 1 process with
 the next global batch."""
 

@@ -327,7 +327,9 @@ class BestFitDataset(GlobalSequenceDataset):
         table = self.chunk_table()
         bases = table.first[self.mixture.doc_bases]
         e = self.epoch if epoch is None else int(epoch)
-        return self.mixture.describe(self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle))
+        return self._with_consumed(
+            e, self.mixture.describe(self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle))
+        )
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[VarlenBatch]:

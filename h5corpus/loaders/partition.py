@@ -45,17 +45,22 @@ class Consumer:
         return self.world_size * self.num_workers
 
 
+def distributed_initialized() -> bool:
+    """Whether this process belongs to an initialized ``torch.distributed`` process group."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world_size): explicit values win, else ``torch.distributed`` if initialized, else (0, 1)."""
-    if rank is None or world_size is None:
-        try:
-            import torch.distributed as dist
+    if (rank is None or world_size is None) and distributed_initialized():
+        import torch.distributed as dist
 
-            if dist.is_available() and dist.is_initialized():
-                rank = dist.get_rank() if rank is None else rank
-                world_size = dist.get_world_size() if world_size is None else world_size
-        except ImportError:  # pragma: no cover
-            pass
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
     rank = 0 if rank is None else int(rank)
     world_size = 1 if world_size is None else int(world_size)
     if world_size < 1 or not 0 <= rank < world_size:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from .partition import Consumer, Schedule, current_consumer, resolve_rank
+from .partition import Consumer, Schedule, current_consumer, distributed_initialized, resolve_rank
 from .state import (
     LoaderState,
     LoaderStateError,
@@ -128,6 +128,15 @@ class GlobalSequenceDataset(IterableDataset):
         self._pending = _Pending(e, int(position))
         self._live = None
 
+    def _with_consumed(self, epoch: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Mixture summary rows plus ``tokens_consumed``: each source's input tokens before the
+        current position (:meth:`state_dict`) when it is in ``epoch``, else 0."""
+        st = self.state_dict()
+        done = st["source_tokens"] if st["epoch"] == epoch else [0] * len(rows)
+        for row, t in zip(rows, done):
+            row["tokens_consumed"] = t
+        return rows
+
     # -- iteration ------------------------------------------------------------------------------
     def _begin(self) -> _Live:
         """The schedule of this process's next iteration (a pending resume applied once)."""
@@ -158,6 +167,10 @@ class GlobalSequenceDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_live"] = None  # an iteration never travels into a worker; a pending resume does
+        # a spawned DataLoader worker has no process group: it gets the rank this process resolved
+        # (only from a live group, so a copy made before init_process_group still resolves later)
+        if distributed_initialized():
+            d["rank"], d["world_size"] = resolve_rank(self.rank, self.world_size)
         return d
 
     # -- state ----------------------------------------------------------------------------------

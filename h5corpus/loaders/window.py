@@ -267,7 +267,9 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             raise ValueError("mixture_summary: this dataset reads one corpus, not a mixture")
         e = self.epoch if epoch is None else int(epoch)
         bases = self._shard_windows()[self.mixture.shard_bases]
-        return self.mixture.describe(self.mixture.select(bases, None, self.seq_len, self.seed, e, True))
+        return self._with_consumed(
+            e, self.mixture.describe(self.mixture.select(bases, None, self.seq_len, self.seed, e, True))
+        )
 
     @staticmethod
     def _batches_of(sched: Schedule, M: int) -> np.ndarray:
