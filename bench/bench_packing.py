@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -264,8 +265,9 @@ def _import_as(tree: Path, name: str, tmp: Path):
 
     dst = tmp / "pkgs" / name
     shutil.copytree(tree / "h5corpus", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    absolute = re.compile(r"^\s*(from h5corpus[ .]|import h5corpus\b)", re.MULTILINE)
     for f in dst.rglob("*.py"):
-        if "from h5corpus" in f.read_text() or "import h5corpus" in f.read_text():
+        if absolute.search(f.read_text()):
             raise RuntimeError(f"{f} imports h5corpus absolutely: it cannot be loaded beside this one")
     sys.path.insert(0, str(tmp / "pkgs"))
     return importlib.import_module(name)
