@@ -1,61 +1,57 @@
-"""Packing benchmark: pack fill, packer speed, loader tokens/s vs the sliding-window loader.
+"""Packing benchmark: pack fill, packer speed, plan cost per million documents, loader tokens/s vs
+the sliding-window loader, and the same loader figures against another checkout (no regression).
 
 Prints one JSON object. Figures are ratios against baselines measured in the same run on the same
 tokens (the dev corpus tokenized with GPT-2 when ../shared is present, else the standard library's
 sources as byte ids):
 
 * ``fill``: real input tokens / pack capacity at ``max_seq_len`` 4,096 and 35 packs per microbatch,
-  for the train split the loader reads and for all dev documents (train + validation, the lengths a
-  plain simulation of the packing algorithm uses), with mode ``buffer`` at packing_buffer 64 and
-  1,024, ``bfd`` with its default 16,384-chunk blocks and ``bfd`` over the whole epoch at once.
-  Three ways of counting: ``fill`` (every pack, the epoch's final partial microbatch included),
-  ``fill_full_microbatches`` (final partial microbatch excluded) and ``fill_padded_last`` (the final
-  microbatch charged ``batch_size`` packs). Targets: >= 0.998 at buffer 64, >= 0.9995 with BFD.
+  for the train split the loader reads and for all dev documents (train + validation), with mode
+  ``buffer`` at packing_buffer 64 and 1,024, ``bfd`` with its default 16,384-chunk blocks and ``bfd``
+  over the whole epoch at once. Three ways of counting: ``fill`` (every pack, the epoch's final
+  partial microbatch included), ``fill_full_microbatches`` (final partial microbatch excluded) and
+  ``fill_padded_last`` (the final microbatch charged ``batch_size`` packs). Targets: >= 0.998 at
+  buffer 64, >= 0.9995 with BFD.
 * ``packer``: chunks/s of the packers on the epoch's chunk lengths, as a speedup over the naive
   O(n x buffer) / O(n x packs) scans of the same algorithms (``tests/helpers.py``'s reference
-  packers, measured on a prefix); BFD chunks/s on
-  10^4 and 10^5 synthetic chunks (a ratio near 1 = per-chunk cost independent of the buffer size).
+  packers, measured on a prefix); BFD chunks/s on 10^4 and 10^5 synthetic chunks (a ratio near 1 =
+  per-chunk cost independent of the buffer size).
+* ``plan``: the global plan of one epoch over 1-10 M synthetic documents whose lengths are drawn
+  (seeded, with replacement) from the train split's: seconds to the first microbatch (chunk table,
+  chunk order, plan set-up, first group), seconds to plan the whole epoch (what ``len()``, a
+  resume's check and the last step need; a consumer spreads it over the epoch), per million
+  documents; memory per million documents (tracemalloc peak of the set-up, and the plan's arrays).
 * ``loader``: BestFitDataset tokens/s as a ratio to SlidingWindowDataset over the same corpus at
-  seq_len 4,096 and 35 windows per batch (without and with ``document_mask``), measured three ways:
-  ``in_process`` (whole epochs iterated in this process: the loaders' own CPU cost per token, compact
-  batches as yielded), ``in_process_fields_cpu`` (the same with the int64 fields materialized on the
-  CPU), ``in_process_cpu_time`` (whole epochs per second of this process's CPU time, the least
-  noisy on a shared machine) and ``dataloader_2_workers`` (torch DataLoader, 2 worker processes,
-  after the first batch: what a training loop receives). Target: best-fit >= 0.5x the window
-  loader. Every measurement is interleaved (each repetition runs every loader once) and the best
-  repetition counts.
+  seq_len 4,096 and 35 windows per batch (without and with ``document_mask``): ``in_process``
+  (whole epochs in this process), ``in_process_cpu_time`` (per second of this process's CPU time),
+  ``in_process_fields_cpu`` (int64 fields materialized on the CPU), ``rank0_of_4`` (rank 0 of a
+  4-rank run: its quarter of the global sequence, whose plan it still computes whole) and
+  ``dataloader_2_workers`` (torch DataLoader, 2 worker processes, after the first batch). Every
+  measurement is interleaved (each repetition runs every loader once); the best repetition counts.
+* ``compare`` (``--compare-tree PATH``, e.g. a worktree of the previous commit): PATH's h5corpus
+  loaded beside this one (a copy under another package name) and both checkouts' loaders iterated
+  in one process, every loader of both once per repetition, best of ``--compare-reps``: tokens/s
+  per checkout (wall clock and CPU time), this / other, and each one's ratio to its window loader.
 
-Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE]
+Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE] [--sections fill,packer,plan,loader,compare]
+       [--plan-docs 1,3,10] [--compare-tree PATH] [--compare-reps 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from h5corpus.loaders.chunking import chunk_layout  # noqa: E402
-from h5corpus.loaders.packers import best_fit_packs, bfd_packs  # noqa: E402
-from h5corpus.loaders.plan import epoch_order, pack_fill  # noqa: E402
-from h5corpus.storage.reader import open_corpus  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    BYTE_IDENTITY,
-    byte_encode,
-    gpt2_tiktoken,
-    naive_bfd_packs,
-    naive_buffer_packs,
-    read_jsonl_texts,
-    stdlib_texts,
-    write_corpus,
-)
 
 L, B = 4096, 35
 
@@ -70,8 +66,15 @@ def best(fn, repeat=3):
     return t_best, out
 
 
+def use_tree(tree: Path) -> None:
+    """Import h5corpus (and tests.helpers) from ``tree`` in this process."""
+    sys.path.insert(0, str(tree))
+
+
 def build_corpus(root: Path) -> tuple[Path, str]:
     """Write the dev corpus (GPT-2 via tiktoken) or, without ../shared, stdlib byte ids."""
+    from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts, write_corpus
+
     gpt2 = gpt2_tiktoken()
     if gpt2 is not None:
         enc, ident, dev = gpt2
@@ -92,6 +95,8 @@ def build_corpus(root: Path) -> tuple[Path, str]:
 
 
 def fill_rows(lengths: np.ndarray) -> dict:
+    from h5corpus.loaders.plan import pack_fill
+
     rows = {}
     for name, mode, buf in (
         ("buffer_64", "buffer", 64),
@@ -112,14 +117,220 @@ def fill_rows(lengths: np.ndarray) -> dict:
     return rows
 
 
+def packer_rows(lengths: np.ndarray) -> dict:
+    from h5corpus.loaders.chunking import ChunkTable
+    from h5corpus.loaders.packers import best_fit_packs, bfd_packs
+    from h5corpus.loaders.plan import epoch_order
+    from tests.helpers import naive_bfd_packs, naive_buffer_packs
+
+    table = ChunkTable.build(lengths, L)
+    clen = table.length[epoch_order(table.num_chunks, 0, 0)].astype(np.int64)  # the epoch's stream
+    cl = clen.tolist()
+    prefix = cl[:3000]
+    pk: dict = {"chunks": len(cl)}
+    for buf in (64, 1024):
+        t_fast, _ = best(lambda: best_fit_packs(clen, L, buf))
+        t_pre, _ = best(lambda: best_fit_packs(np.asarray(prefix), L, buf))
+        t_naive, naive = best(lambda: naive_buffer_packs(prefix, L, buf), repeat=1)
+        assert naive == best_fit_packs(np.asarray(prefix), L, buf)
+        pk[f"buffer_{buf}"] = {
+            "chunks_per_s": round(len(cl) / t_fast),
+            "speedup_vs_naive_scan": round(t_naive / t_pre, 1),
+        }
+    t_fast, _ = best(lambda: bfd_packs(clen, L))
+    t_pre, pre_packs = best(lambda: bfd_packs(np.asarray(prefix), L))
+    t_naive, naive = best(lambda: naive_bfd_packs(prefix, L), repeat=1)
+    assert naive == pre_packs
+    pk["bfd_epoch"] = {"chunks_per_s": round(len(cl) / t_fast), "speedup_vs_naive_scan": round(t_naive / t_pre, 1)}
+    rng = np.random.default_rng(0)
+    rate = {}
+    for n in (10_000, 100_000):
+        x = rng.choice(clen, n)
+        t, _ = best(lambda: bfd_packs(x, L))
+        rate[n] = n / t
+    pk["bfd_synthetic"] = {
+        "chunks_per_s_1e4": round(rate[10_000]),
+        "chunks_per_s_1e5": round(rate[100_000]),
+        "rate_ratio_1e5_vs_1e4": round(rate[100_000] / rate[10_000], 3),
+    }
+    return pk
+
+
+def plan_rows(lengths: np.ndarray, millions: list[float]) -> dict:
+    """The global plan's cost over synthetic corpora of ``millions`` x 10^6 documents."""
+    from h5corpus.loaders.chunking import ChunkTable
+    from h5corpus.loaders.plan import EpochPlan, PlanSettings, epoch_order
+
+    rows: dict = {}
+    rng = np.random.default_rng(0)
+    for mil in millions:
+        n = int(mil * 1_000_000)
+        docs = rng.choice(lengths, n).astype(np.int64)
+        row: dict = {"documents": n}
+        for mode in ("buffer", "bfd"):
+            st = PlanSettings(L, B, None, 0, mode)
+
+            def setup():
+                table = ChunkTable.build(docs, L)
+                plan = EpochPlan(table, epoch_order(table.num_chunks, 0, 0), st, epoch=0)
+                plan.reach(1)
+                return plan
+
+            tracemalloc.start()
+            plan = setup()
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            del plan
+            t0 = time.perf_counter()
+            plan = setup()
+            t_first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            M = plan.plan_all()
+            t_all = time.perf_counter() - t0 + t_first
+            held = sum(
+                a.nbytes for a in (plan.table.doc, plan.table.length, plan.table.first, plan.stream, plan.lengths)
+            )
+            held += plan._tok.nbytes
+            row[mode] = {
+                "chunks": plan.num_chunks,
+                "microbatches": M,
+                "first_microbatch_s": round(t_first, 3),
+                "whole_epoch_s": round(t_all, 3),
+                "whole_epoch_s_per_million_docs": round(t_all / mil, 3),
+                "plan_us_per_microbatch": round((t_all - t_first) / M * 1e6, 1),
+                "setup_peak_mb_per_million_docs": round(peak / 1e6 / mil, 1),
+                "plan_arrays_mb_per_million_docs": round(held / 1e6 / mil, 1),
+            }
+            del plan
+        rows[f"{mil:g}M"] = row
+    return rows
+
+
+def loader_rates(manifest: Path, reps: int, modes: tuple[str, ...]) -> dict:
+    """Tokens/s of each loader (best of ``reps`` interleaved repetitions) per way of measuring."""
+    from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
+
+    train = open_corpus(manifest, "train")
+    loaders = {
+        "window": lambda **kw: SlidingWindowDataset(train, seq_len=L, batch_size=B, **kw),
+        "window_document_mask": lambda **kw: SlidingWindowDataset(
+            train, seq_len=L, batch_size=B, document_mask=True, **kw
+        ),
+        "bestfit_buffer_64": lambda **kw: BestFitDataset(train, L, B, 64, mode="buffer", **kw),
+        "bestfit_bfd": lambda **kw: BestFitDataset(train, L, B, mode="bfd", **kw),
+    }
+    built = {k: make() for k, make in loaders.items()}
+
+    def run(ds, clock=time.perf_counter, fields=False):
+        t, n = clock(), 0
+        for b in ds:
+            if fields:
+                b.input_ids, b.targets, b.position_ids  # noqa: B018
+            n += b.num_tokens
+        return n / (clock() - t)
+
+    def with_workers(ds, workers=2):
+        from torch.utils.data import DataLoader
+
+        it = iter(DataLoader(ds, batch_size=None, num_workers=workers))
+        next(it)  # steady state: worker start-up excluded
+        t, n = time.perf_counter(), 0
+        for b in it:
+            n += b.num_tokens
+        return n / (time.perf_counter() - t)
+
+    hows = {
+        "in_process": lambda k: run(built[k]),
+        "in_process_cpu_time": lambda k: run(built[k], time.process_time),
+        "in_process_fields_cpu": lambda k: run(built[k], fields=True),
+        "rank0_of_4": lambda k: run(loaders[k](rank=0, world_size=4)),
+        "dataloader_2_workers": lambda k: with_workers(built[k]),
+    }
+    out: dict = {}
+    for how in modes:
+        rate = {k: 0.0 for k in loaders}
+        for _ in range(reps if how != "dataloader_2_workers" else max(reps // 2, 1)):
+            for k in loaders:  # interleaved: all loaders see the same machine load
+                rate[k] = max(rate[k], hows[how](k))
+        out[how] = {
+            k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / rate["window"], 3)} for k, v in rate.items()
+        }
+    return out
+
+
+def _import_as(tree: Path, name: str, tmp: Path):
+    """``tree``'s h5corpus package imported under ``name`` (a copy; it imports itself relatively)."""
+    import importlib
+    import shutil
+
+    dst = tmp / "pkgs" / name
+    shutil.copytree(tree / "h5corpus", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    absolute = re.compile(r"^\s*(from h5corpus[ .]|import h5corpus\b)", re.MULTILINE)
+    for f in dst.rglob("*.py"):
+        if absolute.search(f.read_text()):
+            raise RuntimeError(f"{f} imports h5corpus absolutely: it cannot be loaded beside this one")
+    sys.path.insert(0, str(tmp / "pkgs"))
+    return importlib.import_module(name)
+
+
+def compare_rows(manifest: Path, other: Path, reps: int, tmp: Path) -> dict:
+    """This checkout's loaders against ``other``'s in one process, epochs interleaved (every
+    loader of both once per repetition), best of ``reps``: the fairest A/B on a shared machine."""
+    import h5corpus as this_pkg
+
+    other_pkg = _import_as(other, "h5corpus_other", tmp)
+    made = {}
+    for tag, pkg in (("this", this_pkg), ("other", other_pkg)):
+        c = pkg.open_corpus(manifest, "train")
+        made[tag] = {
+            "window": pkg.SlidingWindowDataset(c, L, B),
+            "window_document_mask": pkg.SlidingWindowDataset(c, L, B, document_mask=True),
+            "bestfit_buffer_64": pkg.BestFitDataset(c, L, B, 64, mode="buffer"),
+            "bestfit_bfd": pkg.BestFitDataset(c, L, B, mode="bfd"),
+        }
+    best: dict = {}
+    for _ in range(reps):
+        for k in made["this"]:
+            for tag in ("this", "other"):
+                for clock in (time.perf_counter, time.process_time):
+                    t, n = clock(), 0
+                    for batch in made[tag][k]:
+                        n += batch.num_tokens
+                    key = (tag, k, clock.__name__)
+                    best[key] = max(best.get(key, 0.0), n / (clock() - t))
+    out: dict = {"other_tree": str(other), "repetitions": reps}
+    for clock in ("perf_counter", "process_time"):
+        row = {}
+        for k in made["this"]:
+            r = {t: best[(t, k, clock)] for t in ("this", "other")}
+            w = {t: best[(t, "window", clock)] for t in ("this", "other")}
+            row[k] = {
+                "tokens_per_s_this": round(r["this"]),
+                "tokens_per_s_other": round(r["other"]),
+                "this_over_other": round(r["this"] / r["other"], 3),
+                "ratio_vs_window_this": round(r["this"] / w["this"], 3),
+                "ratio_vs_window_other": round(r["other"] / w["other"], 3),
+            }
+        out["wall" if clock == "perf_counter" else "cpu_time"] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--manifest", type=Path, help="an already built corpus (default: build the dev corpus in a temp dir)"
     )
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--sections", default="fill,packer,plan,loader,compare")
+    ap.add_argument("--plan-docs", default="1,3,10", help="synthetic corpus sizes, in millions of documents")
+    ap.add_argument("--compare-tree", type=Path, help="another checkout to measure the loaders against")
+    ap.add_argument("--compare-reps", type=int, default=30)
     args = ap.parse_args()
-    out: dict = {"bench": "packing", "format_version": 1, "max_seq_len": L, "batch_size": B}
+    use_tree(REPO)
+    from h5corpus import open_corpus
+
+    sections = set(args.sections.split(","))
+    out: dict = {"bench": "packing", "format_version": 2, "max_seq_len": L, "batch_size": B}
     with tempfile.TemporaryDirectory() as tmp:
         if args.manifest:
             manifest, source = args.manifest, str(args.manifest)
@@ -128,114 +339,28 @@ def main() -> None:
             manifest, source = build_corpus(Path(tmp))
             out["build_seconds"] = round(time.perf_counter() - t, 1)
         out["source"] = source
+        out["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
         train = open_corpus(manifest, "train")
         lengths = train.doc_lengths
         out["train"] = {"documents": train.num_documents, "tokens": train.num_tokens, "pairs": int((lengths - 1).sum())}
-
-        # -- fill ----------------------------------------------------------------------------------
-        out["fill"] = {"train": fill_rows(lengths)}
-        try:
-            val = open_corpus(manifest, "validation").doc_lengths
-            out["fill"]["all_documents"] = fill_rows(np.concatenate([lengths, val]))
-        except Exception as e:  # a corpus without a validation split
-            out["fill"]["all_documents"] = f"unavailable: {e}"
-
-        # -- packer speed ----------------------------------------------------------------------------
-        _, _, clen = chunk_layout(lengths[epoch_order(lengths.size, 0, 0)], L)
-        cl = clen.tolist()
-        prefix = cl[:3000]
-        pk: dict = {"chunks": len(cl)}
-        for buf in (64, 1024):
-            t_fast, packs = best(lambda: best_fit_packs(clen, L, buf))
-            t_pre, _ = best(lambda: best_fit_packs(np.asarray(prefix), L, buf))
-            t_naive, naive = best(lambda: naive_buffer_packs(prefix, L, buf), repeat=1)
-            assert naive == best_fit_packs(np.asarray(prefix), L, buf)
-            pk[f"buffer_{buf}"] = {
-                "chunks_per_s": round(len(cl) / t_fast),
-                "speedup_vs_naive_scan": round(t_naive / t_pre, 1),
-            }
-        t_fast, _ = best(lambda: bfd_packs(clen, L))
-        t_pre, pre_packs = best(lambda: bfd_packs(np.asarray(prefix), L))
-        t_naive, naive = best(lambda: naive_bfd_packs(prefix, L), repeat=1)
-        assert naive == pre_packs
-        pk["bfd_epoch"] = {"chunks_per_s": round(len(cl) / t_fast), "speedup_vs_naive_scan": round(t_naive / t_pre, 1)}
-        rng = np.random.default_rng(0)
-        rate = {}
-        for n in (10_000, 100_000):
-            x = rng.choice(clen, n)
-            t, _ = best(lambda: bfd_packs(x, L))
-            rate[n] = n / t
-        pk["bfd_synthetic"] = {
-            "chunks_per_s_1e4": round(rate[10_000]),
-            "chunks_per_s_1e5": round(rate[100_000]),
-            "rate_ratio_1e5_vs_1e4": round(rate[100_000] / rate[10_000], 3),
-        }
-        out["packer"] = pk
-
-        # -- loader tokens/s ---------------------------------------------------------------------------
-        from torch.utils.data import DataLoader
-
-        from h5corpus.loaders.bestfit import BestFitDataset
-        from h5corpus.loaders.window import SlidingWindowDataset
-
-        loaders = {
-            "window": SlidingWindowDataset(train, seq_len=L, batch_size=B),
-            "window_document_mask": SlidingWindowDataset(train, seq_len=L, batch_size=B, document_mask=True),
-            "bestfit_buffer_64": BestFitDataset(train, L, B, 64, mode="buffer"),
-            "bestfit_bfd": BestFitDataset(train, L, B, mode="bfd"),
-        }
-
-        def in_process(ds):
-            """Tokens/s of one whole epoch iterated in this process (the loader's own CPU cost)."""
-            t, n = time.perf_counter(), 0
-            for b in ds:
-                n += b.num_tokens
-            return n / (time.perf_counter() - t)
-
-        def in_process_cpu(ds):
-            """The same per second of this process's CPU time (time.process_time): insensitive to
-            other jobs taking the cores, still sensitive to their use of caches and memory."""
-            t, n = time.process_time(), 0
-            for b in ds:
-                n += b.num_tokens
-            return n / (time.process_time() - t)
-
-        def fields_cpu(ds):
-            """Tokens/s of one whole epoch with input_ids, targets and position_ids materialized
-            as int64 on the CPU (what a CPU consumer pays; a GPU consumer widens on the device)."""
-            t, n = time.perf_counter(), 0
-            for b in ds:
-                b.input_ids, b.targets, b.position_ids  # noqa: B018
-                n += b.num_tokens
-            return n / (time.perf_counter() - t)
-
-        def with_workers(ds, workers=2):
-            """Tokens/s through a DataLoader with ``workers`` processes, after the first batch
-            (steady state: worker start-up excluded)."""
-            it = iter(DataLoader(ds, batch_size=None, num_workers=workers))
-            next(it)
-            t, n = time.perf_counter(), 0
-            for b in it:
-                n += b.num_tokens
-            return n / (time.perf_counter() - t)
-
-        ld: dict = {}
-        for how, fn, reps in (
-            ("in_process", in_process, 7),
-            ("in_process_cpu_time", in_process_cpu, 7),
-            ("in_process_fields_cpu", fields_cpu, 5),
-            ("dataloader_2_workers", with_workers, 3),
-        ):
-            rate = {k: 0.0 for k in loaders}
-            for _ in range(reps):  # interleaved, best of reps: all loaders see the same machine load
-                for k, ds in loaders.items():
-                    rate[k] = max(rate[k], fn(ds))
-            ld[how] = {
-                k: {"tokens_per_s": round(v), "ratio_vs_window": round(v / rate["window"], 3)} for k, v in rate.items()
-            }
-        out["loader"] = ld
+        if "fill" in sections:
+            out["fill"] = {"train": fill_rows(lengths)}
+            try:
+                val = open_corpus(manifest, "validation").doc_lengths
+                out["fill"]["all_documents"] = fill_rows(np.concatenate([lengths, val]))
+            except Exception as e:  # a corpus without a validation split
+                out["fill"]["all_documents"] = f"unavailable: {e}"
+        if "packer" in sections:
+            out["packer"] = packer_rows(lengths)
+        if "plan" in sections:
+            out["plan"] = plan_rows(lengths, [float(x) for x in args.plan_docs.split(",")])
+        if "loader" in sections:
+            modes = ("in_process", "in_process_cpu_time", "in_process_fields_cpu", "rank0_of_4", "dataloader_2_workers")
+            out["loader"] = loader_rates(manifest, 7, modes)
+        if "compare" in sections and args.compare_tree:
+            out["compare"] = compare_rows(manifest, args.compare_tree, args.compare_reps, Path(tmp))
+        out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         train.close()
-
     emit(out, args.out, indent=1)
 
 

@@ -106,9 +106,9 @@ def compiled_loader(corpus, nb):
     w = np.dtype(corpus.dtype).itemsize
 
     def epoch(seed: int, ep: int, copy: str = "join"):
-        docs = epoch_order(corpus.num_documents, seed, ep)
-        d, start, clen = chunk_layout(corpus.doc_lengths[docs], L)
-        cdoc = docs[d]
+        d, start, clen = chunk_layout(corpus.doc_lengths, L)  # chunks in corpus order
+        order = epoch_order(clen.size, seed, ep)  # the epoch's chunk order (docs/PACKING.md, section 4)
+        cdoc, start, clen = d[order], start[order], clen[order]
         keys = np.zeros(BUF, np.int64)
         state = np.zeros(2, np.int64)
         out = np.empty(B * L, np.int64)

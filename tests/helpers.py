@@ -730,3 +730,26 @@ def spam_texts(reference_words: Sequence[str], n: int = 80, seed: int = 0) -> li
             )
         out.append(t)
     return out
+
+
+def interleave_ranks(per_rank: Sequence[Sequence]) -> list:
+    """The global sequence as DDP ranks consume it: step after step, rank 0 first (every rank
+    holds the same count, which the caller asserts)."""
+    return [per_rank[r][s] for s in range(len(per_rank[0])) for r in range(len(per_rank))]
+
+
+def majority_document_run(segment_tables: Iterable) -> tuple[int, float]:
+    """(longest run of consecutive microbatches in which one document supplies more than half of
+    the input tokens, largest share of one microbatch's tokens from one document). Each table is
+    a batch's ``segments`` ((S, 3) ``document, start, length``)."""
+    best, top, run = 0, 0.0, {}
+    for seg in segment_tables:
+        seg = np.asarray(seg)
+        docs, inv = np.unique(seg[:, 0], return_inverse=True)
+        per = np.bincount(inv, weights=seg[:, 2])
+        total = float(per.sum())
+        top = max(top, float(per.max()) / total)
+        major = {int(d) for d, t in zip(docs.tolist(), per.tolist()) if 2 * t > total}
+        run = {d: run.get(d, 0) + 1 for d in major}
+        best = max([best, *run.values()])
+    return best, top

@@ -13,7 +13,7 @@ import pytest
 
 from h5corpus.inspection import format_report, inspect_corpus
 from h5corpus.loaders import bestfit as packing
-from h5corpus.loaders import chunking, plan
+from h5corpus.loaders import chunking
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
@@ -67,9 +67,9 @@ def test_figures_agree_with_independent_computation_on_dev_corpus(dev_manifest):
         for ex in got["long_document_examples"]:
             assert ex["chunk_lengths"] == independent_chunks(ex["tokens"], 4096)
         assert got["chunks"] == sum(len(independent_chunks(int(n), 4096)) for n in L)
-        # fill: the same document order, chunked and packed by the naive algorithm
-        order = plan.epoch_order(L.size, 0, 0, True)
-        stream = [c for n in L[order] for c in independent_chunks(int(n), 4096)]
+        # fill: the documented chunk order (chunks in corpus order, then permuted), packed by the naive algorithm
+        chunks = [c for n in L for c in independent_chunks(int(n), 4096)]
+        stream = [chunks[i] for i in np.random.default_rng([0, 0]).permutation(len(chunks)).tolist()]
         loads = naive_best_fit(stream, 4096, 64)
         assert got["packing"]["packs"] == len(loads)
         assert got["packing"]["real_tokens"] == sum(loads) == got["prediction_pairs"]

@@ -1,5 +1,6 @@
 """Best-fit packing: chunking keeps every next-token pair exactly once, packers are exact best fit,
-batches are padding-free and isolated per segment, and sampler state resumes bit-identically.
+the global plan follows its documented rules, batches are padding-free and isolated per segment,
+and the loader state resumes bit-identically.
 
 Oracles are the rules of docs/PACKING.md written as plain loops (tests/helpers.py), never the
 implementation's own functions."""
@@ -16,16 +17,16 @@ import torch
 
 from h5corpus import BestFitDataset, open_corpus, split_tokens
 from h5corpus.loaders.batch import concat_batches
-from h5corpus.loaders.chunking import chunk_layout
+from h5corpus.loaders.chunking import ChunkTable, chunk_layout
 from h5corpus.loaders.packers import BufferPacker, best_fit_packs, bfd_packs, shuffled_bfd_block
-from h5corpus.loaders.partition import Consumer
-from h5corpus.loaders.plan import consumer_documents, epoch_order, pack_fill
+from h5corpus.loaders.plan import epoch_order, pack_fill
 from h5corpus.storage.format import TokenizerIdentity
 from h5corpus.storage.manifest import Manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import (
     BYTE_IDENTITY,
     batches_equal,
+    interleave_ranks,
     naive_bfd_packs,
     naive_buffer_packs,
     naive_chunks,
@@ -97,13 +98,16 @@ def assert_epoch_exact(corpus, outputs, max_seq_len: int, batch_size: int) -> No
 
 
 def run_consumers(manifest: Path, *, world_size: int, num_workers: int, **kw) -> list:
-    """Every batch of one epoch (with ``segments``), over all ranks (simulated in turn) and their
-    DataLoader workers: the segment tables cross the worker processes with their batches."""
-    out = []
+    """The epoch's global sequence (with ``segments``) as all ranks (simulated in turn) and their
+    DataLoader workers yield it, ranks interleaved step by step, cut to the epoch's M microbatches
+    (the last step's wrap-around repeats are left out): the segment tables cross the worker
+    processes with their batches."""
+    per_rank = []
     for rank in range(world_size):
         ds = BestFitDataset(open_corpus(manifest, "train"), rank=rank, world_size=world_size, with_segments=True, **kw)
-        out.extend(owned(b) for b in StatefulDataLoader(ds, batch_size=None, num_workers=num_workers))
-    return out
+        per_rank.append([owned(b) for b in StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)])
+    assert len({len(p) for p in per_rank}) == 1, "ranks yielded different counts"
+    return interleave_ranks(per_rank)[: ds.num_microbatches()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +145,18 @@ def test_split_tokens_long_documents_of_the_docs_table(n_tokens, expected):
     assert np.array_equal(np.concatenate([c.inputs for c in chunks]), doc[:-1])
     assert np.array_equal(np.concatenate([c.targets for c in chunks]), doc[1:])
     assert [c.start for c in chunks] == [4096 * i for i in range(len(expected))]
+
+
+def test_chunk_table_is_chunk_layout():
+    """The plan's compact chunk table (corpus order) holds exactly chunk_layout's chunks."""
+    rng = np.random.default_rng(3)
+    for L in (1, 5, 64):
+        lengths = np.concatenate([[0, 1, 2, L, L + 1, 3 * L + 2], rng.integers(0, 6 * L, 300)])
+        t = ChunkTable.build(lengths, L)
+        doc, start, n = chunk_layout(lengths, L)
+        ids = np.arange(t.num_chunks)
+        assert np.array_equal(t.doc, doc) and np.array_equal(t.length, n) and np.array_equal(t.starts(ids), start)
+        assert t.doc.dtype == np.int32 and t.length.dtype == np.int32 and t.first[-1] == t.num_chunks
 
 
 def test_chunk_layout_and_split_tokens_follow_the_documented_rule():
@@ -361,25 +377,23 @@ def test_every_pair_once_across_two_ranks_and_two_workers_stdlib(stdlib_manifest
     assert_epoch_exact(open_corpus(stdlib_manifest, "train"), out, 1024, 16)
 
 
-def test_consumers_get_disjoint_documents_whose_union_is_the_epoch(stdlib_manifest):
-    """Each document (with a pair) is read by exactly one of 4 consumers, whole."""
+def test_ranks_get_disjoint_microbatches_of_one_global_sequence(stdlib_manifest):
+    """4 ranks: rank r yields microbatches r, r + 4, ... of the single process's sequence; with
+    drop_last their shares are disjoint and together all but the incomplete last step."""
     corpus = open_corpus(stdlib_manifest, "train")
-    owner = {}
-    for c in range(4):
-        ds = BestFitDataset(corpus, 512, 4, seed=2, rank=c, world_size=4, with_segments=True)
-        for b in ds:
-            for d in set(b.segments[:, 0].tolist()):
-                assert owner.setdefault(d, c) == c, f"document {d} read by consumers {owner[d]} and {c}"
-    assert sorted(owner) == np.flatnonzero(corpus.doc_lengths >= 2).tolist()
-    order = epoch_order(corpus.num_documents, 2, 0)
-    parts = [consumer_documents(order, Consumer(r, 4, 0, 1)) for r in range(4)]
-    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(corpus.num_documents))
+    one = list(BestFitDataset(corpus, 512, 4, seed=2, with_segments=True))
+    M = len(one)
+    for r in range(4):
+        mine = list(BestFitDataset(corpus, 512, 4, seed=2, rank=r, world_size=4, drop_last=True, with_segments=True))
+        assert len(mine) == M // 4
+        assert all(batches_equal(x, one[r + 4 * i]) for i, x in enumerate(mine))
 
 
 def test_dev_corpus_every_pair_once_across_two_ranks_and_two_workers(dev_manifest):
     """Real GPT-2 shards of the dev corpus at 4,096 / 35 packs: every pair of every document
     exactly once per epoch over 2 ranks x 2 workers; batches match the documents."""
     out = run_consumers(dev_manifest, world_size=2, num_workers=2, seed=0)
+    assert len(out) == BestFitDataset(open_corpus(dev_manifest, "train")).num_microbatches()
     corpus = open_corpus(dev_manifest, "train")
     assert_epoch_exact(corpus, out, 4096, 35)
     fill = sum(b.num_tokens for b in out) / (sum(b.num_packs for b in out) * 4096)
@@ -396,13 +410,12 @@ def test_dev_corpus_bfd_every_pair_once(dev_manifest):
     assert bfd_fill >= pack_fill(corpus.doc_lengths, mode="buffer").fill
 
 
-def reference_chunks(num_documents, doc_lengths, *, max_seq_len, seed, epoch, rank, world_size) -> list:
-    """The consumer's chunk stream by the rules of docs/PACKING.md: documents in the order
-    ``default_rng([seed, epoch]).permutation(num_documents)``, consumer ``rank`` of ``world_size``
-    takes ``order[rank::world_size]``, each cut by :func:`tests.helpers.naive_chunks`.
-    Returns ``(document, start, inputs)`` per chunk."""
-    order = np.random.default_rng([seed, epoch]).permutation(num_documents)[rank::world_size].tolist()
-    return [(order[k], s, n) for k, s, n in naive_chunks([int(doc_lengths[d]) for d in order], max_seq_len)]
+def reference_chunks(doc_lengths, *, max_seq_len, seed, epoch) -> list:
+    """The epoch's chunk stream by the rules of docs/PACKING.md: every document's chunks in corpus
+    order (:func:`tests.helpers.naive_chunks`), then in the order
+    ``default_rng([seed, epoch]).permutation(chunks)``. Returns ``(document, start, inputs)`` per chunk."""
+    chunks = naive_chunks([int(n) for n in doc_lengths], max_seq_len)
+    return [chunks[i] for i in np.random.default_rng([seed, epoch]).permutation(len(chunks)).tolist()]
 
 
 def yielded_packs(batches, chunk_index: dict) -> list[list[int]]:
@@ -436,9 +449,10 @@ def reference_batch(toks: np.ndarray, offs: np.ndarray, chunks: list, packs: lis
 
 
 def assert_equals_reference(manifest, **kw):
-    """Every microbatch of one consumer's epoch equals a straightforward statement of the
-    documented algorithm (:func:`reference_chunks`, the naive packers of tests/helpers.py,
-    ``batch_size`` consecutive packs per microbatch, tokens from an independent h5py read).
+    """Every microbatch one rank yields equals a straightforward statement of the documented
+    algorithm (:func:`reference_chunks`, the naive packers of tests/helpers.py, ``batch_size``
+    consecutive packs per microbatch, rank ``r`` of ``W`` taking microbatches ``r, r + W, ...``
+    with the last step wrapped to the epoch's start, tokens from an independent h5py read).
 
     BFD's packs of each block come in an order drawn from a seeded generator; the reference takes
     that order from the dataset, after checking that it is a permutation of the block's naive BFD
@@ -448,31 +462,27 @@ def assert_equals_reference(manifest, **kw):
     corpus = open_corpus(manifest, "train")
     got = list(BestFitDataset(corpus, **kw, rank=rank, world_size=world_size, with_segments=True))
     toks, offs, _ = oracle_stream(manifest)
-    chunks = reference_chunks(
-        offs.size - 1,
-        np.diff(offs),
-        max_seq_len=L,
-        seed=kw["seed"],
-        epoch=kw.get("epoch", 0),
-        rank=rank,
-        world_size=world_size,
-    )
+    chunks = reference_chunks(np.diff(offs), max_seq_len=L, seed=kw["seed"], epoch=kw.get("epoch", 0))
     lens = [n for _, _, n in chunks]
-    packs = yielded_packs(got, {(d, s): i for i, (d, s, _) in enumerate(chunks)})
     if kw["mode"] == "buffer":
-        assert packs == naive_buffer_packs(lens, L, buf)
-    else:
+        packs = naive_buffer_packs(lens, L, buf)
+    else:  # the order of each block's packs is the dataset's (checked to be a permutation)
+        whole = list(BestFitDataset(corpus, **kw, with_segments=True))
+        drawn = yielded_packs(whole, {(d, s): i for i, (d, s, _) in enumerate(chunks)})
         at = shuffled = 0
         for lo in range(0, len(lens), buf):
             block = [[lo + i for i in p] for p in naive_bfd_packs(lens[lo : lo + buf], L)]
-            mine = packs[at : at + len(block)]
+            mine = drawn[at : at + len(block)]
             assert sorted(mine) == sorted(block), f"the block at chunk {lo:,} holds other packs"
             shuffled += mine != block
             at += len(block)
-        assert at == len(packs) and shuffled > 0
+        assert at == len(drawn) and shuffled > 0
+        packs = drawn
     groups = [packs[m : m + B] for m in range(0, len(packs), B)]
-    assert len(got) == len(groups)
-    for k, (b, mb) in enumerate(zip(got, groups)):
+    M = len(groups)
+    mine = [groups[i % M] for i in range(rank, -(-M // world_size) * world_size, world_size)]
+    assert len(got) == len(mine)
+    for k, (b, mb) in enumerate(zip(got, mine)):
         r = reference_batch(toks, offs, chunks, mb)
         assert np.array_equal(b.segments.numpy(), r["segments"]), f"microbatch {k}: other segments"
         for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths"):
@@ -572,6 +582,14 @@ def test_segments_are_none_unless_asked_and_travel_with_the_batch(stdlib_manifes
     assert concat_batches([tagged[0], plain[1]]).segments is None
 
 
+def test_epoch_order_is_the_documented_permutation():
+    """epoch_order shuffles an int32 arange in place: the values of default_rng([seed, epoch]).permutation."""
+    for n, seed, epoch in ((0, 0, 0), (1, 3, 1), (1000, 7, 2), (100_003, 1, 9)):
+        got = epoch_order(n, seed, epoch)
+        assert got.dtype == np.int32 and np.array_equal(got, np.random.default_rng([seed, epoch]).permutation(n))
+    assert np.array_equal(epoch_order(10, 1, 1, shuffle=False), np.arange(10))
+
+
 def test_epoch_order_is_seeded_and_changes_with_set_epoch(stdlib_manifest):
     """Same (seed, epoch) -> identical batches; set_epoch or another seed -> another order."""
     corpus = open_corpus(stdlib_manifest, "train")
@@ -609,35 +627,33 @@ def test_resume_three_times_in_a_row_gives_the_identical_next_batches(stdlib_man
     assert all(batches_equal(x, y) for x, y in zip(got, ref))
 
 
-def test_state_dict_holds_order_cursor_buffer_and_rng(stdlib_manifest, tmp_path):
-    """Mid-epoch state carries this consumer's order, the chunk cursor, the waiting candidates and
-    the RNG state, survives torch.save/torch.load(weights_only=True), and a state for another
-    corpus, config or consumer is refused."""
+def test_state_dict_is_the_global_position(stdlib_manifest, tmp_path):
+    """Mid-epoch state: the epoch, the global position and the tokens consumed (equal to the
+    yielded batches' tokens), nothing per document; it survives torch.save/torch.load
+    (weights_only=True), continues on another world size, and another corpus or config is refused
+    naming the field."""
     corpus = open_corpus(stdlib_manifest, "train")
     ds = BestFitDataset(corpus, 256, 4, 64, seed=1)
     it = iter(ds)
-    next(it)
+    first = [next(it) for _ in range(3)]
     st = ds.state_dict()
-    assert st["started"] and st["batches_yielded"] == 1
-    assert np.array_equal(st["order"].numpy(), epoch_order(corpus.num_documents, 1, 0))
-    buf = st["plan"]["buffer"]
-    assert st["plan"]["cursor"] > 0 and 0 < len(buf) <= 64 and int(buf.max()) < st["plan"]["cursor"]
-    assert "state" in st["plan"]["rng"]
-    # a checkpoint holding the state loads with torch's safe (weights_only) unpickler
+    assert st["position"] == 3 and st["epoch"] == 0 and st["tokens"] == sum(b.num_tokens for b in first)
+    assert st["source_tokens"] == [st["tokens"]] and st["writer"]["yielded"] == 3
     path = tmp_path / "ckpt.pt"
     torch.save({"loader": st}, path)
     restored = BestFitDataset(corpus, 256, 4, 64, seed=1)
     restored.load_state_dict(torch.load(path, weights_only=True)["loader"])
-    assert batches_equal(next(iter(restored)), next(it))
-    with pytest.raises(ValueError, match="config"):
+    nxt = next(it)
+    assert batches_equal(next(iter(restored)), nxt)
+    with pytest.raises(ValueError, match="settings.batch_size"):
         BestFitDataset(corpus, 256, 5, 64, seed=1).load_state_dict(st)
     other = open_corpus(stdlib_manifest, "validation")
-    with pytest.raises(ValueError, match="different corpus"):
+    with pytest.raises(ValueError, match="fingerprint"):
         BestFitDataset(other, 256, 4, 64, seed=1).load_state_dict(st)
-    wrong = BestFitDataset(corpus, 256, 4, 64, seed=1, rank=1, world_size=2)
-    wrong.load_state_dict(st)
-    with pytest.raises(ValueError, match="consumer"):
-        iter(wrong)
+    rank1 = BestFitDataset(corpus, 256, 4, 64, seed=1, rank=1, world_size=2)
+    rank1.load_state_dict(st)
+    second = list(BestFitDataset(corpus, 256, 4, 64, seed=1))[4]
+    assert batches_equal(next(iter(rank1)), second)  # position 3: rank 1 of 2 yields microbatch 4 next
 
 
 def test_stateful_dataloader_resume_with_workers(stdlib_manifest):

@@ -1,6 +1,7 @@
-"""Sliding-window loader: windows are slices of the token stream, epoch coverage is exact and
-disjoint across DDP ranks x DataLoader workers, order is a function of the seed, document masking,
-resume (plain, and via torchdata's StatefulDataLoader, three times in a row), fork/spawn workers."""
+"""Sliding-window loader: windows are slices of the token stream, DDP ranks x DataLoader workers
+share one global sequence of batches (epoch coverage exact, the remainder rule exact), order is a
+function of the seed, document masking, resume (plain, and via torchdata's StatefulDataLoader, three
+times in a row), fork/spawn workers."""
 
 from __future__ import annotations
 
@@ -182,40 +183,38 @@ def test_same_seed_same_batches_other_seed_or_epoch_same_windows_other_order(std
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_two_ranks_by_two_workers_disjoint_union_is_the_epoch(stdlib_manifest, drop_last):
-    """4 consumers (2 DDP ranks x 2 DataLoader workers) get disjoint windows whose union is the
-    epoch; checked on plans and on what real DataLoader workers yield per rank. With drop_last
-    every consumer yields the same number of full batches."""
+def test_two_ranks_by_two_workers_share_one_global_sequence(stdlib_manifest, drop_last):
+    """2 DDP ranks x 2 DataLoader workers: the epoch's windows, batch_size per batch in order, form
+    one global sequence; rank r yields batches r, r + 2, ...; its workers split them in turn
+    (plans, and what real DataLoader workers yield). Without drop_last the global sequence is the
+    whole layout (the last batch short) and an odd last step repeats batch 0; with drop_last every
+    batch is full and the incomplete step is dropped. Every rank yields the same count."""
     c = open_corpus(stdlib_manifest, "train")
     toks, _, shard_starts = oracle_stream_i64(stdlib_manifest)
     L, B = 700, 5
-    plans = []
-    for rank in range(2):
-        ds = SlidingWindowDataset(c, L, batch_size=B, seed=3, rank=rank, world_size=2, drop_last=drop_last)
-        for w in range(2):
-            plans.append(ds.plan(consumer=Consumer(rank, 2, w, 2)))
-    every = np.concatenate(plans)
-    assert np.unique(every).size == every.size  # disjoint
     layout = expected_epoch_starts(shard_starts, L)
-    if drop_last:
-        assert len({p.size for p in plans}) == 1 and plans[0].size % B == 0
-        assert layout.size - 4 * B < every.size <= layout.size and np.isin(every, layout).all()
-    else:
-        np.testing.assert_array_equal(np.sort(every), layout)  # union is the epoch
-    seen: Counter = Counter()
+    one = SlidingWindowDataset(c, L, batch_size=B, seed=3, drop_last=drop_last).plan()
+    n = layout.size // B * B if drop_last else layout.size
+    assert one.size == n and np.isin(one, layout).all() and np.unique(one).size == one.size
+    batches = [one[i : i + B] for i in range(0, n, B)]
+    M = len(batches)
+    steps = M // 2 if drop_last else -(-M // 2)
     for rank in range(2):
         ds = SlidingWindowDataset(c, L, batch_size=B, seed=3, rank=rank, world_size=2, drop_last=drop_last)
-        sizes = []
-        for b in DataLoader(ds, batch_size=None, num_workers=2):
-            sizes.append(b.num_packs)
-            seen.update(windows_of(b, L))
+        mine = [batches[g % M] for g in range(rank, 2 * steps, 2)]
+        for w in range(2):
+            want = np.concatenate(mine[w::2]) if mine[w::2] else np.zeros(0, np.int64)
+            np.testing.assert_array_equal(ds.plan(consumer=Consumer(rank, 2, w, 2)), want)
+        got = [windows_of(b, L) for b in DataLoader(ds, batch_size=None, num_workers=2)]
+        assert len(got) == steps == len(ds)
+        assert all(Counter(g) == stream_keys(toks, m, L) for g, m in zip(got, mine)), "other windows or order"
         if drop_last:
-            assert set(sizes) == {B}
-    assert seen == stream_keys(toks, every, L)
+            assert {len(g) for g in got} == {B}
 
 
 def test_dev_corpus_two_ranks_by_two_workers_cover_epoch_exactly(dev_manifest):
-    """Real GPT-2 shards, 2 ranks x 2 forked workers: the yielded windows are exactly the epoch."""
+    """Real GPT-2 shards, 2 ranks x 2 forked workers: the yielded windows are exactly the epoch,
+    plus batch 0's windows again when the epoch's batch count is odd (the last step wraps)."""
     c = open_corpus(dev_manifest, "train")
     toks, _, shard_starts = oracle_stream_i64(dev_manifest)
     L = 2048
@@ -224,7 +223,10 @@ def test_dev_corpus_two_ranks_by_two_workers_cover_epoch_exactly(dev_manifest):
         ds = SlidingWindowDataset(c, L, batch_size=8, seed=0, rank=rank, world_size=2)
         for b in DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"):
             seen.update(windows_of(b, L))
-    assert seen == stream_keys(toks, expected_epoch_starts(shard_starts, L), L)
+    want = stream_keys(toks, expected_epoch_starts(shard_starts, L), L)
+    if ds.num_microbatches() % 2:
+        want.update(stream_keys(toks, SlidingWindowDataset(c, L, batch_size=8, seed=0).plan()[:8], L))
+    assert seen == want
 
 
 def test_spawned_workers_yield_the_same_windows_as_in_process(stdlib_manifest):
@@ -283,28 +285,30 @@ def test_resume_three_times_in_a_row_equals_uninterrupted(stdlib_manifest, mode)
     it = iter(ds)
     next(it)
     st = json.loads(json.dumps(ds.state_dict()))
-    assert st["epoch"] == 2 and st["windows_done"] == 7 and st["consumer"] == [0, 1]
+    assert st["epoch"] == 2 and st["position"] == 1 and st["tokens"] == 7 * 900
+    assert st["writer"] == {"rank": 0, "world_size": 1, "worker": 0, "num_workers": 1, "start": 0, "yielded": 1}
 
 
-def test_resume_refuses_other_corpus_seed_seq_len_or_consumer(stdlib_manifest):
-    """A state from another seed/seq_len/corpus is refused at load; one saved by another consumer
-    is refused when iteration starts, naming both."""
+def test_resume_refuses_other_corpus_seed_or_seq_len_and_continues_on_another_rank_count(stdlib_manifest):
+    """A state from another seed/seq_len/corpus is refused at load, naming the field; a state of a
+    1-rank run continues on 2 ranks at the same global position (rank 1 takes the batch after)."""
     c = open_corpus(stdlib_manifest, "train")
     v = open_corpus(stdlib_manifest, "validation")
     ds = SlidingWindowDataset(c, 512, seed=1)
     next(iter(ds))
     st = ds.state_dict()
-    for other in (
-        SlidingWindowDataset(c, 512, seed=2),
-        SlidingWindowDataset(c, 256, seed=1),
-        SlidingWindowDataset(v, 512, seed=1),
+    for other, field in (
+        (SlidingWindowDataset(c, 512, seed=2), "settings.seed"),
+        (SlidingWindowDataset(c, 256, seed=1), "settings.seq_len"),
+        (SlidingWindowDataset(v, 512, seed=1), "fingerprint"),
     ):
-        with pytest.raises(ValueError, match="cannot resume"):
+        with pytest.raises(ValueError, match=f"loader state field '{field}'"):
             other.load_state_dict(st)
+    full = SlidingWindowDataset(c, 512, seed=1).plan()
     ranked = SlidingWindowDataset(c, 512, seed=1, rank=1, world_size=2)
     ranked.load_state_dict(st)
-    with pytest.raises(ValueError, match="saved by consumer 0 of 1 .* this is consumer 1 of 2"):
-        next(iter(ranked))
+    b = next(iter(ranked))
+    np.testing.assert_array_equal(b.input_ids.numpy().reshape(8, 512)[:, :1].ravel(), c.gather(full[16:24], 1).ravel())
 
 
 def test_set_epoch_starts_fresh_and_finished_epoch_resumes_empty(stdlib_manifest):
@@ -314,7 +318,7 @@ def test_set_epoch_starts_fresh_and_finished_epoch_resumes_empty(stdlib_manifest
     ds = SlidingWindowDataset(c, 3000, batch_size=8, seed=9)
     n = sum(1 for _ in ds)
     st = ds.state_dict()
-    assert st["windows_done"] == ds.num_windows
+    assert st["position"] == ds.num_microbatches() == -(-ds.num_windows // 8) == n
     ds2 = SlidingWindowDataset(c, 3000, batch_size=8, seed=9)
     ds2.load_state_dict(st)
     assert list(ds2) == []

@@ -1,11 +1,14 @@
 """The best-fit packing dataset: whole documents (chunks of long ones) packed into padding-free microbatches.
 
-Per consumer (DDP rank x DataLoader worker) and epoch, :class:`BestFitDataset` runs
+Per epoch, :class:`BestFitDataset` yields its share of one global sequence of microbatches:
 
-1. the plan (:mod:`~h5corpus.loaders.plan`): document order, this consumer's share, chunking
-   (:mod:`~h5corpus.loaders.chunking`), packing (:mod:`~h5corpus.loaders.packers`), grouped into
-   microbatches of ``batch_size`` packs: chunk indices only, from document lengths, no tokens read;
-2. the reads (:class:`_ChunkReads`, here): each planned microbatch becomes one compact
+1. the plan (:mod:`~h5corpus.loaders.plan`): chunks of every document, the epoch's chunk order,
+   packing (:mod:`~h5corpus.loaders.packers`), microbatches of ``batch_size`` packs: chunk ids only,
+   from document lengths, no tokens read, the same in every process;
+2. the schedule (:mod:`~h5corpus.loaders.partition`): rank ``r`` of ``W`` takes microbatches
+   ``r, r + W, ...``, DataLoader workers take turns within a rank, the remainder rule makes every
+   rank's count equal;
+3. the reads (:class:`_ChunkReads`, here): each microbatch this process yields becomes one compact
    :class:`~h5corpus.loaders.batch.VarlenBatch` of real tokens only: ``cu_seqlens`` over every
    segment, positions restarting per segment, ``pack_lengths`` per pack, each segment's inputs plus
    its lookahead token copied from the memory-mapped shards by one ``bytearray.join`` of byte views
@@ -26,11 +29,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from .batch import VarlenBatch, alloc_compact
-from .partition import Consumer, current_consumer
-from .plan import PLAN_VERSION, EpochPlan, MicrobatchGroup, PlanSettings, consumer_documents, epoch_order
+from .chunking import ChunkTable
+from .mixture import Mixture, mix
+from .plan import EpochPlan, MicrobatchGroup, PlanSettings, epoch_order
+from .sequence import GlobalSequenceDataset
 
 
 class _MappedRuns(NamedTuple):
@@ -63,14 +67,16 @@ class _ChunkReads:
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
     ``Corpus.gather_ranges`` call."""
 
-    def __init__(self, corpus: Any, plan: EpochPlan, table: _MappedRuns | None) -> None:
-        self.corpus, self.plan, self.table = corpus, plan, table
+    def __init__(self, corpus: Any, chunks: ChunkTable, table: _MappedRuns | None) -> None:
+        self.corpus, self.chunks, self.table = corpus, chunks, table
         self.dtype = np.dtype(corpus.dtype)
+        self.doc_offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
 
     def _starts(self, chunks: np.ndarray) -> np.ndarray:
         """Global token position of each chunk's first input."""
-        plan = self.plan
-        return np.asarray(self.corpus.doc_offsets, dtype=np.int64)[plan.chunk_doc[chunks]] + plan.chunk_start[chunks]
+        t = self.chunks
+        doc = t.doc[chunks]
+        return self.doc_offsets[doc] + (chunks - t.first[doc]) * t.max_seq_len
 
     def prepare(self, g: MicrobatchGroup) -> list[_Prepared]:
         """Per-microbatch inputs of :meth:`batch` for a whole group, with one numpy call per
@@ -143,15 +149,16 @@ class _ChunkReads:
 
     def segments(self, mb: _Prepared) -> torch.Tensor:
         """(S, 3) int64 ``(document index, start, length)`` of the microbatch's segments."""
-        plan = self.plan
-        return torch.from_numpy(np.stack([plan.chunk_doc[mb.chunks], plan.chunk_start[mb.chunks], mb.lengths], axis=1))
+        t = self.chunks
+        doc = t.doc[mb.chunks].astype(np.int64)
+        return torch.from_numpy(np.stack([doc, t.starts(mb.chunks), mb.lengths], axis=1))
 
 
 class _Prepared(NamedTuple):
     """One microbatch of a group, with what :meth:`_ChunkReads.batch` needs."""
 
     chunks: np.ndarray
-    """(S,) int64 chunk indices."""
+    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows)."""
     lengths: np.ndarray
     """(S,) int64 inputs per segment."""
     row_ends: np.ndarray
@@ -168,38 +175,56 @@ class _Prepared(NamedTuple):
     through the corpus instead), or None."""
 
 
-class BestFitDataset(IterableDataset):
+def as_source(corpus: Any, split: str) -> Any:
+    """A loader's ``corpus`` argument as something it reads: a ``Corpus`` or a
+    :class:`~h5corpus.loaders.mixture.Mixture` as given, a manifest path opened at ``split``, a
+    list or tuple of sources mixed in proportion to their tokens (:func:`~h5corpus.loaders.mixture.mix`)."""
+    if hasattr(corpus, "doc_offsets"):
+        return corpus
+    if isinstance(corpus, (list, tuple)):
+        return mix(list(corpus), split=split)
+    from ..storage.reader import open_corpus
+
+    return open_corpus(corpus, split)
+
+
+class BestFitDataset(GlobalSequenceDataset):
     """Padding-free microbatches of whole documents (or chunks of long ones), best-fit packed.
 
     What to iterate (the plan's settings, :class:`~h5corpus.loaders.plan.PlanSettings`):
-        corpus: a :class:`~h5corpus.storage.reader.Corpus` (or a manifest path, opened with ``split``).
+        corpus: a :class:`~h5corpus.storage.reader.Corpus`, a manifest path (opened with ``split``),
+            a :class:`~h5corpus.loaders.mixture.Mixture` (:func:`h5corpus.mix`), or a list of
+            sources (mixed in proportion to their tokens).
         max_seq_len: pack capacity and longest segment, in input tokens (default 4096).
         batch_size: packs per microbatch (default 35); only an epoch's last microbatch may hold
             fewer. A microbatch holds at most ``batch_size * max_seq_len`` real tokens.
         packing_buffer: candidate chunks considered at once; default 64 for ``mode="buffer"`` and
             16,384 for ``mode="bfd"`` (the block size best-fit-decreasing sorts).
-        seed: seeds the document order (a pure function of ``seed`` and the epoch) and BFD's
-            pack shuffle.
+        seed: seeds the chunk order (a pure function of ``seed`` and the epoch) and BFD's pack
+            shuffle.
         mode: ``"buffer"`` (bounded-buffer best fit) or ``"bfd"`` (best-fit-decreasing).
+        shuffle: shuffle the chunk order per epoch (default True); False keeps corpus order.
 
     How to iterate:
-        shuffle: shuffle document order per epoch (default True); False keeps corpus order.
-        rank, world_size: DDP position; default from ``torch.distributed`` when initialized.
-            Consumers (rank x DataLoader worker, :mod:`~h5corpus.loaders.partition`) read disjoint
-            documents of the epoch's order whose union is the epoch; their microbatch counts
-            can differ by one or more, so stop a DDP epoch at the shortest rank.
+        rank, world_size: DDP position; default from ``torch.distributed`` when initialized. Rank
+            ``r`` yields microbatches ``r, r + world_size, ...`` of the epoch's global sequence,
+            DataLoader workers take turns within a rank (:mod:`~h5corpus.loaders.partition`).
+        drop_last: the remainder rule: False (default) completes the last step with the epoch's
+            first microbatches, True drops the incomplete step; every rank yields ``len(ds)``.
+        epoch: the first epoch (:meth:`set_epoch`).
         with_segments: set ``batch.segments`` of every yielded batch to an (S, 3) int64 tensor
             of ``(document index, start, length)`` per segment (start = offset of its first input
             in the document, in tokens); otherwise it is None.
 
     Yields one :class:`~h5corpus.loaders.batch.VarlenBatch` per microbatch; use with
     ``torch.utils.data.DataLoader`` or torchdata's ``StatefulDataLoader`` with ``batch_size=None``.
-    ``state_dict()`` / ``load_state_dict()`` (torchdata's Stateful protocol) capture the epoch,
-    this consumer's document order, the chunk cursor, the candidate buffer, BFD's pending packs and
-    the RNG state (plain Python and int64 tensors: a checkpoint holding it loads with
-    ``torch.load(..., weights_only=True)``); a restored dataset yields the identical next batch.
-    Call :meth:`set_epoch` before each epoch.
+    ``state_dict()`` / ``load_state_dict()`` (torchdata's Stateful protocol; the format:
+    :mod:`~h5corpus.loaders.state`) record the epoch and the global position; a restored dataset
+    continues at that position on any world size and worker count. ``seek()`` starts at a given
+    global microbatch, ``len()`` is this rank's count per epoch.
     """
+
+    LOADER = "BestFitDataset"
 
     def __init__(
         self,
@@ -212,40 +237,38 @@ class BestFitDataset(IterableDataset):
         *,
         split: str = "train",
         shuffle: bool = True,
+        drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
         epoch: int = 0,
         with_segments: bool = False,
     ) -> None:
-        super().__init__()
-        if not hasattr(corpus, "doc_offsets"):
-            from ..storage.reader import open_corpus
-
-            corpus = open_corpus(corpus, split)
+        super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
         st = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle)  # validates
-        self.corpus = corpus
+        self.corpus = as_source(corpus, split)
+        self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
         self.max_seq_len, self.batch_size, self.packing_buffer = st.max_seq_len, st.batch_size, st.packing_buffer
         self.seed, self.mode, self.shuffle = st.seed, st.mode, st.shuffle
-        self.rank, self.world_size = rank, world_size
-        self.epoch = int(epoch)
         self.with_segments = bool(with_segments)
         self._fingerprint: str | None = None
-        self._live: dict[str, Any] | None = None  # the iteration in progress (plan, reads, counters)
-        self._resume: dict[str, Any] | None = None  # a loaded state the next __iter__ continues
-        self._cache: dict[str, Any] = {}  # this process's epoch order and mapped runs (never pickled)
+        self._counts: dict[int, int] = {}  # microbatches per epoch (small; travels into workers)
+        self._cache: dict[str, Any] = {}  # this process's chunk table, probe plan, mapped runs (never pickled)
 
     # -- configuration --------------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next ``iter()`` plays (order = f(seed, epoch))."""
-        self.epoch = int(epoch)
-
     @property
     def settings(self) -> PlanSettings:
         """The plan's settings (what a checkpoint must agree on besides the corpus)."""
         return PlanSettings(self.max_seq_len, self.batch_size, self.packing_buffer, self.seed, self.mode, self.shuffle)
 
-    def _config(self) -> dict[str, Any]:
-        return self.settings.as_dict()
+    def settings_dict(self) -> dict[str, Any]:
+        d = self.settings.as_dict()
+        d["drop_last"] = self.drop_last
+        d["mixture"] = None if self.mixture is None else self.mixture.settings()
+        return d
+
+    @property
+    def num_sources(self) -> int:
+        return 1 if self.mixture is None else self.mixture.num_sources
 
     @property
     def fingerprint(self) -> str:
@@ -257,47 +280,118 @@ class BestFitDataset(IterableDataset):
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
+    # -- the plan -------------------------------------------------------------------------------
+    def chunk_table(self) -> ChunkTable:
+        """Every chunk of the corpus in corpus order (this process's, cached)."""
+        key = (self.corpus.num_documents, self.corpus.num_tokens, self.max_seq_len)
+        hit = self._cache.get("chunks")
+        if hit is None or hit[0] != key:
+            hit = self._cache["chunks"] = (key, ChunkTable.build(self.corpus.doc_lengths, self.max_seq_len))
+        return hit[1]
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """A fresh global plan of ``epoch`` (default: the current one); nothing planned yet."""
+        e = self.epoch if epoch is None else int(epoch)
+        table = self.chunk_table()
+        if self.mixture is None:
+            stream, bases = epoch_order(table.num_chunks, self.seed, e, self.shuffle), None
+        else:
+            bases = table.first[self.mixture.doc_bases]
+            sel = self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle)
+            stream = sel.items.astype(np.int32 if table.num_chunks < 2**31 else np.int64)
+        return EpochPlan(table, stream, self.settings, epoch=e, source_bases=bases)
+
+    def _probe(self, epoch: int) -> EpochPlan:
+        """This process's fully planned epoch (counts and tokens; no microbatch kept)."""
+        hit = self._cache.get("probe")
+        if hit is None or hit[0] != (epoch, self.chunk_table().num_chunks):
+            plan = self.plan(epoch)
+            plan.plan_all()
+            hit = self._cache["probe"] = ((epoch, self.chunk_table().num_chunks), plan)
+        return hit[1]
+
+    def _num_microbatches(self, epoch: int) -> int:
+        if epoch not in self._counts:
+            self._counts[epoch] = int(self._probe(epoch).total or 0)
+        return self._counts[epoch]
+
+    def _tokens_at(self, epoch: int, position: int) -> tuple[int, tuple[int, ...]]:
+        return self._probe(epoch).tokens_at(position)
+
+    def mixture_summary(self, epoch: int | None = None) -> list[dict[str, Any]]:
+        """Per mixture source, what ``epoch`` (default: the current one) reads: name, weight,
+        target share, chunks and input tokens, realized share, source epochs read (see
+        :meth:`~h5corpus.loaders.mixture.Mixture.describe`); raises ValueError for a plain corpus."""
+        if self.mixture is None:
+            raise ValueError("mixture_summary: this dataset reads one corpus, not a mixture")
+        table = self.chunk_table()
+        bases = table.first[self.mixture.doc_bases]
+        e = self.epoch if epoch is None else int(epoch)
+        return self._with_consumed(
+            e, self.mixture.describe(self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle))
+        )
+
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[VarlenBatch]:
-        consumer = current_consumer(self.rank, self.world_size)
-        st, self._resume = self._resume, None
-        resumed = st is not None and bool(st.get("started"))
-        if resumed:
-            if tuple(st["consumer"]) != (consumer.index, consumer.count):
-                raise ValueError(
-                    f"state belongs to consumer {tuple(st['consumer'])} (index, count) but this is "
-                    f"consumer ({consumer.index}, {consumer.count}): resume with the same world size "
-                    "and num_workers"
-                )
-            epoch = int(st["epoch"])
-            docs = np.asarray(st["order"], dtype=np.int64)
-        else:
-            epoch = int(st["epoch"]) if st is not None else self.epoch
-            docs = consumer_documents(self._order(epoch), consumer)
-        plan = EpochPlan(self.corpus.doc_lengths, docs, self.settings, epoch=epoch, consumer=consumer)
-        reads = _ChunkReads(self.corpus, plan, self._table())
-        live = {"plan": plan, "reads": reads, "epoch": epoch, "consumer": consumer, "batches": 0, "tokens": 0}
-        if resumed:
-            plan.restore(st["plan"])
-            live["batches"], live["tokens"] = int(st["batches_yielded"]), int(st["tokens_yielded"])
-        self._live = live
-        return self._run(live)
+        live = self._begin()
+        plan = self.plan(live.epoch)
+        first, stride = live.schedule.first_wanted()
+        plan.want(first, stride)
+        live.tokens_at = plan.tokens_at
+        reads = _ChunkReads(self.corpus, plan.table, self._table())
+        return self._run(live, plan, reads)
 
-    #: Microbatches planned and prepared together (numpy work per group, not per microbatch)
+    #: Microbatches read per group (numpy work per group, not per microbatch)
     GROUP = 8
 
-    def _run(self, live: dict[str, Any]) -> Iterator[VarlenBatch]:
-        plan: EpochPlan = live["plan"]
-        reads: _ChunkReads = live["reads"]
-        while True:
-            g = plan.next_group(self.GROUP)
-            if g is None:
+    def _indices(self, live: Any, plan: EpochPlan) -> Iterator[tuple[int, bool]]:
+        """(global microbatch, wrapped) of every item this consumer yields, in order: the schedule
+        and the remainder rule (a wrapped one is microbatch ``g mod M`` of the epoch's start).
+        Checked a group of items at a time while the epoch is far from its end."""
+        sched = live.schedule
+        K, G = sched.consumer.num_workers, self.GROUP
+        items = sched.local_items()
+        for j in items:
+            last = j + K * (G - 1)
+            if plan.reach(sched.needed(last) + sched.consumer.world_size):  # the whole group is inside the epoch
+                yield from ((sched.global_index(i), False) for i in range(j, last + 1, K))
+                for _ in range(G - 1):
+                    next(items)
+                continue
+            if not plan.reach(sched.needed(j)):
                 return
-            for mb, snap in zip(reads.prepare(g), g.snapshots):
+            g = sched.global_index(j)
+            if plan.reach(g + 1):
+                yield g, False
+            else:
+                yield g % int(plan.total or 1), True
+
+    def _groups(self, live: Any, plan: EpochPlan) -> Iterator[MicrobatchGroup]:
+        """This consumer's microbatches in yield order, up to :attr:`GROUP` per group."""
+        wrapped: EpochPlan | None = None
+        items = self._indices(live, plan)
+        while True:
+            batch = [x for _, x in zip(range(self.GROUP), items)]
+            if not batch:
+                return
+            main = [g for g, w in batch if not w]
+            if main:
+                yield plan.take_group(main)
+            late = [g for g, w in batch if w]
+            if late:
+                if wrapped is None:  # the epoch's last step: at most world_size - 1 microbatches again
+                    rest = list(items)  # all wrapped too
+                    items = iter(rest)
+                    wrapped = self.plan(live.epoch)
+                    wrapped.want_only(late + [g for g, _ in rest])
+                wrapped.reach(max(late) + 1)
+                yield wrapped.take_group(late)
+
+    def _run(self, live: Any, plan: EpochPlan, reads: _ChunkReads) -> Iterator[VarlenBatch]:
+        for group in self._groups(live, plan):
+            for mb in reads.prepare(group):
                 out = self._read(reads, mb)
-                plan.consume(snap)
-                live["batches"] += 1
-                live["tokens"] += mb.num_tokens
+                live.yielded += 1
                 yield out
 
     def _read(self, reads: _ChunkReads, mb: _Prepared) -> VarlenBatch:
@@ -325,61 +419,8 @@ class BestFitDataset(IterableDataset):
             hit = self._cache["table"] = (key, _mapped_runs(self.corpus))
         return hit[1]
 
-    def _order(self, epoch: int) -> np.ndarray:
-        """The epoch's document order (cached: one permutation per epoch and process)."""
-        key = (self.seed, epoch, self.shuffle, self.corpus.num_documents)
-        hit = self._cache.get("order")
-        if hit is None or hit[0] != key:
-            hit = self._cache["order"] = (key, epoch_order(self.corpus.num_documents, self.seed, epoch, self.shuffle))
-        return hit[1]
-
-    # -- state (torchdata Stateful protocol) ---------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue with the identical next batch: plan version, corpus
-        fingerprint, config, epoch, consumer, this consumer's document order, the plan's cursor,
-        candidate buffer, pending packs and RNG state, and counters. Plain Python values, int64
-        tensors and the numpy bit generator's state dict (plain ints): ``torch.save`` /
-        ``torch.load(weights_only=True)`` round-trip it."""
-        base = {"plan_version": PLAN_VERSION, "fingerprint": self.fingerprint, "config": self._config()}
-        live = self._live
-        if live is None:
-            if self._resume is not None:
-                return dict(self._resume)
-            return {**base, "started": False, "epoch": self.epoch}
-        c: Consumer = live["consumer"]
-        plan: EpochPlan = live["plan"]
-        return {
-            **base,
-            "started": True,
-            "epoch": live["epoch"],
-            "consumer": (c.index, c.count),
-            "order": torch.from_numpy(plan.docs.copy()),
-            "plan": plan.state(),
-            "batches_yielded": live["batches"],
-            "tokens_yielded": live["tokens"],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the next ``iter()`` continues where it was taken.
-        Raises ValueError if the corpus, the config or the plan version differ."""
-        if int(state.get("plan_version", -1)) != PLAN_VERSION:
-            raise ValueError(
-                f"state has plan_version {state.get('plan_version')!r}, this h5corpus plans version {PLAN_VERSION}"
-            )
-        if state.get("fingerprint") != self.fingerprint:
-            raise ValueError(
-                "state was taken on a different corpus split (fingerprint "
-                f"{str(state.get('fingerprint'))[:12]} != {self.fingerprint[:12]})"
-            )
-        if state.get("config") != self._config():
-            raise ValueError(f"state was taken with config {state.get('config')}, this dataset has {self._config()}")
-        self._resume = dict(state)
-        self._live = None
-        self.epoch = int(state["epoch"])
-
     def __getstate__(self) -> dict[str, Any]:
-        d = self.__dict__.copy()
-        d["_live"] = None  # an iteration never travels into a worker; its state does, via load_state_dict
+        d = super().__getstate__()
         d["_cache"] = {}
         return d
 

@@ -14,7 +14,7 @@ Units: lengths and offsets are in tokens; a chunk's length is its number of *inp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -55,6 +55,54 @@ def chunk_layout(doc_lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray,
     start = k * max_seq_len
     length = np.minimum(pairs[doc] - start, max_seq_len)
     return doc, start, length
+
+
+class ChunkTable(NamedTuple):
+    """Every chunk of a split in corpus order (documents in order, a document's chunks in order),
+    compact: what a plan needs at 8 bytes per chunk plus 8 per document. Chunk ``c`` is
+    ``length[c]`` inputs of document ``doc[c]`` from input offset :meth:`starts` ``(c)``; the rule
+    is :func:`chunk_layout`'s (tested equal)."""
+
+    doc: np.ndarray
+    """(C,) int32 (int64 from 2**31 documents on) document of each chunk."""
+    length: np.ndarray
+    """(C,) int32 inputs (= pairs) per chunk, in ``[1, max_seq_len]``."""
+    first: np.ndarray
+    """(N + 1,) int64 index of each document's first chunk; ``first[N] == C``."""
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, doc_lengths: np.ndarray, max_seq_len: int) -> ChunkTable:
+        """The table of ``doc_lengths`` (tokens per document, EOS included), vectorized."""
+        L = int(max_seq_len)
+        if L < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if L >= 2**31:
+            raise ValueError(f"max_seq_len must be < 2**31 tokens, got {L:,}")
+        pairs = np.asarray(doc_lengths, dtype=np.int64) - 1  # in-place steps below: few temporaries
+        np.maximum(pairs, 0, out=pairs)
+        n = pairs + (L - 1)
+        n //= L  # chunks per document
+        first = np.zeros(pairs.size + 1, dtype=np.int64)
+        np.cumsum(n, out=first[1:])
+        idx = np.int32 if pairs.size < 2**31 else np.int64
+        doc = np.repeat(np.arange(pairs.size, dtype=idx), n)
+        length = np.full(doc.size, L, dtype=np.int32)
+        step = 1 << 18  # documents per block: bounded temporaries on any corpus size
+        for a in range(0, pairs.size, step):
+            b = min(a + step, pairs.size)
+            has = np.flatnonzero(n[a:b]) + a
+            length[first[has + 1] - 1] = pairs[has] - (n[has] - 1) * L  # each document's last chunk
+        return cls(doc, length, first, L)
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.doc.size)
+
+    def starts(self, chunks: np.ndarray) -> np.ndarray:
+        """(k,) int64 input offset of each chunk's first input inside its document."""
+        chunks = np.asarray(chunks, dtype=np.int64)
+        return (chunks - self.first[self.doc[chunks]]) * self.max_seq_len
 
 
 def split_tokens(*args: Any, max_seq_len: int = 4096) -> list[Chunk]:

@@ -27,8 +27,11 @@ import numpy as np
 
 
 def _check_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """``lengths`` as a 1-D int64 array, every entry in ``[1, capacity]``; else ValueError naming the chunk."""
-    a = np.asarray(lengths, dtype=np.int64)
+    """``lengths`` as a 1-D integer array (int32 and int64 kept as they are, without a copy; others
+    become int64), every entry in ``[1, capacity]``; else ValueError naming the chunk."""
+    a = np.asarray(lengths)
+    if a.dtype not in (np.int32, np.int64):
+        a = a.astype(np.int64)
     if a.ndim != 1:
         raise ValueError(f"lengths must be 1-D, got shape {a.shape}")
     if capacity < 1:
@@ -125,7 +128,7 @@ class BufferPacker:
 
     def _encode(self, idx: np.ndarray) -> np.ndarray:
         A = self._A
-        return (self.lengths[idx] << A) | ((1 << A) - 1 - (idx - self._base))
+        return (self.lengths[idx].astype(np.int64) << A) | ((1 << A) - 1 - (idx - self._base))
 
     @property
     def mark(self) -> Mark:

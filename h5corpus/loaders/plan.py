@@ -1,23 +1,25 @@
-"""The best-fit loader's epoch plan: document lengths + settings -> microbatches of chunk indices.
+"""The best-fit loader's epoch plan: one global sequence of microbatches from document lengths alone.
 
-No tokens are read here. For one epoch and one consumer (DDP rank x DataLoader worker,
-:mod:`~h5corpus.loaders.partition`) the plan is:
+No tokens are read here, and nothing depends on the world size or the DataLoader workers. For an
+epoch the plan is (docs/PACKING.md, section 4):
 
-1. **Order** (:func:`epoch_order`): ``numpy.random.default_rng([seed, epoch]).permutation(N)`` of
-   the split's ``N`` documents (``shuffle=False``: corpus order). Consumer ``c`` of ``n`` takes
-   ``order[c::n]`` (:func:`consumer_documents`): consumers read disjoint documents whose union is
-   the epoch.
-2. **Chunking** of those documents, in that order (:func:`~h5corpus.loaders.chunking.chunk_layout`).
-3. **Packing** of the chunk stream (:mod:`~h5corpus.loaders.packers`): ``mode="buffer"``, one
+1. **Chunks** of every document in corpus order (:class:`~h5corpus.loaders.chunking.ChunkTable`):
+   chunk ids ``0 .. C-1``, a long document's chunks consecutive.
+2. **Stream**: the chunk ids in the order ``numpy.random.default_rng([seed, epoch]).permutation(C)``
+   (:func:`epoch_order`; ``shuffle=False``: corpus order), so a long document's chunks enter the
+   stream as independent segments spread over the epoch. A mixture picks and interleaves chunks of
+   its sources instead (:meth:`~h5corpus.loaders.mixture.Mixture.select`).
+3. **Packing** of that stream (:mod:`~h5corpus.loaders.packers`): ``mode="buffer"``, one
    :class:`~h5corpus.loaders.packers.BufferPacker` over the whole stream; ``mode="bfd"``, blocks of
-   ``packing_buffer`` consecutive chunks, each packed best-fit-decreasing with its packs shuffled
-   (:func:`~h5corpus.loaders.packers.shuffled_bfd_block`) by one generator per epoch and consumer,
-   ``numpy.random.default_rng([seed, epoch, c, n, 0x9ACC])``, drawn once per block.
-4. **Microbatches**: ``batch_size`` consecutive packs; only an epoch's last holds fewer.
+   ``packing_buffer`` consecutive stream chunks, each packed best-fit-decreasing with its packs
+   shuffled (:func:`~h5corpus.loaders.packers.shuffled_bfd_block`) by one generator per epoch,
+   ``numpy.random.default_rng([seed, epoch, 0x9ACC])``, drawn once per block.
+4. **Microbatches**: ``batch_size`` consecutive packs; only the epoch's last holds fewer.
 
-:func:`plan_epoch` is that function of (document lengths, :class:`PlanSettings`, epoch, consumer);
-:class:`EpochPlan` runs it lazily, a group of microbatches at a time, and its :meth:`~EpochPlan.state`
-is where it stands. :func:`pack_fill` simulates one epoch to report how full the packs are.
+:class:`EpochPlan` runs this lazily, a group of microbatches at a time (packing is sequential),
+keeping the microbatches its consumer asked for (:meth:`EpochPlan.want`) and every microbatch's
+token count (what a checkpoint's ``tokens`` is checked against). :func:`pack_fill` plans a whole
+epoch to report how full the packs are.
 """
 
 from __future__ import annotations
@@ -27,27 +29,25 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
-from .chunking import chunk_layout
+from .chunking import ChunkTable
 from .packers import BufferPacker, decode_keys, shuffled_bfd_block
-from .partition import Consumer
+from .state import STATE_VERSION
 
 MODES = ("buffer", "bfd")
 
-#: Bumped whenever the plan (order, chunking, packing) for the same settings changes; stored in
-#: ``BestFitDataset.state_dict()`` so a checkpoint of an older plan is refused instead of silently
-#: continuing elsewhere.
-PLAN_VERSION = 1
+#: The plan's rules (order, chunking, packing) belong to the loader state's version: a state of
+#: another version is refused instead of continuing elsewhere.
+PLAN_VERSION = STATE_VERSION
 
 #: Default ``packing_buffer`` per mode, in chunks: the candidate buffer of best fit, the block
 #: best-fit-decreasing sorts.
 DEFAULT_PACKING_BUFFER = {"buffer": 64, "bfd": 16384}
 
-_BFD_STREAM_TAG = 0x9ACC  # separates the BFD pack shuffle's random stream from the document order's
+_BFD_STREAM_TAG = 0x9ACC  # separates the BFD pack shuffle's random stream from the chunk order's
 
-#: The consumer of a single-process epoch (no DDP, no DataLoader workers).
-SINGLE_CONSUMER = Consumer(0, 1, 0, 1)
+#: Microbatches planned per step of the plan (numpy work per group, not per microbatch)
+GROUP = 8
 
 
 def default_packing_buffer(mode: str, packing_buffer: int | None) -> int:
@@ -57,9 +57,15 @@ def default_packing_buffer(mode: str, packing_buffer: int | None) -> int:
     return DEFAULT_PACKING_BUFFER["buffer" if mode == "buffer" else "bfd"]
 
 
+def _as_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
 @dataclass(frozen=True)
 class PlanSettings:
-    """Everything a best-fit plan depends on besides the document lengths, the epoch and the consumer."""
+    """Everything a best-fit plan depends on besides the document lengths and the epoch."""
 
     max_seq_len: int = 4096
     """Pack capacity and longest segment, in input tokens."""
@@ -69,25 +75,29 @@ class PlanSettings:
     """Chunks considered at once: the candidate buffer (``"buffer"``) or the block BFD sorts
     (``"bfd"``); None: the mode's default (64 / 16,384). Always an int after construction."""
     seed: int = 0
-    """Seeds the document order and BFD's pack shuffle."""
+    """Seeds the chunk order and BFD's pack shuffle."""
     mode: str = "buffer"
     """``"buffer"`` (bounded-buffer best fit) or ``"bfd"`` (best-fit-decreasing over blocks)."""
     shuffle: bool = True
-    """Shuffle the document order per epoch; False keeps corpus order."""
+    """Shuffle the chunk order per epoch; False keeps corpus order."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.max_seq_len < 1 or self.batch_size < 1:
-            raise ValueError(f"max_seq_len ({self.max_seq_len}) and batch_size ({self.batch_size}) must be >= 1")
-        buf = default_packing_buffer(self.mode, self.packing_buffer)
+        L, B = _as_int("max_seq_len", self.max_seq_len), _as_int("batch_size", self.batch_size)
+        if not 1 <= L < 2**30 or B < 1:
+            raise ValueError(f"max_seq_len ({L}) must be in [1, 2**30) and batch_size ({B}) >= 1")
+        buf = _as_int("packing_buffer", default_packing_buffer(self.mode, self.packing_buffer))
         if buf < 1:
             raise ValueError(f"packing_buffer must be >= 1 chunk, got {buf}")
+        seed = _as_int("seed", self.seed)
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         for name, value in (
-            ("max_seq_len", int(self.max_seq_len)),
-            ("batch_size", int(self.batch_size)),
+            ("max_seq_len", L),
+            ("batch_size", B),
             ("packing_buffer", buf),
-            ("seed", int(self.seed)),
+            ("seed", seed),
             ("shuffle", bool(self.shuffle)),
         ):
             object.__setattr__(self, name, value)
@@ -97,37 +107,24 @@ class PlanSettings:
         return dataclasses.asdict(self)
 
 
-def epoch_order(num_documents: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The epoch's document order, int64: ``default_rng([seed, epoch]).permutation(num_documents)``
-    (``shuffle=False``: ``arange``). A pure function of its arguments, identical in every process."""
-    if not shuffle:
-        return np.arange(num_documents, dtype=np.int64)
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_documents).astype(np.int64)
-
-
-def consumer_documents(order: np.ndarray, consumer: Consumer) -> np.ndarray:
-    """The documents consumer ``c`` of ``n`` reads: ``order[c::n]`` (disjoint, union = epoch)."""
-    return order[consumer.index :: consumer.count]
-
-
-def plan_epoch(
-    doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0, consumer: Consumer = SINGLE_CONSUMER
-) -> EpochPlan:
-    """The plan of ``consumer``'s share of ``epoch``: order, share, chunks, packs (see the module
-    docstring). ``doc_lengths``: tokens per document of the split, EOS included."""
-    lengths = np.asarray(doc_lengths, dtype=np.int64)
-    order = epoch_order(lengths.size, settings.seed, epoch, settings.shuffle)
-    return EpochPlan(lengths, consumer_documents(order, consumer), settings, epoch=epoch, consumer=consumer)
+def epoch_order(num_items: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The epoch's item order: ``default_rng([seed, epoch]).permutation(num_items)`` (``shuffle=False``:
+    ``arange``), as int32 below 2**31 items (4 bytes per item; the same values). A pure function of
+    its arguments, identical in every process."""
+    a = np.arange(num_items, dtype=np.int32 if num_items < 2**31 else np.int64)
+    if shuffle:
+        np.random.default_rng([int(seed), int(epoch)]).shuffle(a)  # = permutation(num_items)
+    return a
 
 
 class Microbatch(NamedTuple):
     """One microbatch of a plan: which chunks, how long, and where each pack begins."""
 
     chunks: np.ndarray
-    """(S,) int64 chunk indices into the plan's ``chunk_doc``/``chunk_start``/``chunk_len``,
-    pack after pack, each pack's chunks in pick (placement) order."""
+    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows; the stream's dtype,
+    int32 below 2**31 chunks), pack after pack, each pack's chunks in pick (placement) order."""
     lengths: np.ndarray
-    """(S,) int64 inputs per chunk (= ``chunk_len[chunks]``)."""
+    """(S,) int64 inputs per chunk."""
     pack_starts: np.ndarray
     """(P,) int64 offset in ``chunks`` of each pack's first chunk (``pack_starts[0] == 0``)."""
 
@@ -138,19 +135,26 @@ class Microbatch(NamedTuple):
 
 
 class MicrobatchGroup(NamedTuple):
-    """Consecutive microbatches planned in one go, flat (so that per-microbatch numpy work is
-    done once per group): microbatch ``j`` holds packs ``mb_packs[j]:mb_packs[j + 1]``."""
+    """Microbatches flat (per-microbatch numpy work done once per group): microbatch ``j`` holds
+    packs ``mb_packs[j]:mb_packs[j + 1]``."""
 
     chunks: np.ndarray
-    """(S,) int64 chunk indices, every microbatch's packs end to end."""
+    """(S,) chunk ids (int32 below 2**31 chunks), every microbatch's packs end to end."""
     lengths: np.ndarray
     """(S,) int64 inputs per chunk."""
     pack_starts: np.ndarray
     """(P,) int64 offset in ``chunks`` of each pack's first chunk."""
     mb_packs: list[int]
     """(K + 1,) offsets into ``pack_starts``."""
-    snapshots: list[tuple]
-    """(K,) the plan's position right after each microbatch (for :meth:`EpochPlan.consume`)."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.mb_packs) - 1
+
+    def bounds(self) -> np.ndarray:
+        """(K + 1,) offset in ``chunks`` of each microbatch's first chunk, then S."""
+        ps = self.pack_starts
+        return np.append(ps[self.mb_packs[:-1]], self.chunks.size) if ps.size else np.zeros(1, np.int64)
 
     def microbatch(self, j: int) -> Microbatch:
         p0, p1 = self.mb_packs[j], self.mb_packs[j + 1]
@@ -159,73 +163,139 @@ class MicrobatchGroup(NamedTuple):
         return Microbatch(self.chunks[a:b], self.lengths[a:b], self.pack_starts[p0:p1] - a)
 
 
-class EpochPlan:
-    """Order -> chunks -> packs -> microbatches for one consumer and epoch; pure over document lengths.
+def join_microbatches(mbs: list[Microbatch]) -> MicrobatchGroup:
+    """One group of consecutive entries ``mbs`` (for reads prepared per group)."""
+    chunks = np.concatenate([m.chunks for m in mbs])
+    lengths = np.concatenate([m.lengths for m in mbs])
+    offs = np.cumsum([0] + [m.chunks.size for m in mbs])
+    starts = np.concatenate([m.pack_starts + o for m, o in zip(mbs, offs[:-1].tolist())])
+    return MicrobatchGroup(chunks, lengths, starts, np.cumsum([0] + [m.pack_starts.size for m in mbs]).tolist())
 
-    ``docs`` is the consumer's documents in order (:func:`consumer_documents`; a checkpoint's saved
-    order on resume). Chunk ``i`` of the plan is ``chunk_len[i]`` inputs of document
-    ``chunk_doc[i]`` (a corpus document index) from offset ``chunk_start[i]``.
-    :meth:`next_microbatch` plans one microbatch, :meth:`next_group` several at once. The plan may
-    run ahead of its consumer: :meth:`state` describes the position after the last microbatch
-    passed to :meth:`consume` (which ``next_microbatch`` does itself).
-    """
+
+class EpochPlan:
+    """The global sequence of one epoch's microbatches, planned lazily from chunk lengths alone.
+
+    ``stream`` holds the epoch's chunk ids in stream order (module docstring). :meth:`reach` plans
+    until ``n`` microbatches exist (or the epoch ends: then :attr:`total` is M); the plan keeps the
+    microbatches :meth:`want` names for :meth:`take`, and every microbatch's input tokens, per
+    source when ``source_bases`` (chunk id where each mixture source begins) is given."""
 
     def __init__(
-        self, doc_lengths: np.ndarray, docs: np.ndarray, settings: PlanSettings, *, epoch: int, consumer: Consumer
+        self, table: ChunkTable, stream: np.ndarray, settings: PlanSettings, *, epoch: int, source_bases=None
     ) -> None:
-        self.settings = settings
-        self.docs = np.asarray(docs, dtype=np.int64)
-        d, self.chunk_start, self.chunk_len = chunk_layout(np.asarray(doc_lengths)[self.docs], settings.max_seq_len)
-        self.chunk_doc = self.docs[d]
-        self.rng = np.random.default_rng(
-            [int(settings.seed), int(epoch), consumer.index, consumer.count, _BFD_STREAM_TAG]
-        )
-        self._rng_state = self.rng.bit_generator.state
-        #: BFD: packs made but not yet planned into microbatches, flat (chunk indices, chunks per
-        #: pack); the next pack is ``_pend_sizes[_pend_pack]``, its first chunk ``_pend_chunks[_pend_at]``
-        self._pend_chunks = np.zeros(0, np.int64)
-        self._pend_sizes = np.zeros(0, np.int64)
-        self._pend_pack = self._pend_at = 0
-        #: BFD: next chunk not yet packed (buffer mode keeps its cursor in the packer)
-        self.cursor = 0
+        self.table, self.settings, self.epoch = table, settings, int(epoch)
+        self.stream = stream
+        self.lengths = table.length[stream]
+        self.source_bases = None if source_bases is None else np.asarray(source_bases, dtype=np.int64)
+        S = 1 if self.source_bases is None else self.source_bases.size - 1
+        cap = -(-self.stream.size // settings.batch_size) + 2  # M <= ceil(C / B): at most one pack per chunk
+        self._tok = np.zeros(cap, dtype=np.int64)  # _tok[g]: input tokens before microbatch g
+        self._src = np.zeros((cap, S), dtype=np.int64) if S > 1 else None
+        self.planned = 0
+        self.total: int | None = None
+        self._kept: dict[int, tuple[MicrobatchGroup, int]] = {}  # wanted microbatch -> (its group, index)
+        self._want: tuple[int, int] | frozenset[int] = frozenset()
+        self.rng = np.random.default_rng([int(settings.seed), int(epoch), _BFD_STREAM_TAG])
         self.packer = (
-            BufferPacker(self.chunk_len, settings.max_seq_len, settings.packing_buffer)
+            BufferPacker(self.lengths, settings.max_seq_len, settings.packing_buffer)
             if settings.mode == "buffer"
             else None
         )
-        self._consumed = self._snapshot()
+        #: BFD: packs made but not yet grouped into microbatches (stream positions, chunks per pack)
+        self._pend_chunks = np.zeros(0, np.int64)
+        self._pend_sizes = np.zeros(0, np.int64)
+        self._pend_pack = self._pend_at = 0
+        self.cursor = 0  # BFD: next stream chunk not yet packed
 
     @property
     def num_chunks(self) -> int:
-        return int(self.chunk_len.size)
+        return int(self.stream.size)
 
-    def _snapshot(self) -> tuple:
-        if self.packer is not None:
-            return self.packer.snapshot()
-        return (self.cursor, self._pend_chunks, self._pend_sizes, self._pend_pack, self._pend_at, self._rng_state)
+    def want(self, first: int, stride: int = 1) -> None:
+        """Keep microbatches ``first, first + stride, ...`` for :meth:`take`."""
+        self._want = (int(first), max(int(stride), 1))
 
-    def consume(self, snapshot: tuple) -> None:
-        """Mark the microbatch whose snapshot this is as yielded (what :meth:`state` describes)."""
-        self._consumed = snapshot
+    def want_only(self, indices) -> None:
+        """Keep exactly these microbatches (the wrapped ones of an epoch's last step)."""
+        self._want = frozenset(int(i) for i in indices)
 
-    def next_microbatch(self) -> Microbatch | None:
-        """Up to ``batch_size`` packs; None once the consumer's epoch is used up. Only the last
-        microbatch of an epoch may hold fewer than ``batch_size`` packs."""
-        g = self.next_group(1)
-        if g is None:
-            return None
-        self.consume(g.snapshots[0])
-        return g.microbatch(0)
+    # -- planning -------------------------------------------------------------------------------
+    def reach(self, n: int) -> bool:
+        """Plan until at least ``n`` microbatches exist; False if the epoch holds fewer."""
+        while (
+            self.planned < n and self.total is None
+        ):  # whole groups: a consumer of every microbatch takes them as planned
+            self._record(self.next_group(GROUP * max(1, min((n - self.planned) // GROUP, 8))))
+        return self.planned >= n
+
+    def plan_all(self) -> int:
+        """Plan the whole epoch; returns M."""
+        while self.total is None:
+            self._record(self.next_group(8 * GROUP))
+        return self.total
+
+    def _record(self, g: MicrobatchGroup | None) -> None:
+        g0 = self.planned
+        K = 0 if g is None else g.num_microbatches
+        if K:
+            bounds = g.bounds()
+            per_mb = np.add.reduceat(g.lengths, bounds[:-1]) if g.lengths.size else np.zeros(K, np.int64)
+            self._tok[g0 + 1 : g0 + K + 1] = self._tok[g0] + np.cumsum(per_mb)
+            if self._src is not None:
+                S = self._src.shape[1]
+                src = np.searchsorted(self.source_bases, g.chunks, side="right") - 1
+                mb = np.repeat(np.arange(K), np.diff(bounds))
+                add = np.bincount(mb * S + src, weights=g.lengths, minlength=K * S).reshape(K, S)
+                self._src[g0 + 1 : g0 + K + 1] = self._src[g0] + np.cumsum(add.astype(np.int64), axis=0)
+            w = self._want
+            if isinstance(w, frozenset):
+                wanted = [j for j in range(K) if g0 + j in w]
+            else:  # first, first + stride, ... inside [g0, g0 + K)
+                lo = w[0] if g0 <= w[0] else g0 + (-(g0 - w[0]) % w[1])
+                wanted = range(lo - g0, K, w[1])
+            for j in wanted:
+                self._kept[g0 + j] = (g, j)
+        self.planned = g0 + K
+        if g is None or K == 0:
+            self.total = self.planned
+
+    def take(self, g: int) -> Microbatch:
+        """Microbatch ``g`` (planned and wanted), released from the plan."""
+        grp, j = self._kept.pop(g)
+        return grp.microbatch(j)
+
+    def take_group(self, gs: list[int]) -> MicrobatchGroup:
+        """Microbatches ``gs`` (planned and wanted) as one group, released from the plan: the
+        planned group itself when ``gs`` is all of it, in order (no copy)."""
+        parts = [self._kept.pop(g) for g in gs]
+        grp = parts[0][0]
+        if len(parts) == grp.num_microbatches and all(p[0] is grp and p[1] == j for j, p in enumerate(parts)):
+            return grp
+        return join_microbatches([p[0].microbatch(p[1]) for p in parts])
+
+    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
+        """Input tokens (total, per source) in microbatches ``[0, position)``; past M the epoch
+        wraps around (the remainder rule), so ``position = q * M + r`` counts q epochs plus r."""
+        self.reach(position)
+        q, r = 0, position
+        if self.total is not None and position > self.total:
+            q, r = divmod(position, self.total) if self.total else (0, 0)
+        M = self.total if q else 0
+        tok = q * int(self._tok[M]) + int(self._tok[r])
+        if self._src is None:
+            return tok, (tok,)
+        return tok, tuple(int(x) for x in q * self._src[M] + self._src[r])
 
     def next_group(self, k: int) -> MicrobatchGroup | None:
-        """The next ``k`` microbatches (fewer at the end of the epoch); None when none is left."""
-        if self.packer is not None:
-            return self._buffer_group(self.packer, k)
-        return self._bfd_group(k)
+        """Plan the next ``k`` microbatches (fewer at the end of the epoch); None when none is left.
+        Chunk ids are :class:`~h5corpus.loaders.chunking.ChunkTable` rows."""
+        g = self._buffer_group(self.packer, k) if self.packer is not None else self._bfd_group(k)
+        if g is None:
+            return None
+        return g._replace(chunks=self.stream[g.chunks])
 
     def _buffer_group(self, packer: BufferPacker, k: int) -> MicrobatchGroup | None:
         B = self.settings.batch_size
-        snaps: list[tuple] = []
         mb_packs = [0]
         keys: list[int] = []
         ends: list[int] = []
@@ -235,18 +305,16 @@ class EpochPlan:
             if len(ends) == mb_packs[-1]:
                 break
             mb_packs.append(len(ends))
-            snaps.append(packer.snapshot())
         if not ends:
             return None
         chunks, lens = decode_keys(np.fromiter(keys, dtype=np.int64, count=len(keys)), marks)
         starts = np.empty(len(ends), dtype=np.int64)
         starts[0] = 0
         starts[1:] = ends[:-1]
-        return MicrobatchGroup(chunks, lens, starts, mb_packs, snaps)
+        return MicrobatchGroup(chunks, lens, starts, mb_packs)
 
     def _bfd_group(self, k: int) -> MicrobatchGroup | None:
         B = self.settings.batch_size
-        snaps: list[tuple] = []
         mb_packs = [0]
         parts, sizes_l = [], []
         for _ in range(k):
@@ -261,74 +329,31 @@ class EpochPlan:
             sizes_l.append(sizes)
             self._pend_pack, self._pend_at = p0 + sizes.size, a + n
             mb_packs.append(mb_packs[-1] + sizes.size)
-            snaps.append(self._snapshot())
         if not parts:
             return None
         chunks = np.concatenate(parts) if len(parts) > 1 else parts[0]
         sizes = np.concatenate(sizes_l) if len(sizes_l) > 1 else sizes_l[0]
         starts = np.cumsum(sizes) - sizes
-        return MicrobatchGroup(chunks, self.chunk_len[chunks], starts, mb_packs, snaps)
+        return MicrobatchGroup(chunks, self.lengths[chunks].astype(np.int64), starts, mb_packs)
 
     def _pack_block(self) -> None:
         """BFD over the next ``packing_buffer`` chunks; its packs, shuffled, join the pending ones."""
         stop = min(self.cursor + self.settings.packing_buffer, self.num_chunks)
-        chunks, sizes = shuffled_bfd_block(self.chunk_len[self.cursor : stop], self.settings.max_seq_len, self.rng)
-        self._rng_state = self.rng.bit_generator.state
-        chunks += self.cursor
+        chunks, sizes = shuffled_bfd_block(self.lengths[self.cursor : stop], self.settings.max_seq_len, self.rng)
+        chunks = chunks.astype(np.int64) + self.cursor
         self._pend_chunks = np.concatenate([self._pend_chunks[self._pend_at :], chunks])
         self._pend_sizes = np.concatenate([self._pend_sizes[self._pend_pack :], sizes])
         self._pend_pack = self._pend_at = 0
         self.cursor = stop
 
-    # -- state ----------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """The position after the last consumed microbatch: ``cursor`` (next chunk not yet packed or
-        buffered), ``buffer`` (buffer mode: waiting chunks, ascending), ``pending_chunks`` /
-        ``pending_lengths`` (BFD: packs made but not yet yielded, flat, and chunks per pack) as int64
-        tensors, and ``rng`` (the numpy bit generator's state dict, plain ints)."""
-        snap = self._consumed
-        if self.packer is not None:
-            cursor, buffer = snap.cursor, np.asarray(snap.buffer, dtype=np.int64)
-            pend_chunks, pend_sizes, rng = np.zeros(0, np.int64), np.zeros(0, np.int64), self._rng_state
-        else:
-            cursor, chunks, sizes, p, a, rng = snap
-            buffer, pend_chunks, pend_sizes = np.zeros(0, np.int64), chunks[a:].copy(), sizes[p:].copy()
-        return {
-            "cursor": int(cursor),
-            "buffer": torch.from_numpy(buffer),
-            "pending_chunks": torch.from_numpy(pend_chunks),
-            "pending_lengths": torch.from_numpy(pend_sizes),
-            "rng": rng,
-        }
 
-    def restore(self, st: dict[str, Any]) -> None:
-        """Continue from a :meth:`state` of the same plan; ValueError if it does not fit it."""
-        cursor = int(st["cursor"])
-        if not 0 <= cursor <= self.num_chunks:
-            raise ValueError(f"state cursor {cursor} outside [0, {self.num_chunks}] chunks")
-        if self.packer is not None:
-            self.packer = BufferPacker(
-                self.chunk_len,
-                self.settings.max_seq_len,
-                self.settings.packing_buffer,
-                cursor=cursor,
-                buffer=np.asarray(st["buffer"], dtype=np.int64),
-            )
-        else:
-            self.cursor = cursor
-        chunks = np.asarray(st["pending_chunks"], dtype=np.int64).reshape(-1)
-        sizes = np.asarray(st["pending_lengths"], dtype=np.int64).reshape(-1)
-        if (
-            int(sizes.sum()) != chunks.size
-            or (sizes < 1).any()
-            or (chunks.size and not 0 <= chunks.min() <= chunks.max() < self.num_chunks)
-        ):
-            raise ValueError("state's pending packs do not fit this plan")
-        self._pend_chunks, self._pend_sizes = chunks.copy(), sizes.copy()
-        self._pend_pack = self._pend_at = 0
-        self.rng.bit_generator.state = st["rng"]
-        self._rng_state = self.rng.bit_generator.state
-        self._consumed = self._snapshot()
+def plan_epoch(doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0) -> EpochPlan:
+    """The global plan of ``epoch`` over one corpus (``doc_lengths``: tokens per document of the
+    split, EOS included); see the module docstring."""
+    table = ChunkTable.build(doc_lengths, settings.max_seq_len)
+    return EpochPlan(
+        table, epoch_order(table.num_chunks, settings.seed, epoch, settings.shuffle), settings, epoch=epoch
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,10 +361,10 @@ class EpochPlan:
 # --------------------------------------------------------------------------------------------
 @dataclass
 class PackFill:
-    """Packing statistics of one simulated epoch (no tokens read). Fill = real input tokens /
+    """Packing statistics of one planned epoch (no tokens read). Fill = real input tokens /
     capacity, counted three ways that differ only in the epoch's final, partial microbatch
-    (``fill``, ``fill_full_microbatches``, ``fill_padded_last``). Counts are of one consumer's
-    epoch (the whole epoch with one process)."""
+    (``fill``, ``fill_full_microbatches``, ``fill_padded_last``). Counts are of the whole epoch
+    (the global sequence, all ranks together)."""
 
     packs: int
     microbatches: int
@@ -357,7 +382,7 @@ class PackFill:
     fill_padded_last: float
     """Fill if the final partial microbatch were charged ``batch_size`` packs of capacity."""
     pack_fill: np.ndarray = field(repr=False)
-    """(packs,) float64 real tokens / max_seq_len per pack, in emission order."""
+    """(packs,) float64 real tokens / max_seq_len per pack, in sequence order."""
 
 
 def pack_fill(
@@ -371,21 +396,18 @@ def pack_fill(
     epoch: int = 0,
     shuffle: bool = True,
 ) -> PackFill:
-    """Simulate one epoch of :class:`~h5corpus.loaders.bestfit.BestFitDataset` (one consumer)
-    over document lengths.
+    """Plan one epoch of :class:`~h5corpus.loaders.bestfit.BestFitDataset` over document lengths.
 
     ``lengths`` are tokens per document, EOS included (``Corpus.doc_lengths``). The plan is the
-    dataset's own (:func:`plan_epoch`), so the packs are exactly those the dataset yields with
-    ``num_workers=0`` and ``world_size=1``.
-    """
+    dataset's own (:func:`plan_epoch`), so the packs are exactly those of its global sequence."""
     lengths = np.asarray(lengths, dtype=np.int64)
     settings = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle)
     plan = plan_epoch(lengths, settings, epoch=epoch)
     loads: list[np.ndarray] = []
     mbs: list[int] = []
-    while (mb := plan.next_microbatch()) is not None:
-        mbs.append(mb.pack_starts.size)
-        loads.append(mb.pack_lengths)
+    while (g := plan.next_group(64)) is not None:
+        mbs.extend(np.diff(g.mb_packs).tolist())
+        loads.append(np.add.reduceat(g.lengths, g.pack_starts))
     load = np.concatenate(loads) if loads else np.zeros(0, np.int64)
     L, B = settings.max_seq_len, settings.batch_size
     real, cap = int(load.sum()), int(load.size) * L

@@ -12,7 +12,9 @@ A window is ``seq_len + 1`` consecutive tokens ``w``; the model reads ``w[:-1]``
     one: it reads one chunk (plus one token of the next for the window that ends a chunk).
     **Dropped**: at the end of each shard, the last ``(shard_tokens - 1) % seq_len`` next-token
     pairs (fewer than ``seq_len`` per shard) and the pair that would cross into the next shard (an
-    EOS followed by the next shard's first document: a cross-document pair anyway).
+    EOS followed by the next shard's first document: a cross-document pair anyway). A
+    :class:`~h5corpus.loaders.mixture.Mixture` picks each epoch's windows from its sources by
+    weight instead (its module docstring).
 
 ``"random"``
     nanoGPT-style: i.i.d. uniform starts in ``[0, num_tokens - seq_len - 1]`` of the global stream
@@ -24,37 +26,29 @@ Optional ``document_mask``: a window is split into segments at every document st
 one document into the next is :data:`~h5corpus.loaders.batch.IGNORE_INDEX`. Without it each window is one
 segment and every target counts.
 
-Consumers: an epoch's windows are split among ``world_size`` DDP ranks x DataLoader workers
-(:func:`~h5corpus.loaders.partition.current_consumer`); consumer ``c`` of ``n`` takes items ``c, c+n, ...``
-of the epoch's order, so consumers are disjoint and their union is the epoch. Each consumer groups
-its items into batches of ``batch_size`` windows; its last batch may be short unless ``drop_last``,
-which trims the epoch to a multiple of ``n * batch_size`` so every consumer yields the same number
-of full batches (what DDP needs: equal step counts on every rank).
-
-Checkpointing: :meth:`SlidingWindowDataset.state_dict` / :meth:`~SlidingWindowDataset.load_state_dict`
-(the torchdata ``Stateful`` protocol, so ``StatefulDataLoader`` saves one state per worker) record
-the epoch and how many windows this consumer has yielded; a resumed iterator continues with the
-next batch without reading the skipped ones.
+**The global sequence**: the epoch's windows in that order, ``batch_size`` per microbatch (the
+last may hold fewer; ``drop_last=True`` leaves it out). DDP ranks and DataLoader workers share it
+by the rule of :mod:`~h5corpus.loaders.partition` (rank ``r`` of ``W`` yields microbatches ``r,
+r + W, ...``; the remainder rule makes every rank's count equal), and checkpoints record the
+global position (:mod:`~h5corpus.loaders.state`), so a run resumes on any cluster shape with the
+next global batch and without reading the skipped ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
-from torch.utils.data import IterableDataset
 
-from ..storage.reader import Corpus
 from .batch import VarlenBatch, alloc_compact
-from .partition import Consumer, current_consumer
+from .mixture import Mixture
+from .partition import Consumer, Schedule, current_consumer
+from .sequence import GlobalSequenceDataset
 
 Mode = Literal["epoch", "random"]
 MODES = ("epoch", "random")
-
-#: Version of :meth:`SlidingWindowDataset.state_dict`'s layout and of the window order; tick it
-#: whenever either changes (old checkpoints are then refused instead of resuming elsewhere).
-STATE_VERSION = 1
 
 #: Random-mode starts are drawn in blocks of this many windows, each from its own seed, so any
 #: window's start is computable without drawing the ones before it.
@@ -68,65 +62,74 @@ _TAG_EPOCH = 0x45504F43  # "EPOC": separates the two modes' random streams
 _TAG_RANDOM = 0x52414E44  # "RAND"
 
 
-class SlidingWindowDataset(IterableDataset):
+class SlidingWindowDataset(GlobalSequenceDataset):
     """Windows of ``seq_len + 1`` tokens from ``corpus``, ``batch_size`` per yielded
     :class:`~h5corpus.loaders.batch.VarlenBatch` (use ``DataLoader(ds, batch_size=None)``).
 
     What to iterate:
-        corpus: an open :class:`~h5corpus.storage.reader.Corpus` (pickled into workers without handles).
+        corpus: an open :class:`~h5corpus.storage.reader.Corpus` (pickled into workers without
+            handles), a manifest path, a :class:`~h5corpus.loaders.mixture.Mixture` or a list of
+            sources (epoch mode).
         seq_len: model inputs per window, in tokens (the window reads ``seq_len + 1``).
         batch_size: windows per batch; a batch holds ``batch_size * seq_len`` inputs.
         mode: ``"epoch"`` (every non-overlapping window once, shuffled) or ``"random"`` (i.i.d. starts).
         document_mask: split windows at document boundaries (see the module docstring).
         windows_per_epoch: random mode only; default = the epoch-mode window count.
+        seed: order = f(seed, epoch); same seed, same batches.
 
     How to iterate:
-        seed: order = f(seed, epoch); same seed, same batches.
         rank, world_size: DDP position; default ``torch.distributed`` if initialized, else 0 of 1.
-        drop_last: yield only full batches, equally many on every consumer.
+        drop_last: leave out the epoch's short last batch and drop the incomplete last step
+            (default False: the last step wraps around to the epoch's first batches); every rank
+            yields ``len(ds)`` batches either way.
         epoch: starting epoch (see :meth:`set_epoch`).
     """
 
+    LOADER = "SlidingWindowDataset"
+
     def __init__(
         self,
-        corpus: Corpus,
+        corpus: Any,
         seq_len: int,
         batch_size: int = 8,
         seed: int = 0,
         mode: Mode = "epoch",
         document_mask: bool = False,
         *,
+        split: str = "train",
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
         windows_per_epoch: int | None = None,
         epoch: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
+        for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("seed", seed)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1 token, got {seq_len}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 window, got {batch_size}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if seed < 0 or epoch < 0:
-            raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got seed={seed}")
         if windows_per_epoch is not None and (mode != "random" or windows_per_epoch < 0):
             raise ValueError("windows_per_epoch is for mode='random' and must be >= 0")
-        self.corpus = corpus
+        from .bestfit import as_source
+
+        self.corpus = as_source(corpus, split)
+        self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
+        if self.mixture is not None and mode == "random":
+            raise ValueError("mode='random' draws starts over one token stream; mix sources in mode='epoch'")
         self.seq_len = int(seq_len)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.mode: Mode = mode
         self.document_mask = bool(document_mask)
-        self.rank = rank
-        self.world_size = world_size
-        self.drop_last = bool(drop_last)
-        self.windows_per_epoch = windows_per_epoch
-        self.epoch = int(epoch)
-        self._resume: dict[str, Any] | None = None
-        self._progress: dict[str, Any] | None = None
-        self._cache: dict[Any, Any] = {}  # this epoch's order or random block (never pickled)
+        self.windows_per_epoch = None if windows_per_epoch is None else int(windows_per_epoch)
+        self._cache: dict[Any, Any] = {}  # this epoch's order, random block, counts (never pickled)
         self._templates: dict[Any, np.ndarray] = {}  # row_cu per (batch size, seq_len)
         self._layout: tuple[Any, np.ndarray] | None = None
 
@@ -143,44 +146,43 @@ class SlidingWindowDataset(IterableDataset):
 
     @property
     def num_windows(self) -> int:
-        """Windows in one epoch, all consumers together (before ``drop_last``)."""
+        """Windows in the epoch-mode layout (every source of a mixture), or random mode's
+        windows per epoch."""
         if self.mode == "random":
             if self.windows_per_epoch is not None:
                 return self.windows_per_epoch if self.corpus.num_tokens > self.seq_len else 0
         return int(self._shard_windows()[-1])
 
-    def _epoch_windows(self, consumers: int) -> int:
-        total = self.num_windows
-        if self.drop_last:
-            per = consumers * self.batch_size
-            total = total // per * per
-        return total
+    def epoch_windows(self, epoch: int | None = None) -> int:
+        """Windows of ``epoch``'s global sequence (default: the current epoch), ``drop_last`` applied."""
+        e = self.epoch if epoch is None else int(epoch)
+        n = self.num_windows if self.mixture is None else int(self._order(e).size)
+        return n // self.batch_size * self.batch_size if self.drop_last else n
 
-    def _order(self, epoch: int, total: int) -> np.ndarray:
-        """Epoch mode: the epoch's shuffled window ids (cached: one permutation per epoch)."""
-        key = ("perm", epoch, total)
-        perm = self._cache.get(key)
-        if perm is None:
-            dtype = np.uint32 if total < 2**32 else np.int64
-            perm = np.arange(total, dtype=dtype)
-            np.random.default_rng([self.seed, epoch, _TAG_EPOCH]).shuffle(perm)
-            self._cache = {key: perm}
-        return perm
-
-    def _items(self, epoch: int, consumer: Consumer) -> np.ndarray:
-        """This consumer's window ids (epoch mode) or sample indices (random mode), in yield order."""
-        total = self._epoch_windows(consumer.count)
-        if self.mode == "epoch":
-            return self._order(epoch, self.num_windows)[:total][consumer.index :: consumer.count]
-        return np.arange(consumer.index, total, consumer.count, dtype=np.int64)
+    def _order(self, epoch: int) -> np.ndarray:
+        """Epoch mode: the epoch's window ids in sequence order (cached: one permutation per
+        epoch; a mixture's selection, :meth:`~h5corpus.loaders.mixture.Mixture.select`)."""
+        key = ("perm", epoch, self.num_windows)
+        hit = self._cache.get("perm")
+        if hit is None or hit[0] != key:
+            if self.mixture is None:
+                total = self.num_windows
+                perm = np.arange(total, dtype=np.uint32 if total < 2**32 else np.int64)
+                np.random.default_rng([self.seed, epoch, _TAG_EPOCH]).shuffle(perm)
+            else:
+                bases = self._shard_windows()[self.mixture.shard_bases]
+                perm = self.mixture.select(bases, None, self.seq_len, self.seed, epoch, True).items
+            hit = self._cache["perm"] = (key, perm)
+        return hit[1]
 
     def _starts(self, epoch: int, items: np.ndarray) -> np.ndarray:
-        """Global token position where each item's window starts."""
+        """Global token position where each item's window starts (items: positions in the epoch)."""
         items = items.astype(np.int64, copy=False)
         if self.mode == "epoch":
+            ids = self._order(epoch)[items].astype(np.int64)
             cum = self._shard_windows()
-            s = np.searchsorted(cum, items, side="right") - 1
-            return self.corpus.shard_token_starts[s] + (items - cum[s]) * self.seq_len
+            s = np.searchsorted(cum, ids, side="right") - 1
+            return self.corpus.shard_token_starts[s] + (ids - cum[s]) * self.seq_len
         blocks = items // RANDOM_BLOCK
         b0 = int(blocks[0]) if items.size else 0
         if items.size and b0 == int(blocks[-1]) and (items.size == 1 or bool((blocks == b0).all())):
@@ -193,103 +195,116 @@ class SlidingWindowDataset(IterableDataset):
 
     def _random_block(self, epoch: int, block: int) -> np.ndarray:
         key = ("rand", epoch, block, self.corpus.num_tokens)
-        starts = self._cache.get(key)
-        if starts is None:
+        hit = self._cache.get("rand")
+        if hit is None or hit[0] != key:
             rng = np.random.default_rng([self.seed, epoch, _TAG_RANDOM, block])
             starts = rng.integers(0, self.corpus.num_tokens - self.seq_len, size=RANDOM_BLOCK, dtype=np.int64)
-            self._cache = {key: starts}
-        return starts
+            hit = self._cache["rand"] = (key, starts)
+        return hit[1]
+
+    # -- the global sequence ----------------------------------------------------------------------
+    def settings_dict(self) -> dict[str, Any]:
+        return {
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "mode": self.mode,
+            "document_mask": self.document_mask,
+            "drop_last": self.drop_last,
+            "windows_per_epoch": self.windows_per_epoch,
+            "mixture": None if self.mixture is None else self.mixture.settings(),
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """Hex sha256 of the corpus's fingerprint (split + shard hashes) and the window layout."""
+        h = hashlib.sha256(str(self.corpus.fingerprint).encode())
+        h.update(np.ascontiguousarray(self.corpus.shard_token_starts, dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    @property
+    def num_sources(self) -> int:
+        return 1 if self.mixture is None else self.mixture.num_sources
+
+    def _num_microbatches(self, epoch: int) -> int:
+        return -(-self.epoch_windows(epoch) // self.batch_size)
+
+    def _windows_at(self, epoch: int, position: int) -> int:
+        """Windows in batches ``[0, position)`` (past M the epoch wraps around)."""
+        M, N = self._num_microbatches(epoch), self.epoch_windows(epoch)
+        q, r = divmod(position, M) if position > M and M else (0, position)
+        return q * N + min(r * self.batch_size, N)
+
+    def _tokens_at(self, epoch: int, position: int) -> tuple[int, tuple[int, ...]]:
+        n = self._windows_at(epoch, position)
+        if self.mixture is None:
+            return n * self.seq_len, (n * self.seq_len,)
+        src = self._source_prefix(epoch)
+        M = self._num_microbatches(epoch)
+        q, r = divmod(position, M) if position > M and M else (0, position)
+        per = q * src[M] + src[min(r, M)]
+        return n * self.seq_len, tuple(int(x) * self.seq_len for x in per)
+
+    def _source_prefix(self, epoch: int) -> np.ndarray:
+        """(M + 1, S) windows of each mixture source in batches ``[0, g)``."""
+        key = ("src", epoch)
+        hit = self._cache.get("src")
+        if hit is None or hit[0] != key:
+            assert self.mixture is not None
+            N, S, B = self.epoch_windows(epoch), self.mixture.num_sources, self.batch_size
+            bases = self._shard_windows()[self.mixture.shard_bases]
+            src = np.searchsorted(bases, self._order(epoch)[:N].astype(np.int64), side="right") - 1
+            M = -(-N // B)
+            counts = np.bincount(np.arange(N) // B * S + src, minlength=M * S).reshape(M, S)
+            pre = np.zeros((M + 1, S), dtype=np.int64)
+            np.cumsum(counts, axis=0, out=pre[1:])
+            hit = self._cache["src"] = (key, pre)
+        return hit[1]
+
+    def mixture_summary(self, epoch: int | None = None) -> list[dict[str, Any]]:
+        """Per mixture source, what ``epoch`` reads (:meth:`~h5corpus.loaders.mixture.Mixture.describe`)."""
+        if self.mixture is None:
+            raise ValueError("mixture_summary: this dataset reads one corpus, not a mixture")
+        e = self.epoch if epoch is None else int(epoch)
+        bases = self._shard_windows()[self.mixture.shard_bases]
+        return self._with_consumed(
+            e, self.mixture.describe(self.mixture.select(bases, None, self.seq_len, self.seed, e, True))
+        )
+
+    @staticmethod
+    def _batches_of(sched: Schedule, M: int) -> np.ndarray:
+        """The global batches (wrapped: ``mod M``) this consumer yields, in order."""
+        c = sched.consumer
+        j = np.arange(c.worker_id + c.num_workers * sched.skip, sched.steps(M), c.num_workers, dtype=np.int64)
+        return (sched.start + c.rank + j * c.world_size) % max(M, 1)
 
     def plan(self, epoch: int | None = None, consumer: Consumer | None = None) -> np.ndarray:
-        """Global start token of every window ``consumer`` (default: this process's) reads in
-        ``epoch`` (default: the current one), in yield order. For inspection and tests."""
+        """Global start token of every window ``consumer`` (default: this process's) reads in a
+        whole ``epoch`` (default: the current one), in yield order. For inspection and tests."""
         consumer = consumer or current_consumer(self.rank, self.world_size)
         e = self.epoch if epoch is None else int(epoch)
-        return self._starts(e, self._items(e, consumer))
-
-    # -- epochs and checkpoints ---------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration reads (call before each epoch, as with
-        DistributedSampler; with ``persistent_workers=True`` workers keep the epoch they started with)."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if epoch != self.epoch:
-            self._progress = None
-        if self._resume is not None and self._resume["epoch"] != epoch:
-            self._resume = None  # a checkpoint of another epoch no longer applies
-        self.epoch = int(epoch)
-
-    def _identity(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "fingerprint": self.corpus.fingerprint,
-            "mode": self.mode,
-            "seq_len": self.seq_len,
-            "seed": self.seed,
-            "drop_last": self.drop_last,
-            "num_windows": self.num_windows,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this consumer stands: ``{version, fingerprint, mode, seq_len, seed, drop_last,
-        num_windows, epoch, consumer: [index, count] or None, windows_done}``. JSON-serializable."""
-        d = self._identity()
-        if self._resume is not None:
-            d.update(
-                epoch=self._resume["epoch"],
-                consumer=self._resume["consumer"],
-                windows_done=self._resume["windows_done"],
-            )
-        elif self._progress is not None:
-            d.update(self._progress)
-        else:
-            d.update(epoch=self.epoch, consumer=None, windows_done=0)
-        return d
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration continues this consumer's epoch after
-        its ``windows_done`` windows. Refuses a state from another corpus, order or window size."""
-        mine = self._identity()
-        bad = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
-        if bad:
-            raise ValueError("cannot resume SlidingWindowDataset: " + "; ".join(bad))
-        self.epoch = int(state["epoch"])
-        self._progress = None
-        self._resume = {
-            "epoch": self.epoch,
-            "consumer": state.get("consumer"),
-            "windows_done": int(state["windows_done"]),
-        }
+        M, N, B = self._num_microbatches(e), self.epoch_windows(e), self.batch_size
+        gs = self._batches_of(Schedule(consumer, drop_last=self.drop_last), M)
+        return self._starts(e, _positions(gs, B, N)[0])
 
     # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[VarlenBatch]:
-        return self._generate()
+        live = self._begin()
+        epoch = live.epoch
+        live.tokens_at = lambda p: self._tokens_at(epoch, p)
+        return self._generate(live)
 
-    def _generate(self) -> Iterator[VarlenBatch]:
-        consumer = current_consumer(self.rank, self.world_size)
-        epoch = self.epoch
-        skip = 0
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] == epoch:
-            saved = resume["consumer"]
-            if saved is not None and list(saved) != [consumer.index, consumer.count]:
-                raise ValueError(
-                    f"cannot resume: state was saved by consumer {saved[0]} of {saved[1]} (rank x worker), this "
-                    f"is consumer {consumer.index} of {consumer.count}; resume with the same world size and num_workers"
-                )
-            skip = resume["windows_done"]
-        items = self._items(epoch, consumer)
-        progress = {"epoch": epoch, "consumer": [consumer.index, consumer.count], "windows_done": min(skip, items.size)}
-        self._progress = progress
-        B = self.batch_size
-        step = B * PLAN_BLOCK_BATCHES  # window starts are computed for this many batches at once
-        for blo in range(skip, items.size, step):
-            block = self._starts(epoch, items[blo : blo + step])
+    def _generate(self, live: Any) -> Iterator[VarlenBatch]:
+        epoch, sched = live.epoch, live.schedule
+        M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
+        batches = self._batches_of(sched, M)
+        for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
+            items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
+            block = self._starts(epoch, items)
             mask = self._mask_plan(block) if self.document_mask else None
-            for lo in range(0, block.size, B):
-                starts = block[lo : lo + B]
-                batch = self._batch(starts, mask, lo)
-                progress["windows_done"] = blo + lo + starts.size
+            for lo, hi in zip(offs[:-1].tolist(), offs[1:].tolist()):
+                batch = self._batch(block[lo:hi], mask, lo)
+                live.yielded += 1
                 yield batch
 
     # -- batches --------------------------------------------------------------------------------------
@@ -365,7 +380,7 @@ class SlidingWindowDataset(IterableDataset):
         return tpl
 
     def __getstate__(self) -> dict[str, Any]:
-        d = self.__dict__.copy()
+        d = super().__getstate__()
         d["_cache"] = {}
         d["_templates"] = {}
         d["_layout"] = None
@@ -376,3 +391,13 @@ class SlidingWindowDataset(IterableDataset):
             f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
             f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})"
         )
+
+
+def _positions(batches: np.ndarray, batch_size: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in the epoch's window order of every window of ``batches``, end to end; (k + 1,)
+    offsets of each batch's first): batch ``g`` holds positions ``[g * B, min((g + 1) * B, N))``."""
+    lo = batches * batch_size
+    n = np.minimum(lo + batch_size, num_windows) - lo
+    offs = np.zeros(batches.size + 1, dtype=np.int64)
+    np.cumsum(n, out=offs[1:])
+    return np.repeat(lo - offs[:-1], n) + np.arange(int(offs[-1])), offs
