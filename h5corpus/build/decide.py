@@ -15,9 +15,9 @@ flags and scores first, then the decisions; reading never stops early.
 :class:`Decider` is the fold itself, usable incrementally (the local driver feeds each task as soon
 as it and all earlier ones are read, so finishing overlaps reading) or over every task at once
 (:func:`decide`); both give the same decisions. Its state is the ids kept so far (32 bytes each),
-the near-duplicate index and the budgets used. A rule that needs every document's score before
-deciding any (e.g. "drop the worst fraction") would run :func:`decide` after all reads, in two
-passes.
+the near-duplicate index and the budgets used. With the worst-fraction rule the driver waits for
+every read, then runs :meth:`Decider.dedup` over all tasks and :meth:`Decider.feed` with the
+flags it found (what :func:`decide` does).
 
 That in-memory fold is the fast path of one machine. The bucketed decide stage
 (:mod:`~h5corpus.build.buckets`) finds the same exact and near duplicates in buckets that run as
