@@ -277,3 +277,52 @@ def test_dev_corpus_near_dedup_then_worst_fraction_identical_for_1_and_2_workers
     score = {r["id"]: float(r["perplexity"]) for r in rows}
     kept_max = max(score[r["id"]] for r in rows if r["stored"] == "1")
     assert min(score[i] for i in worst) >= kept_max  # the dropped ones score worst of all that reached it
+
+
+def test_stage_commands_decide_the_worst_fraction_as_the_local_build_does(stdlib_case, tmp_path):
+    """The Slurm executor's plan (a dry run: nothing is submitted), then every stage command run
+    here as a scheduler would: the same shards, scores file and drop list as the local build."""
+    from h5corpus.build.config import SlurmOptions
+    from h5corpus.build.stages import main_stage
+
+    root, model, files, _, _ = stdlib_case
+    small = {"task_bytes": 200_000, "validation_fraction": 0.1}
+    want = _build(files, tmp_path / "local", model, workers=1, **small)
+    got_dir = tmp_path / "stages"
+    cfg = BuildConfig(
+        sources=[str(p) for p in files],
+        tokenizer="bytes",
+        shards_dir=got_dir / "shards",
+        manifest=got_dir / "manifest.json",
+        filters=DocumentFilter(FilterConfig(perplexity_model=str(model))),
+        drop_worst_fraction=FRACTION,
+        perplexity_scores=got_dir / "scores.tsv",
+        explain_drops=got_dir / "drops.jsonl",
+        executor="slurm",
+        decide_buckets=2,
+        slurm=SlurmOptions(dry_run=True),
+        **small,
+    )
+    build_corpus(cfg)
+    state = got_dir / "shards" / ".build"
+    assert not (got_dir / "manifest.json").exists()
+    plan = json.loads((state / "plan.json").read_text())
+    tasks = len(plan["tasks"])
+    assert tasks >= 3 and plan["drop_worst_fraction"] == FRACTION and plan["record_perplexity"]
+    for i in reversed(range(tasks)):
+        main_stage("read", state, i)
+    for b in (1, 0):
+        main_stage("bucket", state, b)
+    main_stage("decide", state, None)
+    for i in range(tasks):
+        main_stage("finish", state, i)
+    main_stage("commit", state, None)
+    assert not state.exists()
+    m = json.loads((got_dir / "manifest.json").read_text())
+    shards = {
+        p.relative_to(got_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((got_dir / "shards").rglob("*.h5"))
+    }
+    assert shards == want["shards"] and m["splits"] == want["splits"]
+    assert (got_dir / "scores.tsv").read_bytes() == want["scores"]
+    assert (got_dir / "drops.jsonl").read_bytes() == want["drops"]
