@@ -28,7 +28,7 @@ memory bounded per bucket instead of per build.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,23 +371,27 @@ class DecideResult:
     splits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def decide(decider: Decider, inputs: Sequence[DecideInput]) -> DecideResult:
+def decide(decider: Decider, inputs: Iterable[DecideInput]) -> DecideResult:
     """Fold every task (in input order) through ``decider``; stops after the task that fills the
     budgets, as the incremental driver does. With a worst-fraction rule: two passes (dedup and
-    scores of every task, then the decisions)."""
+    scores of every task, then the decisions; ``inputs`` is then read into a list)."""
     out = DecideResult()
-    flags: list[tuple[np.ndarray, np.ndarray]] = []
-    worst: list[np.ndarray | None] = [None] * len(inputs)
-    if decider.drop_worst_fraction is not None:
-        flags = [decider.dedup(inp) for inp in inputs]
-        worst = list(worst_masks_of(decider.drop_worst_fraction, inputs, flags))
-    for k, inp in enumerate(inputs):
-        dup, near = flags[k] if flags else (None, None)
-        decision, lines = decider.feed(inp, exact=dup, near=near, worst=worst[k])
+    if decider.drop_worst_fraction is None:
+        for inp in inputs:
+            decision, lines = decider.feed(inp)
+            out.decisions.append(decision)
+            out.explain_lines += lines
+            if decider.can_stop_early and decider.filled:
+                break
+        out.splits = decider.finish()
+        return out
+    tasks = list(inputs)
+    flags = [decider.dedup(inp) for inp in tasks]
+    worst = worst_masks_of(decider.drop_worst_fraction, tasks, flags)
+    for inp, (dup, near), bad in zip(tasks, flags, worst):
+        decision, lines = decider.feed(inp, exact=dup, near=near, worst=bad)
         out.decisions.append(decision)
         out.explain_lines += lines
-        if decider.can_stop_early and decider.filled:
-            break
     out.splits = decider.finish()
     return out
 
