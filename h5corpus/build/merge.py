@@ -192,6 +192,19 @@ def merge_inputs(reads: Sequence[ReadRecord], lsh: LshParams | None, buckets: Se
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
+def _write_summary(
+    state: StateDir, inputs: str, cut: int, splits: dict[str, Any], decisions: Mapping[int, TaskDecision]
+) -> None:
+    summary = {
+        "version": SUMMARY_VERSION,
+        "inputs": inputs,
+        "cut": cut,
+        "splits": splits,
+        "decisions": {str(i): d.sha256 for i, d in decisions.items()},
+    }
+    write_state_file(summary_path(state), json.dumps(summary, sort_keys=True).encode(), durable=True)
+
+
 def merge_buckets(
     ctx: StageContext,
     reads: Sequence[ReadRecord],
@@ -265,13 +278,5 @@ def merge_buckets(
         if decider.can_stop_early and decider.filled:
             cut = rec.index
             break
-    splits = decider.finish()
-    summary = {
-        "version": SUMMARY_VERSION,
-        "inputs": merge_inputs(reads, lsh, buckets),
-        "cut": cut,
-        "splits": splits,
-        "decisions": {str(i): d.sha256 for i, d in decisions.items()},
-    }
-    write_state_file(summary_path(state), json.dumps(summary, sort_keys=True).encode(), durable=True)
+    _write_summary(state, merge_inputs(reads, lsh, buckets), cut, decider.finish(), decisions)
     return MergeResult(decider, decisions, cut, resolver.fallbacks if resolver is not None else 0)
