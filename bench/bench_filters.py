@@ -2,6 +2,7 @@
 
     python bench/bench_filters.py [--corpus ../shared/corpora/dev] [--rounds 3] [--batch 256]
                                   [--build [--workers 1]] [--out bench/results/filters.json]
+    python bench/bench_filters.py --perplexity-build [--rounds 3] [--workers 1] [--max-chars N]
 
 Baseline: tiktoken ``encode_ordinary`` of every document, one thread, with the GPT-2 ranks loaded
 from ``gpt2.tiktoken`` (``tiktoken.load.load_tiktoken_bpe``) and the GPT-2 split pattern -- the
@@ -26,6 +27,13 @@ Measured, best of ``--rounds`` interleaved rounds, in CPU seconds of this proces
   seconds per step from the build report (each filter stage, tokenization), so the filter cost
   is compared with the tokenization inside the same build (the build calls ``process_batch``;
   ``filters_vs_tokenize_kept`` is the build report's ``x_tokenize``), with both ratios per round.
+
+With ``--perplexity-build`` (alone; the other measurements are skipped): ``h5corpus.build`` of the
+whole corpus with GPT-2, filters off vs ``--perplexity-model`` (order 3, trained here, untimed) +
+``--drop-worst-fraction 0.2``, interleaved rounds: the workers' scoring seconds
+(``filter:perplexity``) against the tokenization (``encode``) of the same build and of the
+filter-free build -- the tokenizer this tree has, tiktoken's fast path for GPT-2 (the fast
+tokenizer engine is not in this tree) -- documents scored per second, wall time on vs off.
 
 Prints JSON (and writes it to ``--out``).
 """
@@ -94,7 +102,24 @@ def main() -> None:
     ap.add_argument("--build", action="store_true", help="also time h5corpus.build with filters off/on")
     ap.add_argument("--workers", type=int, default=1, help="build workers for --build (default 1)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--perplexity-build", action="store_true", help="only: the build with the perplexity filter vs without"
+    )
+    ap.add_argument("--max-chars", type=int, default=None, help="--perplexity-build: perplexity_max_chars")
     a = ap.parse_args()
+    if a.perplexity_build:
+        with tempfile.TemporaryDirectory(prefix="bench-ppl-") as d:
+            lm = train_models(a.corpus, Path(d), orders=(3,))
+            report = {
+                "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+                "build": bench_build_perplexity(a.corpus, lm["order3"]["path"], a.rounds, a.workers, a.max_chars),
+            }
+        s = json.dumps(report, indent=2)
+        print(s)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(s + "\n")
+        return
 
     from h5corpus.filters import DocumentFilter, FilterConfig
 
@@ -250,14 +275,14 @@ def main() -> None:
         a.out.write_text(s + "\n")
 
 
-def train_models(corpus: Path, out: Path) -> dict[str, dict[str, Any]]:
+def train_models(corpus: Path, out: Path, orders: tuple[int, ...] = (3, 2)) -> dict[str, dict[str, Any]]:
     """Order-3 and order-2 models trained on the corpus's English Wikipedia file (CPU seconds of
     the training, the model's size)."""
     from h5corpus.filters.ngramtrain import train_ngram_model
 
     wiki = load_texts_of(corpus / "wiki-en-wikiextractor.jsonl")
     models = {}
-    for order in (3, 2):
+    for order in orders:
         c, _w, m = cpu(lambda: train_ngram_model(wiki, order=order))
         path = m.save(out / f"wiki-order{order}.npz")
         models[f"order{order}"] = {
@@ -385,6 +410,71 @@ def bench_build(corpus: Path, cfg, rounds: int, workers: int) -> dict:
         "ratios for each interleaved round (the off and on builds of one round)"
     )
     return out
+
+
+def bench_build_perplexity(corpus: Path, model: str, rounds: int, workers: int, max_chars: int | None) -> dict:
+    """h5corpus.build of the whole corpus, filters off vs the perplexity model with the
+    worst-fraction rule, interleaved rounds; scoring seconds against the tokenization seconds of
+    the same build and of the filter-free one (workers' CPU seconds from the build reports)."""
+    from h5corpus.build import BuildConfig, build_corpus
+    from h5corpus.filters import DocumentFilter, FilterConfig
+
+    tok = str(corpus.parent.parent / "tokenizers" / "gpt2" / "tokenizer.json")
+    cfg = FilterConfig(perplexity_model=model, perplexity_max_chars=max_chars)
+    best: dict[str, tuple[float, Any]] = {}
+    per_round = []
+    for _ in range(rounds):
+        this: dict[str, Any] = {}
+        for name in ("off", "on"):
+            with tempfile.TemporaryDirectory() as d:
+                t0 = time.perf_counter()
+                r = build_corpus(
+                    BuildConfig(
+                        sources=[str(corpus)],
+                        tokenizer=tok,
+                        shards_dir=f"{d}/shards",
+                        manifest=f"{d}/manifests/shards.json",
+                        workers=workers,
+                        filters=DocumentFilter(cfg) if name == "on" else None,
+                        drop_worst_fraction=0.2 if name == "on" else None,
+                    )
+                )
+                el = time.perf_counter() - t0
+                this[name] = (el, r)
+                if name not in best or el < best[name][0]:
+                    best[name] = (el, r)
+        on_s, off_s = this["on"][1].seconds, this["off"][1].seconds
+        per_round.append(
+            {
+                "scoring_vs_tokenize_same_build": round(on_s["filter:perplexity"] / on_s["encode"], 3),
+                "scoring_vs_tokenize_all": round(on_s["filter:perplexity"] / off_s["encode"], 3),
+                "wall_on_vs_off": round(this["on"][0] / this["off"][0], 3),
+            }
+        )
+    on, off = best["on"][1], best["off"][1]
+    scored = int(on.filter_counters.get("docs", 0))
+    score_s = on.seconds["filter:perplexity"]
+    worst = sum(int(s["dropped"].get("perplexity_worst", 0)) for s in on.splits.values())
+    return {
+        "workers": workers,
+        "tokenizer": "GPT-2, tiktoken fast path (this tree's fastest encoder for GPT-2)",
+        "perplexity_max_chars": max_chars,
+        "documents_scored": scored,
+        "dropped_worst_20_percent": worst,
+        "scoring_cpu_s": round(score_s, 3),
+        "scoring_docs_per_s": round(scored / score_s) if score_s else None,
+        "tokenize_cpu_s_same_build": round(on.seconds["encode"], 3),
+        "tokenize_cpu_s_filter_free_build": round(off.seconds["encode"], 3),
+        "scoring_vs_tokenize_same_build": round(score_s / on.seconds["encode"], 3),
+        "scoring_vs_tokenize_all": round(score_s / off.seconds["encode"], 3),
+        "wall_s": {"off": round(best["off"][0], 3), "on": round(best["on"][0], 3)},
+        "wall_on_vs_off": round(best["on"][0] / best["off"][0], 3),
+        "per_round": per_round,
+        "target": "scoring <= 0.3x the build's tokenization (with the fast tokenizer engine, not in this tree: "
+        "these ratios are against tiktoken)",
+        "note": "same build: the read stage encodes every document the read-stage filters keep (the worst "
+        "fraction is decided after all are read, so all of them here); all: the filter-free build's encode",
+    }
 
 
 if __name__ == "__main__":

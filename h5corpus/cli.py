@@ -243,6 +243,25 @@ def build_cli(
         "--near-dedup-threshold",
         help="Jaccard similarity from which documents are near duplicates, in (0, 1) (default 0.8; implies --near-dedup).",
     ),
+    perplexity_model: Path | None = typer.Option(
+        None,
+        "--perplexity-model",
+        help="Filters: score every document by perplexity under this n-gram model (h5corpus quality-model train).",
+    ),
+    max_perplexity: float | None = typer.Option(
+        None, "--max-perplexity", help="Filters: drop documents whose perplexity is above X (needs --perplexity-model)."
+    ),
+    drop_worst_fraction: float | None = typer.Option(
+        None,
+        "--drop-worst-fraction",
+        help="Drop this fraction, in [0, 1), of the documents left after the filters and dedup: the highest "
+        "perplexities (needs --perplexity-model; reads every task before deciding).",
+    ),
+    perplexity_scores: Path | None = typer.Option(
+        None,
+        "--perplexity-scores",
+        help="Write each scored document's id, split, perplexity and whether it was stored (TSV, input order).",
+    ),
     explain_drops: Path | None = typer.Option(
         None,
         "--explain-drops",
@@ -283,7 +302,7 @@ def build_cli(
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
     Exit 1 on bad input, 2 on usage errors.
 
-    CREATES: the shard files, the manifest, --explain-drops FILE when given, and (while running)
+    CREATES: the shard files, the manifest, --explain-drops FILE and --perplexity-scores FILE when given, and (while running)
     shards/.build/ and shards/.build.lock.
     """
     from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
@@ -318,6 +337,8 @@ def build_cli(
             scrub_pii=scrub_pii,
             near_dedup=near_dedup,
             near_dedup_threshold=near_dedup_threshold,
+            perplexity_model=perplexity_model,
+            max_perplexity=max_perplexity,
         )
     except (ValueError, ImportError) as e:
         raise fail(str(e), EXIT_USAGE) from None
@@ -339,6 +360,8 @@ def build_cli(
             filters=filters,
             explain_drops=explain_drops,
             decide_buckets=decide_buckets,
+            drop_worst_fraction=drop_worst_fraction,
+            perplexity_scores=perplexity_scores,
             **executor_cfg,
         )
         if shard_tokens is not None:
@@ -492,6 +515,8 @@ def _build_filters(
     scrub_pii: bool,
     near_dedup: bool,
     near_dedup_threshold: float | None,
+    perplexity_model: Path | None = None,
+    max_perplexity: float | None = None,
 ):
     """The build's filter flags -> a DocumentFilter, or None when every stage is off (the build is
     then exactly the filter-free one). Raises ValueError for bad values (exit 2)."""
@@ -502,6 +527,8 @@ def _build_filters(
         raise ValueError("--lang: give ISO 639-1 codes, e.g. --lang en,de")
     if lang_threshold is not None and not codes:
         raise ValueError("--lang-threshold needs --lang")
+    if max_perplexity is not None and perplexity_model is None:
+        raise ValueError("--max-perplexity needs --perplexity-model")
     cfg = FilterConfig(
         clean=clean,
         fix_unicode=fix_unicode,
@@ -510,6 +537,8 @@ def _build_filters(
         lang=codes,
         scrub_pii=scrub_pii,
         near_dedup=near_dedup or near_dedup_threshold is not None,
+        perplexity_model=None if perplexity_model is None else str(perplexity_model),
+        max_perplexity=max_perplexity,
     )
     if lang_threshold is not None:
         cfg.lang_threshold = lang_threshold

@@ -315,6 +315,7 @@ def inspect_corpus(
                 "skipped": built.get("skipped"),
                 "truncated": int(np.count_nonzero(c.doc_flags & fmt.FLAG_TRUNCATED)),
                 "dropped": built.get("dropped"),
+                "perplexity": built.get("perplexity"),
                 "length_tokens": _quantiles(lengths),
                 "documents_longer_than_seq_len": int(long_idx.size),
                 "long_document_examples": examples,
@@ -445,6 +446,7 @@ def format_report(rep: InspectReport) -> str:
             lines.append(
                 f"[{n}] most frequent tokens: " + ", ".join(f"{t.get('text', t['id'])!r}:{t['count']:,}" for t in top)
             )
+    lines += _perplexity_lines(rep)
     lines.append("")
     lines.append("checks:")
     lines.extend(f"  {c}" for c in rep.checks)
@@ -453,14 +455,49 @@ def format_report(rep: InspectReport) -> str:
     return "\n".join(lines)
 
 
+def _perplexity_lines(rep: InspectReport) -> list[str]:
+    """The recorded score distribution per split (builds with a perplexity model), else nothing."""
+    out = []
+    for n, st in rep.splits.items():
+        ppl = st.get("perplexity")
+        if not ppl or not ppl.get("quantiles"):
+            continue
+        q = ppl["quantiles"]
+        shown = ", ".join(
+            f"{k} {q[k]:,.1f}" for k in ("p0", "p10", "p25", "p50", "p75", "p80", "p90", "p99", "p100") if k in q
+        )
+        out.append(f"[{n}] perplexity of {ppl['documents']:,} scored documents (after filters and dedup): {shown}")
+    return [""] + out if out else []
+
+
+def _perplexity_bins(ppl: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(left edges, widths, counts) of a recorded perplexity histogram (bins equal on a log axis)."""
+    per = int(ppl["histogram"]["bins_per_decade"])
+    idx = np.array([int(k) for k in ppl["histogram"]["counts"]], dtype=np.int64)
+    counts = np.array(list(ppl["histogram"]["counts"].values()), dtype=np.int64)
+    left = 10.0 ** (idx / per)
+    return left, 10.0 ** ((idx + 1) / per) - left, counts
+
+
 def plot_report(rep: InspectReport, path: str | os.PathLike[str]) -> Path:
-    """Write a PNG: document length histogram (log axis), pack fill histogram, tokens per split."""
+    """Write a PNG: document length histogram (log axis), pack fill histogram, tokens per split,
+    and, when the build recorded scores, the perplexity histogram."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    scored = {n: s["perplexity"] for n, s in rep.splits.items() if (s.get("perplexity") or {}).get("histogram")}
+    fig, ax = plt.subplots(1, 4 if scored else 3, figsize=(20 if scored else 15, 4.2))
+    for name, ppl in scored.items():
+        left, width, counts = _perplexity_bins(ppl)
+        ax[3].bar(left, counts, width=width, align="edge", alpha=0.6, label=f"{name} ({ppl['documents']:,} docs)")
+    if scored:
+        ax[3].set_xscale("log")
+        ax[3].set_xlabel("perplexity (n-gram model)")
+        ax[3].set_ylabel("documents")
+        ax[3].set_title("perplexity after filters and dedup")
+        ax[3].legend(fontsize=8)
     for name, s in rep.splits.items():
         L = s["_lengths"]
         if L.size:

@@ -23,7 +23,7 @@ from .config import MAX_LISTED
 from .explain import ExplainFile
 from .plan import StageContext
 from .shards import our_shard_files
-from .state import FinishRecord, ReadRecord
+from .state import FinishRecord, ReadRecord, TaskDecision
 
 
 @dataclass
@@ -69,9 +69,11 @@ def commit(
     totals: CommitTotals,
     sources: Mapping[str, Any],
     explain: ExplainFile | None = None,
+    decisions: Mapping[int, TaskDecision] | None = None,
 ) -> Manifest:
     """Write the manifest of the tasks ``reads`` (input order; each has its entry in ``finishes``);
-    ``splits`` is the decide stage's result (``pairs`` and ``shards`` are added here)."""
+    ``splits`` is the decide stage's result (``pairs`` and ``shards`` are added here);
+    ``decisions`` (of the same tasks) are needed only for the plan's ``--perplexity-scores`` file."""
     plan, shards_dir = ctx.plan, ctx.shards_dir
     entries = [
         s.with_path(Path(os.path.relpath(shards_dir / s.path, manifest_path.parent)).as_posix())
@@ -109,6 +111,12 @@ def commit(
     )
     if explain is not None:
         explain.publish()
+    if plan.perplexity_scores is not None:
+        from .scores import write_scores
+
+        if decisions is None:
+            raise ValueError("commit: the --perplexity-scores file needs the tasks' decisions")
+        write_scores(plan.perplexity_scores, ctx.state, reads, decisions)
     # Every listed shard durable before the manifest that lists it: the data was fsynced when the
     # shard was written (read stage, or the finish stage's copy); the renames into place, by their folders.
     for d in dict.fromkeys((shards_dir / s.path).parent for rec in reads for s in finishes[rec.index].shards):

@@ -87,6 +87,13 @@ def filters_detect_language(f: Any) -> bool:
     return bool(getattr(getattr(f, "config", None), "lang", None))
 
 
+def filters_score_perplexity(f: Any) -> bool:
+    """True when the filters score every document by perplexity (a :class:`h5corpus.filters.DocumentFilter`
+    with ``perplexity_model``, or any object whose ``config.perplexity_model`` is set); their batch
+    results then carry ``info["perplexity"]``, which the read stage records per document."""
+    return bool(getattr(getattr(f, "config", None), "perplexity_model", None))
+
+
 # -- configuration ------------------------------------------------------------------------------
 EXECUTORS = ("local", "ray", "slurm")
 
@@ -182,6 +189,14 @@ class BuildConfig:
     N >= 1 partitions exact and near dedup into N tasks. None: in memory on the local executor and
     whenever budgets can stop reading early, else one bucket per GiB of input. Never changes the
     output."""
+    drop_worst_fraction: float | None = None
+    """Drop this fraction, in [0, 1), of the documents that reach the decide stage's worst-fraction
+    rule (after the filters and exact and near dedup, before the budgets): those with the highest
+    perplexity, ties by input position (docs/FILTERS.md). Needs filters with a perplexity model;
+    every task is then read before any is decided."""
+    perplexity_scores: str | os.PathLike[str] | None = None
+    """Write each scored document's perplexity to this TSV file at commit (docs/FILTERS.md). Not part
+    of the build's settings: it never changes a shard or the manifest."""
     ray: RayOptions = field(default_factory=RayOptions)
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
 
@@ -230,14 +245,27 @@ class BuildConfig:
                 raise ValueError(f"fast_encoders: unknown encoder {name!r} (known: {', '.join(known)})")
         if self.filters is not None and not callable(getattr(self.filters, "process", None)):
             raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
+        self._check_perplexity()
+
+    def _check_perplexity(self) -> None:
+        scored = filters_score_perplexity(self.filters)
+        f = self.drop_worst_fraction
+        if f is not None:
+            if not 0.0 <= float(f) < 1.0:
+                raise ValueError(f"drop_worst_fraction must be in [0, 1), got {f}")
+            if not scored:
+                raise ValueError("drop_worst_fraction needs a perplexity model (--perplexity-model)")
+        if self.perplexity_scores is not None and not scored:
+            raise ValueError("perplexity_scores needs a perplexity model (--perplexity-model)")
 
     def settings(self) -> dict[str, Any]:
-        """The settings that determine the output bytes (recorded in the manifest)."""
+        """The settings that determine the output bytes (recorded in the manifest;
+        ``drop_worst_fraction`` only when set, so builds without it keep their fingerprint)."""
         f = self.filters
         fdesc: Any = None
         if f is not None:
             fdesc = dict(f.describe()) if callable(getattr(f, "describe", None)) else {"class": type(f).__qualname__}
-        return {
+        out = {
             "text_field": self.text_field,
             "split_seed": int(self.split_seed),
             "validation_fraction": float(self.validation_fraction),
@@ -249,6 +277,9 @@ class BuildConfig:
             "filters": fdesc,
             "format_version": fmt.FORMAT_VERSION,
         }
+        if self.drop_worst_fraction is not None:
+            out["drop_worst_fraction"] = float(self.drop_worst_fraction)
+        return out
 
 
 def parse_max_tokens(spec: str) -> dict[str, int]:

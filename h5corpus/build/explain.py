@@ -2,7 +2,8 @@
 
 The read stage records, per task, the location and id-as-read of its documents and the lines of
 what it dropped itself (filters, empty texts, duplicates inside the task); the decide stage adds
-the lines of its own drops (exact and near duplicates across tasks, over budget) and writes each
+the lines of its own drops (exact and near duplicates across tasks, the worst-fraction rule,
+over budget) and writes each
 task's lines, in input order, to a temporary file that :meth:`ExplainFile.publish` renames into
 place before the manifest is written. The line format is in docs/FILTERS.md.
 """
@@ -24,7 +25,7 @@ def explain_line(
     dup_of: str | None = None,
 ) -> dict[str, Any]:
     """One record: id (sha256 hex of the text as read), source, line/row, reason, and what is known
-    and cheap: the detected language, the stored copy of an exact duplicate."""
+    and cheap: the detected language, the perplexity, the stored copy of an exact duplicate."""
     d: dict[str, Any] = {"id": doc_id, "source": loc[0]}
     if loc[1] is not None:
         d[loc[1]] = loc[2]
@@ -32,6 +33,8 @@ def explain_line(
     if info and "lang" in info:
         d["lang"] = info["lang"]
         d["lang_prob"] = round(float(info["lang_prob"]), 4)
+    if info and info.get("perplexity") is not None:
+        d["perplexity"] = round(float(info["perplexity"]), 4)
     if dup_of is not None:
         d["duplicate_of"] = dup_of
     return d

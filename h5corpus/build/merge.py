@@ -10,6 +10,10 @@ memory-mapped and read in slices.
 The result is written to the state folder -- one decision per task (``decide/<task>.json`` and its
 ``keep`` array) and ``decide/summary.json`` (the split figures and the last task of the corpus) -- so
 the finish stage can run anywhere (:func:`load_decision`).
+
+With ``--drop-worst-fraction`` the merge makes two passes: the dedup flags of every task first
+(one byte each per document, kept), then the worst-fraction rule over every task's scores
+(:func:`~h5corpus.build.decide.worst_masks`) and the decisions, in input order as before.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 
 from .buckets import BucketRecord, LshParams, decide_dir, decide_inputs, load_bucket_arrays, load_npy
 from .config import BuildError
-from .decide import DecideInput, Decider
+from .decide import DecideInput, Decider, task_scores, worst_masks
 from .plan import StageContext
 from .state import ReadRecord, StateDir, TaskDecision, write_state_file
 
@@ -182,8 +186,23 @@ def load_summary(state: StateDir, inputs: str) -> dict[str, Any] | None:
 
 def merge_inputs(reads: Sequence[ReadRecord], lsh: LshParams | None, buckets: Sequence[BucketRecord]) -> str:
     """sha256 over the read records' data and the buckets' files: what the merge's result depends on."""
-    what = {"reads": decide_inputs(reads, lsh, len(buckets)), "buckets": [b.files for b in buckets]}
+    what: dict[str, Any] = {"reads": decide_inputs(reads, lsh, len(buckets)), "buckets": [b.files for b in buckets]}
+    if any(r.meta_sha256 for r in reads):  # the scores of the worst-fraction rule live there
+        what["meta"] = [r.meta_sha256 for r in reads]
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _write_summary(
+    state: StateDir, inputs: str, cut: int, splits: dict[str, Any], decisions: Mapping[int, TaskDecision]
+) -> None:
+    summary = {
+        "version": SUMMARY_VERSION,
+        "inputs": inputs,
+        "cut": cut,
+        "splits": splits,
+        "decisions": {str(i): d.sha256 for i, d in decisions.items()},
+    }
+    write_state_file(summary_path(state), json.dumps(summary, sort_keys=True).encode(), durable=True)
 
 
 def merge_buckets(
@@ -204,30 +223,53 @@ def merge_buckets(
         validation_fraction=plan.split.validation_fraction,
         count_languages=plan.record_lang,
         explain=plan.explain,
+        drop_worst_fraction=plan.drop_worst_fraction,
     )
     arrays = [load_bucket_arrays(state, b) for b in buckets]
     kept = KeptSet([r.documents for r in reads])
     resolver = NearResolver(state, arrays, lsh, kept) if lsh is not None else None
     decisions: dict[int, TaskDecision] = {}
     cut = len(reads) - 1
-    for rec in reads:
+
+    def dedup(rec: ReadRecord) -> tuple[DecideInput, np.ndarray, np.ndarray]:
         if plan.on_error == "fail" and rec.skipped_total:
             raise BuildError(
                 f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
                 "pass --on-error skip, or fix the input)"
             )
-        docs, sigs, meta = state.load_read_outputs(rec)
-        exact = np.zeros(docs.size, dtype=bool)
+        inp = DecideInput(rec, *state.load_read_outputs(rec))
+        exact = np.zeros(inp.docs.size, dtype=bool)
         lo, hi = np.uint64(rec.index) << np.uint64(32), np.uint64(rec.index + 1) << np.uint64(32)
         for arr in arrays:
             i, j = np.searchsorted(arr["exact"], [lo, hi])
             exact[(np.asarray(arr["exact"][i:j]) & _ROW).astype(np.int64)] = True
         if resolver is not None:
-            near = resolver.task(rec.index, exact, sigs)
+            near = resolver.task(rec.index, exact, inp.signatures)
         else:
-            near = np.zeros(docs.size, dtype=bool)
+            near = np.zeros(inp.docs.size, dtype=bool)
+        return inp, exact, near
+
+    worst: list[np.ndarray] | None = None
+    flags: list[tuple[np.ndarray, np.ndarray]] = []
+    if plan.drop_worst_fraction is not None:  # first pass: every task's dedup flags and scores
+        scores = []
+        for rec in reads:
+            inp, e, n = dedup(rec)
+            flags.append((e, n))
+            scores.append(task_scores(inp))
+        worst = worst_masks(scores, [~e & ~n for e, n in flags], plan.drop_worst_fraction)
+    for k, rec in enumerate(reads):
+        if worst is not None:
+            inp = DecideInput(rec, *state.load_read_outputs(rec))
+            exact, near = flags[k]
+        else:
+            inp, exact, near = dedup(rec)
         decision, lines = decider.feed(
-            DecideInput(rec, docs, sigs, meta), verify_candidates=rec.index in earlier, exact=exact, near=near
+            inp,
+            verify_candidates=rec.index in earlier,
+            exact=exact,
+            near=near,
+            worst=None if worst is None else worst[k],
         )
         write_decision(state, decision)
         decisions[rec.index] = decision
@@ -236,13 +278,5 @@ def merge_buckets(
         if decider.can_stop_early and decider.filled:
             cut = rec.index
             break
-    splits = decider.finish()
-    summary = {
-        "version": SUMMARY_VERSION,
-        "inputs": merge_inputs(reads, lsh, buckets),
-        "cut": cut,
-        "splits": splits,
-        "decisions": {str(i): d.sha256 for i, d in decisions.items()},
-    }
-    write_state_file(summary_path(state), json.dumps(summary, sort_keys=True).encode(), durable=True)
+    _write_summary(state, merge_inputs(reads, lsh, buckets), cut, decider.finish(), decisions)
     return MergeResult(decider, decisions, cut, resolver.fallbacks if resolver is not None else 0)

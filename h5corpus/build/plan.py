@@ -83,6 +83,10 @@ class BuildPlan:
     """The read stage records each stored document's detected language."""
     explain: bool = False
     """The read stage records what ``--explain-drops`` needs."""
+    record_perplexity: bool = False
+    """The read stage records each table row's perplexity (``meta["perplexity"]``)."""
+    drop_worst_fraction: float | None = None
+    """``--drop-worst-fraction`` (the decide stage's worst-fraction rule), or None."""
     newlines_before: dict[int, int] = field(default_factory=dict)
     """Task index -> line breaks before its first byte (JSONL tasks inside a file; explain only)."""
     decide_buckets: int = 0
@@ -94,6 +98,8 @@ class BuildPlan:
     """The inputs' description (the manifest's ``source``), for the same."""
     explain_drops: str | None = None
     """Absolute path of the ``--explain-drops`` file, when asked for."""
+    perplexity_scores: str | None = None
+    """Absolute path of the ``--perplexity-scores`` file, when asked for."""
     version: int = PLAN_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -124,7 +130,15 @@ class BuildPlan:
         write_state_file(state.plan, json.dumps(self.to_json(), sort_keys=True).encode("utf-8"), durable=True)
 
 
-_OPTIONAL_FIELDS = ("decide_buckets", "manifest", "sources", "explain_drops")
+_OPTIONAL_FIELDS = (
+    "decide_buckets",
+    "manifest",
+    "sources",
+    "explain_drops",
+    "record_perplexity",
+    "drop_worst_fraction",
+    "perplexity_scores",
+)
 """Fields a plan written before they existed lacks (their defaults apply)."""
 
 

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..storage.format import PARTIAL_SUFFIX, TokenizerIdentity
 from ..storage.manifest import read_manifest
 from .commit import add_up, commit
@@ -41,8 +43,9 @@ from .config import (
     BuildError,
     SplitRule,
     filters_detect_language,
+    filters_score_perplexity,
 )
-from .decide import DecideInput, Decider
+from .decide import DecideInput, Decider, task_scores, worst_masks
 from .encoders import Encoder, HFEncoder, fast_encoder
 from .executor import BuildLock, LocalExecutor
 from .explain import ExplainFile
@@ -239,6 +242,7 @@ class _Run:
             near_index=f.near_duplicate_index() if callable(getattr(f, "near_duplicate_index", None)) else None,
             count_languages=filters_detect_language(f),
             explain=cfg.explain_drops is not None,
+            drop_worst_fraction=cfg.drop_worst_fraction,
         )
         self.decisions: dict[int, TaskDecision] = {}
         self.finishes: dict[int, FinishRecord] = {}
@@ -281,6 +285,9 @@ class _Run:
             record_lang=self.decider.languages,
             explain=explain,
             newlines_before=newlines_before(self.tasks) if explain else {},
+            record_perplexity=filters_score_perplexity(cfg.filters),
+            drop_worst_fraction=cfg.drop_worst_fraction,
+            perplexity_scores=None if cfg.perplexity_scores is None else str(Path(cfg.perplexity_scores).absolute()),
         )
 
     def _start(self, encoder: Encoder, plan: BuildPlan | None = None) -> None:
@@ -385,17 +392,42 @@ class _Run:
             else:
                 self._on_finish(res.call.index, res.value)
 
+    def _decide_input(self, i: int) -> DecideInput:
+        rec = self.read[i]
+        if self.cfg.on_error == "fail" and rec.skipped_total:
+            raise BuildError(
+                f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
+                "pass --on-error skip, or fix the input)"
+            )
+        return DecideInput(rec, *self.t.state.load_read_outputs(rec))
+
+    def _worst_pass(self) -> dict[int, tuple[np.ndarray, ...]] | None:
+        """The worst-fraction rule's first pass, once every task is read: each task's (exact, near,
+        worst) rows. None while tasks are still being read."""
+        if len(self.read) < self.n or self.read_pending:
+            return None
+        flags, scores = [], []
+        for i in range(self.n):
+            inp = self._decide_input(i)
+            flags.append(self.decider.dedup(inp))
+            scores.append(task_scores(inp))
+        assert self.decider.drop_worst_fraction is not None
+        worst = worst_masks(scores, [~e & ~n for e, n in flags], self.decider.drop_worst_fraction)
+        return {i: (*flags[i], worst[i]) for i in range(self.n)}
+
     def _decide_ready(self) -> None:
+        rows: dict[int, tuple[np.ndarray, ...]] | None = None
+        if self.decider.drop_worst_fraction is not None and self.next_decide < self.n:
+            rows = self._worst_pass()
+            if rows is None:
+                return
         while self.cut is None and self.next_decide < self.n and self.next_decide in self.read:
             i = self.next_decide
-            rec = self.read[i]
-            if self.cfg.on_error == "fail" and rec.skipped_total:
-                raise BuildError(
-                    f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
-                    "pass --on-error skip, or fix the input)"
-                )
-            docs, sigs, meta = self.t.state.load_read_outputs(rec)
-            decision, lines = self.decider.feed(DecideInput(rec, docs, sigs, meta), verify_candidates=i in self.earlier)
+            inp = self._decide_input(i)
+            exact, near, worst = rows[i] if rows is not None else (None, None, None)
+            decision, lines = self.decider.feed(
+                inp, verify_candidates=i in self.earlier, exact=exact, near=near, worst=worst
+            )
             self.decisions[i] = decision
             if self.explain is not None:
                 self.explain.write(lines)
@@ -454,6 +486,7 @@ class _Run:
             totals=totals,
             sources=self.t.sources,
             explain=self.explain,
+            decisions=self.decisions,
         )
         self.executor.join()
         r = self.report

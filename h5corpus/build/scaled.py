@@ -59,7 +59,11 @@ def make_run(target: Any, tasks: list, resumed: bool, lock: Any, t_start: float)
     if cfg.executor != "local":
         rebuild_filters(filters_spec(cfg.filters))  # the workers rebuild them from the plan: fail here, not there
         _refuse_in_process_tasks(cfg.executor, tasks)
-    stops = Decider(budgets=cfg.max_tokens, validation_fraction=float(cfg.validation_fraction)).can_stop_early
+    stops = Decider(
+        budgets=cfg.max_tokens,
+        validation_fraction=float(cfg.validation_fraction),
+        drop_worst_fraction=cfg.drop_worst_fraction,
+    ).can_stop_early
     buckets = decide_buckets(cfg, tasks, stops)
     if cfg.executor == "slurm":
         from .slurm import SlurmRun

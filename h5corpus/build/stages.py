@@ -39,7 +39,7 @@ from .explain import ExplainFile
 from .merge import load_decision, load_summary, merge_buckets, merge_inputs, summary_path
 from .plan import StageContext
 from .runmarker import remove_marker_of
-from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir
+from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision
 from .tasks import StageCall, finish_task, read_task
 from .tasks import run_stage as run_read_or_finish
 
@@ -250,12 +250,23 @@ def stage_commit(state_dir: str | Path) -> Manifest:
         totals=totals,
         sources=plan.sources,
         explain=explain,
+        decisions=_decisions(ctx, reads) if plan.perplexity_scores is not None else None,
     )
     state_root = str(ctx.state.root)
     remove_marker_of(
         Path(plan.shards_dir) / LOCK_FILE, lambda mk: mk.get("kind") == "slurm" and mk.get("state") == state_root
     )
     return m
+
+
+def _decisions(ctx: StageContext, reads: Sequence[ReadRecord]) -> dict[int, TaskDecision]:
+    out = {}
+    for rec in reads:
+        d = load_decision(ctx.state, rec.index)
+        if d is None:
+            raise BuildConflict(f"{ctx.state.root}: no decision for task {rec.index}; run the decide stage first")
+        out[rec.index] = d
+    return out
 
 
 def stage_status(state_dir: str | Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Layout of ``<shards_dir>/.build/`` (it exists only while a build runs or after i
     read/00042.json          ReadRecord of task 42 (written last: its presence means "read done")
     read/00042.docs          per-document table, DOC_DTYPE records in table order
     read/00042.sig.npy       near-dedup signatures of the table's documents, (documents, k) array
-    read/00042.meta.json     languages and --explain-drops data, when asked for
+    read/00042.meta.json     languages, perplexities and --explain-drops data, when asked for
     read/00042/              candidate shards: train-000.h5, validation-000.h5, ...
     finish/00042.json        FinishRecord of task 42 (its final shards)
 

@@ -138,6 +138,7 @@ class _ReadOutputs:
         self.documents = self.tokens = 0
         self.sigs: list[Any] | None = [] if plan.want_signatures else None
         self.langs: list[str | None] | None = [] if plan.record_lang else None
+        self.perplexities: list[float] | None = [] if plan.record_perplexity else None
         self.ex_drops: list[tuple[int, dict[str, Any]]] = []  # (record ordinal, explain line) of drops
         self.ex_rows: list[list[Any]] = []  # per table row: [ordinal, id as read, source, "line"/"row", n, lang, prob]
 
@@ -183,8 +184,13 @@ class _ReadOutputs:
             write_state_file(p.signatures, buf.getvalue())
             sig_sha = hashlib.sha256(buf.getvalue()).hexdigest()
         explain = self.ctx.plan.explain
-        if self.langs is not None or explain:
-            meta = {"lang": self.langs, "explain": {"drops": self.ex_drops, "rows": self.ex_rows} if explain else None}
+        if self.langs is not None or explain or self.perplexities is not None:
+            meta: dict[str, Any] = {
+                "lang": self.langs,
+                "explain": {"drops": self.ex_drops, "rows": self.ex_rows} if explain else None,
+            }
+            if self.perplexities is not None:
+                meta["perplexity"] = self.perplexities  # JSON floats read back bit-exact
             blob = json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
             write_state_file(p.meta, blob)
             meta_sha = hashlib.sha256(blob).hexdigest()
@@ -408,7 +414,7 @@ class _TaskRead:
             self._dropped(b, ids, splits, dropped)
         if len(kept) < len(ids):
             texts, ids, splits = [texts[i] for i in kept], [ids[i] for i in kept], splits[kept]
-        if self.out.sigs is not None or self.out.langs is not None or self.explain:
+        if self.out.sigs is not None or self.out.langs is not None or self.out.perplexities is not None or self.explain:
             self._kept_extras(b, kept, ids)
         self.queue.extend(texts, ids, [len(t) for t in texts], splits.tolist())
 
@@ -436,6 +442,10 @@ class _TaskRead:
                 out.sigs.append(sig if sig is not None else self.signature(b.texts[i]))
             if out.langs is not None:
                 out.langs.append(info.get("lang") if info else None)
+            if out.perplexities is not None:
+                if not info or "perplexity" not in info:
+                    raise BuildError(f"{self.label}: the filters gave no perplexity for a kept document")
+                out.perplexities.append(float(info["perplexity"]))
             if self.explain:
                 lang = info.get("lang") if info else None
                 prob = None if lang is None else round(float(info["lang_prob"]), 4)  # type: ignore[index]
