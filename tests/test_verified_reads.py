@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+import zlib
 from pathlib import Path
 
 import h5py
@@ -107,7 +108,7 @@ def test_a_flipped_bit_in_any_chunk_raises_on_every_read_path(corpora, tmp_path,
     chunk, or a compressed shard's chunk): every read path that touches the chunk raises, naming
     the shard file and the chunk, in a fresh process state (a newly opened corpus)."""
     manifest = _copy(corpora[kind], tmp_path / "c")
-    path, k, pos = _flip_bit(manifest, chunk, seed=hash((kind, chunk, read)) % 1000)
+    path, k, pos = _flip_bit(manifest, chunk, seed=zlib.crc32(f"{kind}/{chunk}/{read}".encode()) % 1000)
     c = open_corpus(manifest, "train")
     assert c.verified
     _raises_naming(path, k, lambda: READS[read](c, pos))
