@@ -24,8 +24,14 @@ sources as byte ids):
   after the first batch: what a training loop receives). Target: best-fit >= 0.5x the window
   loader. Every measurement is interleaved (each repetition runs every loader once) and the best
   repetition counts.
+* ``verify``: what verified reads (format v2: each chunk checked against its xxh3 checksum the
+  first time a process touches it) cost the loaders: whole epochs of the window loader and of the
+  best-fit loader (buffer 64 and BFD) in this process, on a corpus opened fresh for every epoch
+  (so every chunk is verified again and the first-touch cost counts in full) with ``verify=True``
+  vs ``verify=False``, interleaved, best of 7, in wall time (``cost_pct``) and in this process's CPU
+  time (``cpu_cost_pct``, less sensitive to other jobs). Target: <= 5% cost.
 
-Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE]
+Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE] [--only-verify]
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ sys.path.insert(0, str(REPO))
 from h5corpus.loaders.chunking import chunk_layout  # noqa: E402
 from h5corpus.loaders.packers import best_fit_packs, bfd_packs  # noqa: E402
 from h5corpus.loaders.plan import epoch_order, pack_fill  # noqa: E402
+from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.reader import open_corpus  # noqa: E402
 from tests.helpers import (  # noqa: E402
     BYTE_IDENTITY,
@@ -112,14 +119,59 @@ def fill_rows(lengths: np.ndarray) -> dict:
     return rows
 
 
+def verify_cost(manifest: Path, reps: int = 7) -> dict:
+    """Whole in-process epochs on a freshly opened corpus, verify=True vs verify=False."""
+    from h5corpus.loaders.bestfit import BestFitDataset
+    from h5corpus.loaders.window import SlidingWindowDataset
+
+    makers = {
+        "window": lambda c: SlidingWindowDataset(c, seq_len=L, batch_size=B),
+        "bestfit_buffer_64": lambda c: BestFitDataset(c, L, B, 64, mode="buffer"),
+        "bestfit_bfd": lambda c: BestFitDataset(c, L, B, mode="bfd"),
+    }
+
+    def epoch(make, verify: bool) -> tuple[float, float]:
+        """(wall, CPU) seconds of one epoch, the corpus's open included (both variants open alike)."""
+        t, cpu = time.perf_counter(), time.process_time()
+        c = open_corpus(manifest, "train", verify=verify)
+        assert c.verified == verify
+        for _ in make(c):
+            pass
+        c.close()
+        return time.perf_counter() - t, time.process_time() - cpu
+
+    inf = float("inf")
+    wall, cpu = (
+        {(k, v): inf for k in makers for v in (True, False)},
+        {(k, v): inf for k in makers for v in (True, False)},
+    )
+    for _ in range(reps):  # interleaved: both variants of every loader see the same machine load
+        for k, make in makers.items():
+            for v in (True, False):
+                w, c = epoch(make, v)
+                wall[k, v], cpu[k, v] = min(wall[k, v], w), min(cpu[k, v], c)
+    return {
+        k: {
+            "verified_s": round(wall[k, True], 4),
+            "unverified_s": round(wall[k, False], 4),
+            "cost_pct": round((wall[k, True] / wall[k, False] - 1) * 100, 2),
+            "verified_cpu_s": round(cpu[k, True], 4),
+            "unverified_cpu_s": round(cpu[k, False], 4),
+            "cpu_cost_pct": round((cpu[k, True] / cpu[k, False] - 1) * 100, 2),
+        }
+        for k in makers
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--manifest", type=Path, help="an already built corpus (default: build the dev corpus in a temp dir)"
     )
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only-verify", action="store_true", help="run only the verified-reads cost section")
     args = ap.parse_args()
-    out: dict = {"bench": "packing", "format_version": 1, "max_seq_len": L, "batch_size": B}
+    out: dict = {"bench": "packing", "format_version": fmt.FORMAT_VERSION, "max_seq_len": L, "batch_size": B}
     with tempfile.TemporaryDirectory() as tmp:
         if args.manifest:
             manifest, source = args.manifest, str(args.manifest)
@@ -131,6 +183,11 @@ def main() -> None:
         train = open_corpus(manifest, "train")
         lengths = train.doc_lengths
         out["train"] = {"documents": train.num_documents, "tokens": train.num_tokens, "pairs": int((lengths - 1).sum())}
+        out["verify"] = verify_cost(manifest)
+        if args.only_verify:
+            train.close()
+            emit(out, args.out, indent=1)
+            return
 
         # -- fill ----------------------------------------------------------------------------------
         out["fill"] = {"train": fill_rows(lengths)}
