@@ -505,3 +505,18 @@ def write_v1_corpus(root: Path, texts: Sequence[str], *, chunk_tokens: int = 409
     }
     (root / "manifests" / "shards.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return root / "manifests" / "shards.json"
+
+
+def reseal_chunk_checksums(shard: Path) -> None:
+    """Rewrite a shard's ``/chunk_xxh3`` to match its current tokens (xxh3-64 of each chunk's real
+    tokens as little-endian bytes, computed here with ``xxhash`` directly): what a writer that
+    produced wrong tokens consistently would have stored. Tests that edit tokens in place to
+    exercise a content check (EOS placement, ids) use it so the chunk checksums don't stop the read
+    first. ``index_sha256`` in the manifest is left stale (``validate`` still catches the edit)."""
+    import xxhash
+
+    with h5py.File(shard, "r+") as f:
+        t = f[fmt.TOKENS][:].astype(f[fmt.TOKENS].dtype.newbyteorder("<"))
+        C = f[fmt.TOKENS].chunks[0]
+        sums = [xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)]
+        f[fmt.CHUNK_CHECKSUMS][:] = np.array(sums, dtype="<u8")
