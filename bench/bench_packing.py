@@ -32,9 +32,15 @@ sources as byte ids):
   loaded beside this one (a copy under another package name) and both checkouts' loaders iterated
   in one process, every loader of both once per repetition, best of ``--compare-reps``: tokens/s
   per checkout (wall clock and CPU time), this / other, and each one's ratio to its window loader.
+* ``verify``: what verified reads (format v2: each chunk checked against its xxh3 checksum the
+  first time a process touches it) cost the loaders: whole epochs of the window loader and of the
+  best-fit loader (buffer 64 and BFD) in this process, on a corpus opened fresh for every epoch
+  (so every chunk is verified again and the first-touch cost counts in full) with ``verify=True``
+  vs ``verify=False``, interleaved, best of 7, in wall time (``cost_pct``) and in this process's CPU
+  time (``cpu_cost_pct``, less sensitive to other jobs). Target: <= 5% cost.
 
-Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE] [--sections fill,packer,plan,loader,compare]
-       [--plan-docs 1,3,10] [--compare-tree PATH] [--compare-reps 30]
+Usage: python bench/bench_packing.py [--manifest PATH] [--out FILE] [--sections fill,packer,plan,loader,compare,verify]
+       [--plan-docs 1,3,10] [--compare-tree PATH] [--compare-reps 30] [--only-verify]
 """
 
 from __future__ import annotations
@@ -315,13 +321,59 @@ def compare_rows(manifest: Path, other: Path, reps: int, tmp: Path) -> dict:
     return out
 
 
+def verify_cost(manifest: Path, reps: int = 7) -> dict:
+    """Whole in-process epochs on a freshly opened corpus, verify=True vs verify=False."""
+    from h5corpus.loaders.bestfit import BestFitDataset
+    from h5corpus.loaders.window import SlidingWindowDataset
+    from h5corpus.storage.reader import open_corpus
+
+    makers = {
+        "window": lambda c: SlidingWindowDataset(c, seq_len=L, batch_size=B),
+        "bestfit_buffer_64": lambda c: BestFitDataset(c, L, B, 64, mode="buffer"),
+        "bestfit_bfd": lambda c: BestFitDataset(c, L, B, mode="bfd"),
+    }
+
+    def epoch(make, verify: bool) -> tuple[float, float]:
+        """(wall, CPU) seconds of one epoch, the corpus's open included (both variants open alike)."""
+        t, cpu = time.perf_counter(), time.process_time()
+        c = open_corpus(manifest, "train", verify=verify)
+        assert c.verified == verify
+        for _ in make(c):
+            pass
+        c.close()
+        return time.perf_counter() - t, time.process_time() - cpu
+
+    inf = float("inf")
+    wall, cpu = (
+        {(k, v): inf for k in makers for v in (True, False)},
+        {(k, v): inf for k in makers for v in (True, False)},
+    )
+    for _ in range(reps):  # interleaved: both variants of every loader see the same machine load
+        for k, make in makers.items():
+            for v in (True, False):
+                w, c = epoch(make, v)
+                wall[k, v], cpu[k, v] = min(wall[k, v], w), min(cpu[k, v], c)
+    return {
+        k: {
+            "verified_s": round(wall[k, True], 4),
+            "unverified_s": round(wall[k, False], 4),
+            "cost_pct": round((wall[k, True] / wall[k, False] - 1) * 100, 2),
+            "verified_cpu_s": round(cpu[k, True], 4),
+            "unverified_cpu_s": round(cpu[k, False], 4),
+            "cpu_cost_pct": round((cpu[k, True] / cpu[k, False] - 1) * 100, 2),
+        }
+        for k in makers
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--manifest", type=Path, help="an already built corpus (default: build the dev corpus in a temp dir)"
     )
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--sections", default="fill,packer,plan,loader,compare")
+    ap.add_argument("--sections", default="fill,packer,plan,loader,compare,verify")
+    ap.add_argument("--only-verify", action="store_true", help="run only the verified-reads cost section")
     ap.add_argument("--plan-docs", default="1,3,10", help="synthetic corpus sizes, in millions of documents")
     ap.add_argument("--compare-tree", type=Path, help="another checkout to measure the loaders against")
     ap.add_argument("--compare-reps", type=int, default=30)
@@ -329,7 +381,7 @@ def main() -> None:
     use_tree(REPO)
     from h5corpus import open_corpus
 
-    sections = set(args.sections.split(","))
+    sections = {"verify"} if args.only_verify else set(args.sections.split(","))
     out: dict = {"bench": "packing", "format_version": 2, "max_seq_len": L, "batch_size": B}
     with tempfile.TemporaryDirectory() as tmp:
         if args.manifest:
@@ -359,6 +411,8 @@ def main() -> None:
             out["loader"] = loader_rates(manifest, 7, modes)
         if "compare" in sections and args.compare_tree:
             out["compare"] = compare_rows(manifest, args.compare_tree, args.compare_reps, Path(tmp))
+        if "verify" in sections:
+            out["verify"] = verify_cost(manifest)
         out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         train.close()
     emit(out, args.out, indent=1)

@@ -4,6 +4,13 @@ Prints one JSON object (and writes it to ``--out`` if given). Every rate comes w
 a numpy memmap over the *same tokens* (a flat ``.bin`` of the corpus written in this run), measured
 in the same run on the same windows, hot page cache unless a section says "cold":
 
+* ``api``: ``Corpus.tokens`` random windows (1,025 and 4,097 tokens) and ``Corpus.document`` (random
+  documents by index), verified (format v2), against the bare memmap slice copy of the same ranges
+  in the same process (``mm[a:b].copy()`` and ``np.array(mm[a:b])``: the faster is the baseline).
+* ``verify``: verification's cost: an epoch of the window loader (epoch mode, 8 x 1,024) and of the
+  best-fit loader (buffer mode, 8 x 1,024 packs), through their public API, on a corpus opened fresh
+  per round (so every chunk is verified again: the first-touch cost counts) with ``verify=True``
+  and ``verify=False``, interleaved; plus the steady state (the same corpus, chunks verified).
 * ``read_paths``: one random window (seq_len + 1 tokens) per read, per way of reading HDF5:
   ``ds[a:b]`` with the default 1 MiB or a 64 MiB chunk cache, ``ds[a:b]`` with the cache off,
   one low-level ``H5Dread`` (cache off; the reader's path for compressed/live shards), and the
@@ -47,6 +54,7 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from h5corpus.loaders.bestfit import BestFitDataset  # noqa: E402
 from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
@@ -57,7 +65,7 @@ from h5corpus.storage.writer import ShardWriter  # noqa: E402
 from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
 B = 8  # windows per batch throughout
-SECTIONS = ("read_paths", "batches", "dataloader", "chunk_size", "compressed")
+SECTIONS = ("api", "verify", "read_paths", "batches", "dataloader", "chunk_size", "compressed")
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -188,6 +196,106 @@ def nanogpt_get_batch(mm: np.ndarray, L: int) -> Callable[[np.ndarray], tuple[to
 # -- sections --------------------------------------------------------------------------------------------
 
 
+def bench_api(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -> dict:
+    """Corpus.tokens windows and Corpus.document vs memmap slice copies of the same ranges."""
+    c = open_corpus(manifest, "train")
+    assert c.verified
+    rng = np.random.default_rng(1)
+    out: dict = {"verified": c.verified}
+    n_calls = 500 if quick else 4000
+    for L in (1024, 4096):
+        n = L + 1
+        starts = rng.integers(0, c.num_tokens - n, n_calls).tolist()
+
+        def corpus_tokens():
+            for a in starts:
+                c.tokens(a, a + n)
+
+        def memmap_copy_method():
+            for a in starts:
+                mm[a : a + n].copy()
+
+        def memmap_np_array():
+            for a in starts:
+                np.array(mm[a : a + n])
+
+        t = interleaved({"tokens": corpus_tokens, "mm_copy": memmap_copy_method, "mm_array": memmap_np_array}, rounds)
+        base = min(t["mm_copy"], t["mm_array"])
+        out[f"tokens_seq_len_{L}"] = {
+            "calls_per_s": round(n_calls / t["tokens"]),
+            "memmap_calls_per_s": round(n_calls / base),
+            "vs_memmap": round(base / t["tokens"], 3),
+            "us_per_call": round(t["tokens"] / n_calls * 1e6, 2),
+            "memmap_us_per_call": round(base / n_calls * 1e6, 2),
+        }
+    docs = rng.integers(0, c.num_documents, n_calls).tolist()
+    offs = np.asarray(c.doc_offsets)
+
+    def corpus_document():
+        for i in docs:
+            c.document(i)
+
+    def memmap_docs_copy():
+        for i in docs:
+            mm[offs[i] : offs[i + 1]].copy()
+
+    def memmap_docs_array():
+        for i in docs:
+            np.array(mm[offs[i] : offs[i + 1]])
+
+    t = interleaved({"document": corpus_document, "mm_copy": memmap_docs_copy, "mm_array": memmap_docs_array}, rounds)
+    base = min(t["mm_copy"], t["mm_array"])
+    out["document"] = {
+        "calls_per_s": round(n_calls / t["document"]),
+        "memmap_calls_per_s": round(n_calls / base),
+        "vs_memmap": round(base / t["document"], 3),
+        "us_per_call": round(t["document"] / n_calls * 1e6, 2),
+        "memmap_us_per_call": round(base / n_calls * 1e6, 2),
+        "mean_tokens": round(float(np.diff(offs)[docs].mean()), 1),
+    }
+    c.close()
+    return out
+
+
+def bench_verify(manifest: Path, rounds: int, quick: bool) -> dict:
+    """Epochs of both loaders on freshly opened corpora, verify=True vs verify=False."""
+    L = 1024
+    limit = 300 if quick else None  # batches per epoch run
+
+    def window_epoch(verify: bool, corpus=None):
+        c = corpus or open_corpus(manifest, "train", verify=verify)
+        for _ in itertools.islice(iter(SlidingWindowDataset(c, L, batch_size=B, seed=0)), limit):
+            pass
+
+    def bestfit_epoch(verify: bool, corpus=None):
+        c = corpus or open_corpus(manifest, "train", verify=verify)
+        for _ in itertools.islice(iter(BestFitDataset(c, max_seq_len=L, batch_size=B, seed=0)), limit):
+            pass
+
+    steady = {v: open_corpus(manifest, "train", verify=v) for v in (True, False)}
+    fns = {
+        "window_fresh_verified": lambda: window_epoch(True),
+        "window_fresh_unverified": lambda: window_epoch(False),
+        "bestfit_fresh_verified": lambda: bestfit_epoch(True),
+        "bestfit_fresh_unverified": lambda: bestfit_epoch(False),
+        "window_steady_verified": lambda: window_epoch(True, steady[True]),
+        "window_steady_unverified": lambda: window_epoch(False, steady[False]),
+        "bestfit_steady_verified": lambda: bestfit_epoch(True, steady[True]),
+        "bestfit_steady_unverified": lambda: bestfit_epoch(False, steady[False]),
+    }
+    t = interleaved(fns, rounds)
+    out: dict = {"seq_len": L, "batch_size": B, "batches_per_run": limit or "epoch"}
+    for loader in ("window", "bestfit"):
+        for kind in ("fresh", "steady"):
+            v, u = t[f"{loader}_{kind}_verified"], t[f"{loader}_{kind}_unverified"]
+            out[f"{loader}_{kind}"] = {
+                "verified_s": round(v, 4),
+                "unverified_s": round(u, 4),
+                "cost_pct": round((v / u - 1) * 100, 1),
+            }
+    return out
+
+
 def bench_read_paths(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -> dict:
     """Per-window read cost of each HDF5 read path vs the memmap, random windows inside shard 0."""
     c = open_corpus(manifest, "train")
@@ -199,6 +307,7 @@ def bench_read_paths(manifest: Path, mm: np.ndarray, rounds: int, quick: bool) -
     f_off = h5py.File(path, "r", rdcc_nbytes=0)
     mmap_reader = c._reader(0)
     assert mmap_reader.kind == "mmap"
+    mmap_reader.ensure(0, len(mmap_reader.ready) - 1)  # verified once: the steady state is timed
     out: dict = {"chunk_tokens": c.chunk_tokens}
     low = H5Tokens(path, False, c.chunk_tokens, c.dtype)
     rng = np.random.default_rng(0)
@@ -474,6 +583,10 @@ def main() -> None:
             },
             "rounds": args.rounds,
         }
+        if "api" in sections:
+            result["api"] = bench_api(manifest, mm, args.rounds, args.quick)
+        if "verify" in sections:
+            result["verify"] = bench_verify(manifest, args.rounds, args.quick)
         if "read_paths" in sections:
             result["read_paths"] = bench_read_paths(manifest, mm, args.rounds, args.quick)
         if "batches" in sections:

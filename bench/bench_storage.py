@@ -13,8 +13,13 @@ library's sources as byte ids):
 * ``compression``: none / gzip / lzf / zstd (hdf5plugin): write MB/s, read MB/s, size ratio.
 * ``open``: ``open_corpus`` per shard (the reader's checks at open + the index read) vs bare h5py
   opening each shard and reading its index.
+* ``disk`` (``--only-disk``): bytes on disk per token of real builds (``build_corpus`` of the dev
+  corpus with its defaults, and a many-task build of it with 1 MiB tasks), with the breakdown per
+  part (raw token chunks, compressed final chunks, offsets, ids, flags, checksums, HDF5 metadata),
+  the structural figure that counts every final chunk's tokens at their raw 2 bytes instead of
+  compressed, and what peers' formats store for the same documents (computed from their layouts).
 
-Usage: python bench/bench_storage.py [--tokens N] [--out FILE] [--repeat N] [--only-validate]
+Usage: python bench/bench_storage.py [--tokens N] [--out FILE] [--repeat N] [--only-validate] [--only-disk]
 """
 
 from __future__ import annotations
@@ -288,6 +293,92 @@ def bench_open(root: Path, docs, ident, shards: int, repeat: int) -> dict:
     }
 
 
+def shard_breakdown(path: Path) -> dict[str, int]:
+    """Bytes of one shard file by part, from HDF5's own storage sizes (the rest is metadata)."""
+    import h5py
+
+    from h5corpus.storage import format as fmt
+
+    size = path.stat().st_size
+    with h5py.File(path, "r") as f:
+        stored = {k: int(f[k].id.get_storage_size()) for k in f}
+        t = f[fmt.TOKENS]
+        n, C = t.shape[0], t.chunks[0]
+        tail = n - (n // C) * C
+        offsets, _ = fmt.chunk_layout(t, n, size)
+        compressed_tail = offsets is not None and offsets.size > 0 and offsets[-1] < 0
+        tail_stored = t.id.get_chunk_info_by_coord(((n // C) * C,)).size if compressed_tail else 0
+    out = {
+        "file": size,
+        "tokens": n,
+        "tail_tokens": tail if compressed_tail else 0,
+        "raw_chunks": stored[fmt.TOKENS] - tail_stored,
+        "compressed_tail": tail_stored,
+        "offsets": stored[fmt.DOC_OFFSETS],
+        "ids": stored[fmt.DOC_IDS],
+        "flags": stored[fmt.DOC_FLAGS],
+        "checksums": stored.get(fmt.CHUNK_CHECKSUMS, 0),
+    }
+    out["metadata"] = size - sum(stored.values())
+    return out
+
+
+def bench_disk(root: Path) -> dict:
+    """Bytes per token of the dev corpus built with the defaults and with 1 MiB tasks (many shards)."""
+    from h5corpus.build import BuildConfig, build_corpus
+    from h5corpus.storage.manifest import read_manifest
+
+    shared = Path(os.environ.get("H5CORPUS_SHARED", REPO.parent / "shared"))
+    dev, tok = shared / "corpora" / "dev", shared / "tokenizers" / "gpt2" / "tokenizer.json"
+    if not dev.is_dir() or not tok.exists():
+        return {"skipped": f"needs the dev corpus and GPT-2 tokenizer under {shared}"}
+    out: dict = {}
+    for name, task_bytes in (("dev_default_build", None), ("dev_many_task_build", 1 << 20)):
+        where = root / name
+        kw = {} if task_bytes is None else {"task_bytes": task_bytes}
+        cfg = BuildConfig(
+            sources=[str(dev)],
+            tokenizer=str(tok),
+            shards_dir=where / "shards",
+            manifest=where / "manifests" / "shards.json",
+            workers=2,
+            **kw,
+        )
+        build_corpus(cfg)
+        m = read_manifest(where / "manifests" / "shards.json")
+        parts: dict[str, int] = {}
+        for sh in m.shards:
+            for k, v in shard_breakdown(m.shard_path(sh)).items():
+                parts[k] = parts.get(k, 0) + v
+        T, D = parts["tokens"], sum(sh.documents for sh in m.shards)
+        structural = parts["file"] - parts["compressed_tail"] + 2 * parts["tail_tokens"]
+        out[name] = {
+            "shards": len(m.shards),
+            "tasks_bytes": task_bytes or "default",
+            "tokens": T,
+            "documents": D,
+            "tokens_per_document": round(T / D, 1),
+            "bytes": parts["file"],
+            "bytes_per_token": round(parts["file"] / T, 4),
+            "bytes_per_token_without_ids": round((parts["file"] - 32 * D) / T, 4),
+            "structural_bytes_per_token": round(structural / T, 4),
+            "structural_bytes_per_token_without_ids": round((structural - 32 * D) / T, 4),
+            "final_chunk_tokens_share": round(parts["tail_tokens"] / T, 4),
+            "compressed_final_chunk_bytes_per_token": round(parts["compressed_tail"] / max(parts["tail_tokens"], 1), 3),
+            "per_token": {k: round(v / T, 5) for k, v in parts.items() if k not in ("file", "tokens", "tail_tokens")},
+            "metadata_bytes_per_shard": round(parts["metadata"] / len(m.shards)),
+            # What other formats store for the same tokens and documents (from their layouts):
+            # nanoGPT: the uint16 tokens alone; datatrove: + one uint64 end per document; Megatron
+            # (.bin + .idx): + int32 size, int64 pointer and int64 document index per document.
+            "peers_bytes_per_token": {
+                "nanogpt_bin": 2.0,
+                "datatrove": round((2 * T + 8 * D) / T, 4),
+                "megatron_bin_idx": round((2 * T + 20 * D + 8) / T, 4),
+            },
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
@@ -295,6 +386,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="validate section: timed runs per figure (best is kept)")
     ap.add_argument("--only-validate", action="store_true", help="run only the validate section")
     ap.add_argument("--only-open", action="store_true", help="run only the reader's open-cost section")
+    ap.add_argument("--only-disk", action="store_true", help="run only the bytes-per-token section (real builds)")
     ap.add_argument("--open-shards", type=int, default=64, help="open section: number of shards")
     ap.add_argument("--validate-shards", type=int, default=4, help="validate section: number of shards")
     ap.add_argument(
@@ -304,6 +396,13 @@ def main() -> None:
         help="validate section: tokens per shard (default: the build's default shard size)",
     )
     args = ap.parse_args()
+    if args.only_disk:
+        tmp = Path(tempfile.mkdtemp(prefix="h5corpus-bench-disk-"))
+        try:
+            emit({"bench": "storage", "format_version": 2, "disk": bench_disk(tmp)}, args.out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
 
     docs, ident, enc_s, source = load_tokens(args.tokens)
     flat = np.concatenate(docs).astype(np.uint16 if ident.vocab_size <= 65536 else np.uint32)
@@ -311,7 +410,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="h5corpus-bench-"))
     out: dict = {
         "bench": "storage",
-        "format_version": 1,
+        "format_version": 2,
         "tokens": int(n_tokens),
         "bytes": int(nbytes),
         "source": source,

@@ -15,6 +15,7 @@ _EXPORTS = {
     # storage contract
     "FORMAT_VERSION": "storage.format",
     "FormatError": "storage.format",
+    "ChunkChecksumError": "storage.format",
     "TokenizerIdentity": "storage.format",
     "ShardWriter": "storage.writer",
     "ShardRecord": "storage.format",
@@ -26,6 +27,7 @@ _EXPORTS = {
     # reading and batches
     "open_corpus": "storage.reader",
     "Corpus": "storage.reader",
+    "UnverifiedCorpusWarning": "storage.reader",
     "open_live": "storage.reader",
     "VarlenBatch": "loaders.batch",
     "IGNORE_INDEX": "loaders.batch",

@@ -311,6 +311,9 @@ def inspect_corpus(
                 "prediction_pairs": pairs,
                 "bytes_on_disk": sum(s.bytes for s in m.shards_of(split)),
                 "shards": len(m.shards_of(split)),
+                "format_version": m.version,
+                "verified_reads": c.verified,
+                "integrity_note": c.integrity_note,
                 "duplicates_dropped": built.get("duplicates"),
                 "skipped": built.get("skipped"),
                 "truncated": int(np.count_nonzero(c.doc_flags & fmt.FLAG_TRUNCATED)),
@@ -415,6 +418,11 @@ def format_report(rep: InspectReport) -> str:
         ("raw tokens (EOS incl.)", lambda s: f"{s['raw_tokens']:,}"),
         ("prediction pairs", lambda s: f"{s['prediction_pairs']:,}"),
         ("bytes on disk", lambda s: f"{s['bytes_on_disk']:,}"),
+        ("bytes on disk / token", lambda s: f"{s['bytes_on_disk'] / max(s['raw_tokens'], 1):.4f}"),
+        (
+            "format, reads",
+            lambda s: f"v{s['format_version']}, " + ("verified" if s["verified_reads"] else "UNVERIFIED"),
+        ),
         ("duplicates dropped", lambda s: "-" if s["duplicates_dropped"] is None else f"{s['duplicates_dropped']:,}"),
         ("records skipped", lambda s: "-" if s["skipped"] is None else f"{s['skipped']:,}"),
         ("truncated", lambda s: f"{s['truncated']:,}"),
@@ -447,6 +455,10 @@ def format_report(rep: InspectReport) -> str:
                 f"[{n}] most frequent tokens: " + ", ".join(f"{t.get('text', t['id'])!r}:{t['count']:,}" for t in top)
             )
     lines += _perplexity_lines(rep)
+    notes = sorted({s["integrity_note"] for s in rep.splits.values() if s.get("integrity_note")})
+    for note in notes:
+        lines.append("")
+        lines.append(f"note: {note}")
     lines.append("")
     lines.append("checks:")
     lines.extend(f"  {c}" for c in rep.checks)

@@ -753,3 +753,80 @@ def majority_document_run(segment_tables: Iterable) -> tuple[int, float]:
         run = {d: run.get(d, 0) + 1 for d in major}
         best = max([best, *run.values()])
     return best, top
+
+
+def write_v1_corpus(root: Path, texts: Sequence[str], *, chunk_tokens: int = 4096, shard_tokens: int = 60_000) -> Path:
+    """A format version 1 corpus of ``texts`` as byte ids (train split), written with h5py straight
+    from the version 1 contract (docs/FORMAT.md's version table and v1 layout: four datasets,
+    chunk-padded ``/tokens``, variable-length string attributes, ``index_sha256`` of the offsets,
+    ids and flags only), not by this h5corpus's writer. Returns the manifest path."""
+    root = Path(root)
+    (root / "shards" / "train").mkdir(parents=True, exist_ok=True)
+    (root / "manifests").mkdir(parents=True, exist_ok=True)
+    ident = BYTE_IDENTITY
+    docs = [np.append(a, ident.eos_id).astype("<u2") for a in byte_encode(list(texts)) if a.size]
+    ids = [hashlib.sha256(t.encode("utf-8")).digest() for t, a in zip(texts, byte_encode(list(texts))) if a.size]
+    shards, k, i = [], 0, 0
+    while i < len(docs):
+        j, n = i, 0
+        while j < len(docs) and (n == 0 or n + docs[j].size <= shard_tokens):
+            n += docs[j].size
+            j += 1
+        toks = np.concatenate(docs[i:j])
+        offs = np.concatenate([[0], np.cumsum([d.size for d in docs[i:j]])]).astype("<i8")
+        id_rows = np.frombuffer(b"".join(ids[i:j]), np.uint8).reshape(j - i, 32)
+        flags = np.zeros(j - i, np.uint8)
+        path = root / "shards" / "train" / f"train-{k:05d}.h5"
+        with h5py.File(path, "w", libver=("v110", "v114")) as f:
+            f.create_dataset("tokens", data=toks, maxshape=(None,), chunks=(chunk_tokens,), track_times=False)
+            f.create_dataset("doc_offsets", data=offs, maxshape=(None,), chunks=(4096,), track_times=False)
+            f.create_dataset("doc_ids", data=id_rows, maxshape=(None, 32), chunks=(4096, 32), track_times=False)
+            f.create_dataset("doc_flags", data=flags, maxshape=(None,), chunks=(4096,), track_times=False)
+            attrs = {"format": "h5corpus", "version": 1, "split": "train", "dtype": "uint16"}
+            attrs.update(eos_id=ident.eos_id, chunk_tokens=chunk_tokens, tokenizer_name=ident.name)
+            attrs.update(tokenizer_revision=ident.revision, tokenizer_sha256=ident.sha256, vocab_size=ident.vocab_size)
+            for key, v in attrs.items():
+                f.attrs[key] = v
+        index = hashlib.sha256(offs.tobytes() + id_rows.tobytes() + flags.tobytes()).hexdigest()
+        shards.append(
+            {
+                "path": f"../shards/train/train-{k:05d}.h5",
+                "split": "train",
+                "tokens": int(toks.size),
+                "documents": j - i,
+                "sha256": hashlib.sha256(toks.tobytes()).hexdigest(),
+                "index_sha256": index,
+                "bytes": path.stat().st_size,
+            }
+        )
+        i, k = j, k + 1
+    manifest = {
+        "format": "h5corpus",
+        "version": 1,
+        "manifest_version": 1,
+        "tokenizer": ident.to_json(),
+        "dtype": "uint16",
+        "chunk_tokens": chunk_tokens,
+        "shards_dir": "../shards",
+        "shards": shards,
+        "splits": {
+            "train": {"documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards)}
+        },
+    }
+    (root / "manifests" / "shards.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return root / "manifests" / "shards.json"
+
+
+def reseal_chunk_checksums(shard: Path) -> None:
+    """Rewrite a shard's ``/chunk_xxh3`` to match its current tokens (xxh3-64 of each chunk's real
+    tokens as little-endian bytes, computed here with ``xxhash`` directly): what a writer that
+    produced wrong tokens consistently would have stored. Tests that edit tokens in place to
+    exercise a content check (EOS placement, ids) use it so the chunk checksums don't stop the read
+    first. ``index_sha256`` in the manifest is left stale (``validate`` still catches the edit)."""
+    import xxhash
+
+    with h5py.File(shard, "r+") as f:
+        t = f[fmt.TOKENS][:].astype(f[fmt.TOKENS].dtype.newbyteorder("<"))
+        C = f[fmt.TOKENS].chunks[0]
+        sums = [xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)]
+        f[fmt.CHUNK_CHECKSUMS][:] = np.array(sums, dtype="<u8")

@@ -16,7 +16,7 @@ from h5corpus.loaders import bestfit as packing
 from h5corpus.loaders import chunking
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts, write_corpus
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, reseal_chunk_checksums, stdlib_texts, write_corpus
 
 
 def naive_best_fit(lengths: list[int], capacity: int, buffer: int) -> list[int]:
@@ -171,6 +171,7 @@ def test_misplaced_eos_fails_the_eos_check(small_manifest):
         offs = f["doc_offsets"][:]
         f["tokens"][offs[1] - 1] = ord("x")  # document 0 loses its EOS
         f["tokens"][offs[2] + 5] = 256  # document 2 gains one inside
+    reseal_chunk_checksums(m.shard_path(s))  # as if written so: the content check, not the checksum, fails
     rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
     failed = [c for c in rep.checks if not c.passed]
     assert "every document ends with EOS and no EOS elsewhere" in _failed(rep)
@@ -195,5 +196,9 @@ def test_cli_table_json_plot_and_exit_codes(small_manifest, tmp_path, monkeypatc
     m = read_manifest(small_manifest)
     with h5py.File(m.shard_path(m.shards_of("train")[0]), "r+") as f:
         f["tokens"][int(f["doc_offsets"][1]) - 1] = ord("x")
+    corrupt = run(str(small_manifest))  # the edited chunk no longer matches its checksum
+    assert corrupt.returncode == 1 and "fails its checksum" in corrupt.stderr, corrupt.stderr
+    assert "Traceback" not in corrupt.stderr and str(m.shard_path(m.shards_of("train")[0])) in corrupt.stderr
+    reseal_chunk_checksums(m.shard_path(m.shards_of("train")[0]))
     bad = run(str(small_manifest))
     assert bad.returncode == 1 and "CHECK(S) FAILED" in bad.stdout

@@ -1,4 +1,4 @@
-"""Storage contract (format v1): round trip, hashes, every corruption kind, crash safety, SWMR."""
+"""Storage contract (format v2): round trip, hashes, every corruption kind, crash safety, SWMR."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import xxhash
 
 from h5corpus.storage import format as fmt
 from h5corpus.storage.format import FormatError, TokenizerIdentity
@@ -27,12 +28,18 @@ from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
 
 
 def independent_hashes(path: Path) -> tuple[str, str]:
-    """Recompute both manifest hashes straight from the contract in docs/FORMAT.md."""
+    """Recompute both manifest hashes straight from the contract in docs/FORMAT.md (version 2: the
+    index hash ends with the chunk checksums, each the xxh3-64 of one chunk's real tokens, which
+    must equal the ones recomputed here)."""
     with h5py.File(path, "r") as f:
         toks = f["tokens"][:]
         offs, ids, flags = f["doc_offsets"][:], f["doc_ids"][:], f["doc_flags"][:]
-    h = hashlib.sha256(toks.astype(toks.dtype.newbyteorder("<")).tobytes()).hexdigest()
-    ih = hashlib.sha256(offs.astype("<i8").tobytes() + ids.tobytes() + flags.tobytes()).hexdigest()
+        sums, C = f["chunk_xxh3"][:], f["tokens"].chunks[0]
+    le = toks.astype(toks.dtype.newbyteorder("<"))
+    want = [xxhash.xxh3_64_intdigest(le[k : k + C].tobytes()) for k in range(0, le.size, C)]
+    assert sums.dtype == np.dtype("<u8") and sums.tolist() == want, path
+    h = hashlib.sha256(le.tobytes()).hexdigest()
+    ih = hashlib.sha256(offs.astype("<i8").tobytes() + ids.tobytes() + flags.tobytes() + sums.tobytes()).hexdigest()
     return h, ih
 
 
@@ -85,6 +92,9 @@ def test_layout_matches_contract(stdlib_manifest):
             assert f["doc_ids"].shape == (o.size - 1, 32) and f["doc_ids"].dtype == np.uint8
             a = fmt.check_attrs(f.attrs, "x")
             assert a["split"] == s.split and a["eos_id"] == 256 and a["chunk_tokens"] == 4096
+            assert a["version"] == 2 and raw["version"] == 2
+            sums = f["chunk_xxh3"]
+            assert sums.dtype == np.dtype("<u8") and sums.shape == (-(-t.shape[0] // 4096),)
 
 
 def test_dtype_follows_vocab_size():
@@ -156,11 +166,11 @@ def test_reader_refuses_other_format_versions(stdlib_manifest):
     m = read_manifest(stdlib_manifest)
     p = m.shard_path(m.shards[0])
     with h5py.File(p, "r+") as f:
-        f.attrs["version"] = 2
+        f.attrs["version"] = 3
     raw = json.loads(stdlib_manifest.read_text())
     raw["shards"][0]["bytes"] = p.stat().st_size  # as a newer h5corpus would list it
     stdlib_manifest.write_text(json.dumps(raw))
-    with pytest.raises(FormatError, match="version 2 is not supported"):
+    with pytest.raises(FormatError, match="version 3 is not supported"):
         open_corpus(stdlib_manifest, m.shards[0].split)
     raw["version"] = 99
     stdlib_manifest.write_text(json.dumps(raw))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import xxhash
 
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.validate import validate_corpus
@@ -26,10 +27,13 @@ def _edit_tokens_and_rehash(manifest: Path, k: int, edits: dict[int, int]) -> st
     with h5py.File(p, "r+") as f:
         for pos, value in edits.items():
             f["tokens"][pos] = value
-    with h5py.File(p, "r") as f:
-        toks = f["tokens"][:]
+        toks, C = f["tokens"][:].astype("<u2"), f["tokens"].chunks[0]
+        sums = np.array([xxhash.xxh3_64_intdigest(toks[a : a + C].tobytes()) for a in range(0, toks.size, C)], "<u8")
+        f["chunk_xxh3"][:] = sums  # the buggy writer checksums what it wrote
+        index = b"".join(f[n][:].tobytes() for n in ("doc_offsets", "doc_ids", "doc_flags")) + sums.tobytes()
     raw = json.loads(manifest.read_text())
-    raw["shards"][k]["sha256"] = hashlib.sha256(toks.astype("<u2").tobytes()).hexdigest()
+    raw["shards"][k]["sha256"] = hashlib.sha256(toks.tobytes()).hexdigest()
+    raw["shards"][k]["index_sha256"] = hashlib.sha256(index).hexdigest()
     raw["shards"][k]["bytes"] = p.stat().st_size
     manifest.write_text(json.dumps(raw))
     return m.shards[k].path

@@ -1,11 +1,15 @@
-"""The on-disk contract of an h5corpus corpus (shard format v1, manifest v1). See ``docs/FORMAT.md``.
+"""The on-disk contract of an h5corpus corpus (shard format v2, reading v1 too; manifest v1). See ``docs/FORMAT.md``.
 
 Every fact of the layout that the writer, the reader, the validator and the build's resume rely
 on is defined here once, so that they cannot drift apart: dataset names and dtypes, the HDF5
 format bounds, the partial-file suffix, the root attributes (and the tokenizer identity they
 encode), the checks of a shard's index, where the chunks of ``/tokens`` lie in the file (the
-memory-map read path), and the manifest's keys and version. Bump :data:`FORMAT_VERSION` on any
-change of a shard's layout and :data:`MANIFEST_VERSION` on any change of the manifest's.
+memory-map read path), the per-chunk checksums, and the manifest's keys and version. Bump
+:data:`FORMAT_VERSION` on any change of a shard's layout and :data:`MANIFEST_VERSION` on any change
+of the manifest's.
+
+Module size: the contract is one module on purpose (one place for every fact of the layout), hence
+longer than the usual ~600 lines' guidance would give one module.
 """
 
 from __future__ import annotations
@@ -19,9 +23,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import xxhash
 
 FORMAT_NAME = "h5corpus"
-FORMAT_VERSION = 1
+#: The version this h5corpus writes. 2: per-chunk checksums (``/chunk_xxh3``), a compressed final
+#: chunk, compressed index datasets, fixed-length string attributes (docs/FORMAT.md).
+FORMAT_VERSION = 2
+#: Versions this h5corpus reads (version 1 shards carry no checksums: reads are unverified).
+READABLE_VERSIONS = (1, 2)
 #: Version of the manifest's layout (``manifest_version`` key); manifests written before the key
 #: existed are version 1.
 MANIFEST_VERSION = 1
@@ -39,13 +48,25 @@ DOC_OFFSETS = "doc_offsets"
 DOC_IDS = "doc_ids"
 #: uint8 (documents,): per-document flag bits (see ``FLAG_*``).
 DOC_FLAGS = "doc_flags"
-#: Every dataset of a shard, in the order the index hash covers the index ones.
-DATASETS = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS)
+#: uint64 (chunks,), version 2: xxh3-64 of each ``/tokens`` chunk's tokens as little-endian bytes
+#: (the last chunk: only its ``T - k * chunk_tokens`` real tokens), chunk k = ``tokens[k*C:(k+1)*C]``.
+CHUNK_CHECKSUMS = "chunk_xxh3"
+#: Every dataset of a version 1 shard, in the order the index hash covers the index ones.
+DATASETS_V1 = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS)
+#: Every dataset of a version 2 shard, in the order the index hash covers the index ones.
+DATASETS = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS)
+
+
+def datasets_of(version: int) -> tuple[str, ...]:
+    """The datasets a shard of format ``version`` holds."""
+    return DATASETS_V1 if version == 1 else DATASETS
+
 
 #: Stored dtypes of the index datasets (little-endian where it matters).
 OFFSETS_DTYPE = np.dtype("<i8")
 DOC_ID_DTYPE = np.dtype("u1")
 FLAGS_DTYPE = np.dtype("u1")
+CHECKSUM_DTYPE = np.dtype("<u8")
 
 #: The document was cut at ``--max-document-tokens``: it has no EOS (a cut is never a real end).
 FLAG_TRUNCATED = 1
@@ -57,8 +78,19 @@ DOC_ID_BYTES = 32
 #: measures the alternatives (docs/BENCHMARKS.md).
 DEFAULT_CHUNK_TOKENS = 1 << 18
 
-#: Index datasets grow in chunks of this many documents.
+#: Version 1 index datasets grow in chunks of this many documents.
 INDEX_CHUNK_DOCS = 4096
+#: Version 2 chunk sizes of the index datasets, in entries: each dataset's last chunk is stored
+#: whole, so they bound the padding per shard (1 KiB of offsets, 1 KiB of ids, 512 bytes of flags,
+#: 256 bytes of checksums at most; docs/FORMAT.md measures the choice).
+OFFSETS_CHUNK = 128
+IDS_CHUNK = 32
+FLAGS_CHUNK = 512
+#: ``/chunk_xxh3`` grows in chunks of this many checksums (one per ``/tokens`` chunk).
+CHECKSUM_CHUNK = 32
+#: zlib level of a version 2 shard's final ``/tokens`` chunk (HDF5's deflate filter; level 6 is
+#: zlib's default trade-off between time and size, docs/FORMAT.md).
+DEFLATE_LEVEL = 6
 
 #: Root attributes every shard carries; written once, before SWMR starts.
 REQUIRED_ATTRS = (
@@ -253,7 +285,7 @@ class ShardRecord:
 
 
 def shard_attrs(*, split: str, dtype: np.dtype, chunk_tokens: int, tokenizer: TokenizerIdentity) -> dict[str, Any]:
-    """Root attributes of a v1 shard, in the order they are written."""
+    """Root attributes of a shard of the current version, in the order they are written."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     return {
@@ -293,12 +325,13 @@ class Problem(NamedTuple):
 
 
 def dataset_problems(f: Any, expect: ShardExpectation) -> list[Problem]:
-    """The datasets of an open shard (an ``h5py.File``) against the contract: all four present,
-    ``/tokens`` 1-D in the manifest's dtype and little-endian byte order, chunked in chunks of
-    ``chunk_tokens``. (The index datasets' dtypes are checked on the arrays, by :func:`check_index`.)"""
+    """The datasets of an open shard (an ``h5py.File``) against the contract: all of its version's
+    present, ``/tokens`` 1-D in the manifest's dtype and little-endian byte order, chunked in chunks
+    of ``chunk_tokens``. (The index datasets' dtypes are checked on the arrays, by :func:`check_index`;
+    the checksums' count by :func:`checksum_problems`.)"""
     import h5py
 
-    missing = [n for n in DATASETS if not isinstance(f.get(n), h5py.Dataset)]
+    missing = [n for n in datasets_of(expect.version) if not isinstance(f.get(n), h5py.Dataset)]
     if missing:
         return [Problem("format", f"dataset /{missing[0]} is missing", fatal=True)]
     t = f[TOKENS]
@@ -313,6 +346,26 @@ def dataset_problems(f: Any, expect: ShardExpectation) -> list[Problem]:
         ]
     if t.chunks != (expect.chunk_tokens,):
         return [Problem("tokens", f"/tokens chunks {t.chunks}, expected ({expect.chunk_tokens},)")]
+    if expect.version >= 2:
+        c = f[CHUNK_CHECKSUMS]
+        if c.dtype.str != CHECKSUM_DTYPE.str or c.ndim != 1:
+            return [
+                Problem("checksums", f"/{CHUNK_CHECKSUMS} is {c.dtype.str} {c.shape}, expected 1-D <u8", fatal=True)
+            ]
+    return []
+
+
+def checksum_problems(n_checksums: int, num_tokens: int, chunk_tokens: int) -> list[Problem]:
+    """A version 2 shard holds one checksum per ``/tokens`` chunk: ``ceil(num_tokens / chunk_tokens)``."""
+    want = -(-num_tokens // chunk_tokens)
+    if n_checksums != want:
+        return [
+            Problem(
+                "checksums",
+                f"/{CHUNK_CHECKSUMS} holds {n_checksums:,} checksums, but {num_tokens:,} tokens in chunks of "
+                f"{chunk_tokens:,} make {want:,} chunks",
+            )
+        ]
     return []
 
 
@@ -325,23 +378,29 @@ class ShardExpectation:
     eos_id: int
     vocab_size: int
     tokenizer_sha256: str
+    version: int = FORMAT_VERSION
+    """The shards' format version: a manifest's shards are all of the manifest's version."""
 
     @classmethod
-    def of(cls, tokenizer: TokenizerIdentity, chunk_tokens: int, dtype: str | None = None) -> ShardExpectation:
+    def of(
+        cls, tokenizer: TokenizerIdentity, chunk_tokens: int, dtype: str | None = None, version: int = FORMAT_VERSION
+    ) -> ShardExpectation:
         """Shards of ``tokenizer`` ids in chunks of ``chunk_tokens`` tokens (``dtype`` defaults to
-        the one :func:`token_dtype` gives the vocabulary)."""
+        the one :func:`token_dtype` gives the vocabulary), of format ``version``."""
         return cls(
             dtype=dtype or dtype_name(token_dtype(tokenizer.vocab_size)),
             chunk_tokens=int(chunk_tokens),
             eos_id=int(tokenizer.eos_id),
             vocab_size=int(tokenizer.vocab_size),
             tokenizer_sha256=tokenizer.sha256,
+            version=int(version),
         )
 
     def attr_problems(self, attrs: Mapping[str, Any], split: str) -> list[Problem]:
         """The :data:`MATCHED_ATTRS` of ``attrs`` (from :func:`check_attrs`) that differ from what
         the manifest says a ``split`` shard is."""
         want = {
+            "version": self.version,
             "split": split,
             "dtype": self.dtype,
             "chunk_tokens": self.chunk_tokens,
@@ -351,7 +410,7 @@ class ShardExpectation:
         }
         return [
             Problem("attrs", f"attribute {k} = {attrs.get(k)!r}, manifest says {want[k]!r}")
-            for k in MATCHED_ATTRS
+            for k in ("version", *MATCHED_ATTRS)
             if attrs.get(k) != want[k]
         ]
 
@@ -396,19 +455,24 @@ def check_index(
     return out
 
 
-def chunk_byte_offsets(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
-    """Byte offset in the file of every chunk of an unfiltered 1-D ``/tokens`` h5py dataset that
-    covers ``[0, n_tokens)``, or ``(None, why not)``. Each chunk must be allocated, unfiltered,
-    ``chunk_tokens * itemsize`` bytes and inside the file's ``file_size`` bytes: then token
-    ``i`` lies at ``offsets[i // C] + (i % C) * itemsize`` (the memory-map read path and the
-    validator's hashing rely on it)."""
+def chunk_layout(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
+    """Where the chunks of a 1-D ``/tokens`` h5py dataset covering ``[0, n_tokens)`` lie in the
+    file, for the memory-map read path: ``(offsets, "")`` with the byte offset of every chunk, or
+    ``(None, why not)``.
+
+    Every chunk but the last must be stored raw: allocated, every filter of the pipeline skipped
+    (its filter mask; a version 1 shard has no pipeline), ``chunk_tokens * itemsize`` bytes, inside
+    the file's ``file_size`` bytes. Then token ``i`` of such a chunk lies at
+    ``offsets[i // C] + (i % C) * itemsize``. The last chunk may instead be stored filtered (a
+    version 2 shard's compressed final chunk, or the only chunk of a compressed shard): its offset
+    is then -1 and the reader decodes it into memory through HDF5."""
     if ds.chunks is None or len(ds.chunks) != 1:
         return None, "tokens are not chunked in 1-D"
-    if ds.id.get_create_plist().get_nfilters() != 0:
-        return None, "tokens are compressed/filtered"
+    n_filters = ds.id.get_create_plist().get_nfilters()
+    raw_mask = (1 << n_filters) - 1  # every filter skipped
     C = ds.chunks[0]
     n_chunks = -(-n_tokens // C)
-    offsets = np.full(n_chunks, -1, dtype=np.int64)
+    offsets = np.full(n_chunks, -2, dtype=np.int64)
     chunk_bytes = C * ds.dtype.itemsize
     bad: list[str] = []
 
@@ -416,9 +480,16 @@ def chunk_byte_offsets(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarr
         k = info.chunk_offset[0] // C
         if k >= n_chunks:
             return
-        if info.filter_mask != 0 or info.size != chunk_bytes or info.byte_offset + info.size > file_size:
+        if info.byte_offset + info.size > file_size:
+            bad.append(f"chunk {k} (offset {info.byte_offset}, {info.size} bytes) lies past the file's end")
+        elif info.filter_mask != raw_mask:
+            if k != n_chunks - 1:
+                bad.append(f"chunk {k} is stored filtered (tokens are compressed)")
+            offsets[k] = -1
+        elif info.size != chunk_bytes:
             bad.append(f"chunk {k} (offset {info.byte_offset}, {info.size} bytes, mask {info.filter_mask})")
-        offsets[k] = info.byte_offset
+        else:
+            offsets[k] = info.byte_offset
 
     if hasattr(ds.id, "chunk_iter"):
         ds.id.chunk_iter(visit)
@@ -427,9 +498,41 @@ def chunk_byte_offsets(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarr
             visit(ds.id.get_chunk_info(i))
     if bad:
         return None, "unexpected chunk layout: " + bad[0]
-    if n_chunks and offsets.min() < 0:
+    if n_chunks and offsets.min() < -1:
         return None, f"chunk {int(np.argmin(offsets))} is not allocated"
     return offsets, ""
+
+
+# -- chunk checksums (version 2) ---------------------------------------------------------------------
+
+
+class ChunkChecksumError(FormatError):
+    """A chunk of ``/tokens`` does not match its stored checksum: the shard is corrupt. Names the
+    shard file (:attr:`path`), the chunk (:attr:`chunk`) and its shard-local token range."""
+
+    def __init__(self, path: str, chunk: int, lo: int, hi: int, detail: str) -> None:
+        self.path, self.chunk, self.token_range = path, chunk, (lo, hi)
+        super().__init__(
+            f"{path}: chunk {chunk:,} of /tokens (tokens [{lo:,}, {hi:,}) of the shard) {detail}: "
+            "the shard is corrupt; run h5corpus validate"
+        )
+
+
+def chunk_checksum(tokens: np.ndarray) -> int:
+    """xxh3-64 of ``tokens`` (one chunk's real tokens) as little-endian bytes, as an unsigned int."""
+    a = np.ascontiguousarray(tokens)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return xxhash.xxh3_64_intdigest(memoryview(a).cast("B"))
+
+
+def chunk_checksums(tokens: np.ndarray, chunk_tokens: int, first_chunk: int = 0) -> np.ndarray:
+    """(chunks,) uint64 :func:`chunk_checksum` of every ``chunk_tokens`` slice of ``tokens`` (the
+    last one may be shorter); ``tokens`` starts on a chunk boundary."""
+    n = -(-tokens.size // chunk_tokens)
+    return np.fromiter(
+        (chunk_checksum(tokens[k * chunk_tokens : (k + 1) * chunk_tokens]) for k in range(n)), CHECKSUM_DTYPE, n
+    )
 
 
 def _plain(v: Any) -> Any:
@@ -442,19 +545,28 @@ def _plain(v: Any) -> Any:
 
 def check_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Return a shard's root attributes as plain Python values; raise :class:`FormatError` naming
-    ``where`` unless they declare format ``h5corpus`` version 1 and carry every required key."""
+    ``where`` unless they declare format ``h5corpus`` of a version in :data:`READABLE_VERSIONS` and
+    carry every required key."""
     got = {k: _plain(attrs[k]) for k in attrs.keys()}
     if got.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not an h5corpus shard (format attribute = {got.get('format')!r})")
-    if got.get("version") != FORMAT_VERSION:
-        raise FormatError(
-            f"{where}: h5corpus format version {got.get('version')!r} is not supported "
-            f"(this h5corpus reads version {FORMAT_VERSION}); rebuild the corpus or upgrade h5corpus"
-        )
+    check_version(got.get("version"), where)
     missing = [k for k in REQUIRED_ATTRS if k not in got]
     if missing:
         raise FormatError(f"{where}: missing root attributes {missing}")
     return got
+
+
+def check_version(version: Any, where: str, what: str = "h5corpus format version") -> int:
+    """``version`` if this h5corpus reads it (:data:`READABLE_VERSIONS`), else :class:`FormatError`
+    naming ``where``."""
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise FormatError(
+            f"{where}: {what} {version!r} is not supported (this h5corpus reads versions {readable}); "
+            "rebuild the corpus or upgrade h5corpus"
+        )
+    return int(version)
 
 
 def tokens_sha256_update(h: hashlib._Hash, tokens: np.ndarray) -> None:
@@ -465,10 +577,16 @@ def tokens_sha256_update(h: hashlib._Hash, tokens: np.ndarray) -> None:
     h.update(memoryview(a).cast("B"))
 
 
-def index_sha256(doc_offsets: np.ndarray, doc_ids: np.ndarray, doc_flags: np.ndarray) -> str:
-    """Hex sha256 of ``doc_offsets`` (int64 LE) ++ ``doc_ids`` (raw bytes) ++ ``doc_flags`` (uint8)."""
+def index_sha256(
+    doc_offsets: np.ndarray, doc_ids: np.ndarray, doc_flags: np.ndarray, checksums: np.ndarray | None = None
+) -> str:
+    """Hex sha256 of ``doc_offsets`` (int64 LE) ++ ``doc_ids`` (raw bytes) ++ ``doc_flags`` (uint8),
+    followed in version 2 by the chunk ``checksums`` (uint64 LE): the manifest's hash then proves
+    the checksums too. ``checksums=None`` is the version 1 definition."""
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(doc_offsets, dtype=OFFSETS_DTYPE).tobytes())
     h.update(np.ascontiguousarray(doc_ids, dtype=DOC_ID_DTYPE).tobytes())
     h.update(np.ascontiguousarray(doc_flags, dtype=FLAGS_DTYPE).tobytes())
+    if checksums is not None:
+        h.update(np.ascontiguousarray(checksums, dtype=CHECKSUM_DTYPE).tobytes())
     return h.hexdigest()

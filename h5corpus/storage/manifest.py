@@ -43,8 +43,16 @@ class Manifest:
     """POSIX path, relative to the manifest's folder, of the folder every shard lies in (under its
     split's subfolder): the build records it. Absent (older or hand-written manifests): the
     manifest folder's parent, which holds ``manifests/`` and ``shards/`` in the default layout."""
+    version: int = fmt.FORMAT_VERSION
+    """Format version of the corpus: every shard it lists is of this version (a build writes
+    :data:`~h5corpus.storage.format.FORMAT_VERSION`; version 1 corpora are still read)."""
     path: Path | None = None
     """Where it was read from or last written to (not serialized)."""
+
+    @property
+    def verified(self) -> bool:
+        """True when the shards carry chunk checksums (version >= 2), so every read is verified."""
+        return self.version >= 2
 
     @property
     def root(self) -> Path:
@@ -102,7 +110,7 @@ class Manifest:
         d.update(
             {
                 "format": fmt.FORMAT_NAME,
-                "version": fmt.FORMAT_VERSION,
+                "version": int(self.version),
                 "manifest_version": fmt.MANIFEST_VERSION,
                 "tokenizer": self.tokenizer.to_json(),
                 "dtype": self.dtype,
@@ -121,11 +129,7 @@ class Manifest:
             raise FormatError(f"{where}: manifest is not a JSON object")
         if d.get("format") != fmt.FORMAT_NAME:
             raise FormatError(f"{where}: not an h5corpus manifest (format = {d.get('format')!r})")
-        if d.get("version") != fmt.FORMAT_VERSION:
-            raise FormatError(
-                f"{where}: format version {d.get('version')!r} is not supported (this h5corpus reads "
-                f"version {fmt.FORMAT_VERSION})"
-            )
+        version = fmt.check_version(d.get("version"), where, "format version")
         if d.get("manifest_version", 1) != fmt.MANIFEST_VERSION:
             raise FormatError(
                 f"{where}: manifest_version {d.get('manifest_version')!r} is not supported (this h5corpus reads "
@@ -143,6 +147,7 @@ class Manifest:
             splits=dict(d.get("splits") or {}),
             extra={k: v for k, v in d.items() if k not in known},
             shards_dir=d.get("shards_dir"),
+            version=version,
         )
 
 
@@ -185,11 +190,7 @@ def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
         raise FormatError(f"{where}: manifest is not a JSON object")
     if d.get("format") != fmt.FORMAT_NAME:
         raise FormatError(f"{where}: not an h5corpus manifest (format = {d.get('format')!r})")
-    if d.get("version") != fmt.FORMAT_VERSION:
-        raise FormatError(
-            f"{where}: format version {d.get('version')!r} is not supported (this h5corpus reads "
-            f"version {fmt.FORMAT_VERSION})"
-        )
+    fmt.check_version(d.get("version"), where, "format version")
     err = next(iter(sorted(_schema_validator().iter_errors(d), key=lambda e: list(e.absolute_path))), None)
     if err is not None:
         field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path).lstrip(".")

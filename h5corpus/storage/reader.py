@@ -29,9 +29,11 @@ appended to the manifest.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,12 @@ import numpy as np
 from . import format as fmt
 from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
 from .manifest import Manifest, read_manifest
-from .readpaths import READ_PATHS, H5Tokens, MmapTokens, ReadPath, RunTable, h5open, live_tokens
+from .readpaths import FORKS, READ_PATHS, H5Tokens, MmapTokens, ReadPath, RunTable, h5open, live_tokens
+
+
+class UnverifiedCorpusWarning(UserWarning):
+    """The corpus opened is of format version 1: its shards carry no chunk checksums, so the tokens
+    it serves are not verified (``h5corpus validate`` still proves them; a rebuild adds checksums)."""
 
 
 class Corpus:
@@ -63,6 +70,7 @@ class Corpus:
         *,
         tokenizer: TokenizerIdentity | None = None,
         read_path: ReadPath = "auto",
+        verify: bool = True,
     ) -> None:
         if split not in fmt.SPLITS:
             raise ValueError(f"split must be one of {fmt.SPLITS}, got {split!r}")
@@ -74,6 +82,9 @@ class Corpus:
                 f"(sha256 {manifest.tokenizer.sha256[:12]}), not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})"
             )
         self.manifest: Manifest | None = manifest
+        #: format version of the shards (every shard of a manifest is of the manifest's version)
+        self.version = manifest.version
+        self._verify = bool(verify)
         self.split = split
         self.read_path = read_path
         self.tokenizer = manifest.tokenizer
@@ -96,8 +107,10 @@ class Corpus:
         self._readers: dict[int, MmapTokens | H5Tokens] = {}
         #: per finished shard: the identity of the file whose index this corpus holds
         self._file_ids: list[FileId | None] = []
-        self._pid = os.getpid()
+        self._pid, self._forks = os.getpid(), FORKS[0]
         self._append_entries(manifest.shards_of(split))
+        if self.version < 2:
+            warnings.warn(f"{manifest.path}: {self.integrity_note}", UnverifiedCorpusWarning, stacklevel=3)
 
     @classmethod
     def _live_corpus(cls, path: Path, tokenizer: TokenizerIdentity | None, read_path: ReadPath) -> Corpus:
@@ -117,6 +130,8 @@ class Corpus:
                 f"not {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]})"
             )
         self.manifest = None
+        self.version = int(a["version"])
+        self._verify = True
         self.split = a["split"]
         self.read_path = read_path
         self.tokenizer = ident
@@ -133,7 +148,7 @@ class Corpus:
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
         self._file_ids = [None]
-        self._pid = os.getpid()
+        self._pid, self._forks = os.getpid(), FORKS[0]
         self.refresh()
         return self
 
@@ -179,7 +194,7 @@ class Corpus:
         except OSError as e:
             raise FormatError(f"{path}: cannot open shard ({e}); run h5corpus validate") from None
         assert self.manifest is not None
-        expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype)
+        expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype, self.version)
         with f:
             problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), self.split)
             problems += fmt.dataset_problems(f, expect)
@@ -190,6 +205,8 @@ class Corpus:
             except OSError as e:
                 raise FormatError(f"{path}: cannot read the index ({e}); run h5corpus validate") from None
             stored = f[fmt.TOKENS].shape[0]
+            if self.version >= 2:
+                problems += fmt.checksum_problems(f[fmt.CHUNK_CHECKSUMS].shape[0], stored, self.chunk_tokens)
         if stored != entry.tokens:
             problems.append(fmt.Problem("tokens", f"/tokens holds {stored:,} tokens, manifest says {entry.tokens:,}"))
         problems += fmt.check_index(o, ids, flags, num_tokens=stored, num_documents=entry.documents)
@@ -274,6 +291,25 @@ class Corpus:
         return h.hexdigest()
 
     @property
+    def verified(self) -> bool:
+        """True when every chunk this corpus serves is checked against its stored checksum the first
+        time this process touches it (format version >= 2, ``verify=True``); False for version 1
+        corpora and ``verify=False``."""
+        return self.version >= 2 and self._verify
+
+    @property
+    def integrity_note(self) -> str | None:
+        """None for a verified corpus; else what an unverified one means, in one sentence."""
+        if self.verified:
+            return None
+        if self.version >= 2:
+            return "opened with verify=False: chunk checksums are not checked"
+        return (
+            f"format version {self.version} shards carry no chunk checksums: tokens are served unverified "
+            "(run h5corpus validate to prove them, or rebuild the corpus for verified reads)"
+        )
+
+    @property
     def complete(self) -> bool:
         """False while a live shard may still grow."""
         return all(self._complete)
@@ -289,9 +325,9 @@ class Corpus:
         return p
 
     def _check_pid(self) -> None:
-        if self._pid != os.getpid():  # forked: never touch the parent's handles
+        if self._forks != FORKS[0]:  # forked: never touch the parent's handles
             self._readers = {}
-            self._pid = os.getpid()
+            self._pid, self._forks = os.getpid(), FORKS[0]
 
     def _reader(self, shard: int) -> MmapTokens | H5Tokens:
         """This process's read path for ``shard`` (callers run :meth:`_check_pid` first)."""
@@ -305,6 +341,7 @@ class Corpus:
         path = self._open_path(shard)
         live = not self._complete[shard]
         n = int(self.shard_token_starts[shard + 1] - self.shard_token_starts[shard])
+        verify = self.verified
         self._check_unchanged(shard)
         try:
             with h5open(path, live=live) as f:
@@ -313,18 +350,23 @@ class Corpus:
                 filtered = ds.id.get_create_plist().get_nfilters() != 0
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
-                    offsets, why = fmt.chunk_byte_offsets(ds, n, os.path.getsize(path))
-        except OSError as e:
+                    offsets, why = fmt.chunk_layout(ds, n, os.path.getsize(path))
+                sums = f[fmt.CHUNK_CHECKSUMS][()] if verify and offsets is not None else None
+        except (OSError, KeyError) as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
-            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n)
+            if sums is not None and sums.size != offsets.size:
+                raise FormatError(
+                    f"{path}: {sums.size:,} chunk checksums for {offsets.size:,} chunks; run h5corpus validate"
+                )
+            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums)
             self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
             return r
         if self.read_path == "mmap" and not live:
             raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
         if live:
-            return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype)
-        return H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype, live=False)
+            return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype, verify)
+        return H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype, live=False, verify=verify)
 
     def read_paths(self) -> list[str]:
         """Read path (``"mmap"`` or ``"h5py"``) of every shard in this process (opens them)."""
@@ -341,6 +383,7 @@ class Corpus:
         d = self.__dict__.copy()
         d["_readers"] = {}
         d.pop("_sts_list", None)
+        d.pop("_offs_view", None)
         d.pop("_rtab", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
@@ -349,7 +392,7 @@ class Corpus:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self._pid = os.getpid()
+        self._pid, self._forks = os.getpid(), FORKS[0]
 
     def __del__(self) -> None:
         try:
@@ -431,59 +474,109 @@ class Corpus:
         return self.num_documents - known
 
     # -- reads ------------------------------------------------------------------------------------
+    def _bounds(self) -> list[int]:
+        """:attr:`shard_token_starts` as a list (cached per array: appending shards replaces it)."""
+        sts = self.shard_token_starts
+        hit = self.__dict__.get("_sts_list")
+        if hit is None or hit[0] is not sts:
+            hit = self.__dict__["_sts_list"] = (sts, sts.tolist())
+        return hit[1]
+
+    def _offsets_view(self) -> memoryview:
+        """:attr:`doc_offsets` as a memoryview (indexing it gives Python ints, ~10x faster than
+        numpy scalars; cached per array)."""
+        offs = self.doc_offsets
+        hit = self.__dict__.get("_offs_view")
+        if hit is None or hit[0] is not offs:
+            hit = self.__dict__["_offs_view"] = (offs, memoryview(np.ascontiguousarray(offs, dtype=np.int64)))
+        return hit[1]
+
     def tokens(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Tokens ``[start, stop)`` of the split's global stream, crossing shard boundaries.
 
-        ``out`` (1-D, ``stop - start`` long, any integer dtype) receives them when given."""
-        if not 0 <= start <= stop <= self.num_tokens:
+        ``out`` (1-D, ``stop - start`` long, any integer dtype) receives them when given. Every chunk
+        read is verified first (format version 2): :class:`~h5corpus.storage.format.ChunkChecksumError`
+        names the shard and chunk that fail."""
+        hit = self.__dict__.get("_sts_list")
+        bounds = hit[1] if hit is not None and hit[0] is self.shard_token_starts else self._bounds()
+        if not 0 <= start <= stop <= bounds[-1]:
             raise IndexError(f"token range [{start:,}, {stop:,}) outside [0, {self.num_tokens:,})")
+        if out is not None and out.shape != (stop - start,):
+            raise ValueError(f"out has shape {out.shape}, expected ({stop - start},)")
+        if self._forks != FORKS[0]:
+            self._check_pid()
+        if stop == start:
+            return np.empty(0, dtype=self.dtype) if out is None else out
+        s = bisect.bisect_right(bounds, start) - 1
+        if stop <= bounds[s + 1]:  # inside one shard: the common case
+            r = self._readers.get(s) or self._reader(s)
+            a = start - bounds[s]
+            if out is None and r.kind == "mmap":  # one slice copy when the range is one run's
+                k, o = divmod(a, r.chunk_tokens)  # type: ignore[union-attr]
+                if r.pending:  # type: ignore[union-attr]
+                    k1 = (a + stop - start - 1) // r.chunk_tokens  # type: ignore[union-attr]
+                    if k1 - k > 1 or not (r.ready[k] and r.ready[k1]):  # type: ignore[union-attr]
+                        r.ensure(k, k1)  # type: ignore[union-attr]
+                run = r.chunk_run[k]  # type: ignore[union-attr]
+                p = r.chunk_pos[k] + o  # type: ignore[union-attr]
+                if p + stop - start <= run.size:
+                    return run[p : p + stop - start].copy()
+            if out is None:
+                out = np.empty(stop - start, dtype=self.dtype)
+            r.read(a, a + stop - start, out)
+            return out
         if out is None:
             out = np.empty(stop - start, dtype=self.dtype)
-        elif out.shape != (stop - start,):
-            raise ValueError(f"out has shape {out.shape}, expected ({stop - start},)")
-        self._check_pid()
-        starts = self.shard_token_starts
-        s = int(np.searchsorted(starts, start, side="right")) - 1
         pos = start
         while pos < stop:
-            base = int(starts[s])
-            end = min(stop, int(starts[s + 1]))
+            end = min(stop, bounds[s + 1])
             if end > pos:
-                self._reader(s).read(pos - base, end - base, out[pos - start : end - start])
+                self._reader(s).read(pos - bounds[s], end - bounds[s], out[pos - start : end - start])
             pos = end
             s += 1
         return out
 
     def gather(self, starts: np.ndarray, length: int, out: np.ndarray | None = None) -> np.ndarray:
         """``out[j] = tokens(starts[j], starts[j] + length)`` for every j: many equal-length windows
-        in one call (the sliding-window loader's hot path). ``out`` is (n, length), any integer dtype."""
+        in one call (the sliding-window loader's hot path). ``out`` is (n, length), any integer dtype.
+        Verified like :meth:`tokens`."""
         starts = np.asarray(starts, dtype=np.int64)
         if out is None:
             out = np.empty((starts.size, length), dtype=self.dtype)
         if starts.size == 0:
             return out
-        self._check_pid()
-        sts = self.shard_token_starts
-        cached = self.__dict__.get("_sts_list")
-        if cached is None or cached[0] is not sts:
-            cached = self.__dict__["_sts_list"] = (sts, sts.tolist())
-        bounds = cached[1]
-        shard = (sts.searchsorted(starts, side="right") - 1).tolist()
+        if self._forks != FORKS[0]:
+            self._check_pid()
+        bounds = self._bounds()
+        shard = (self.shard_token_starts.searchsorted(starts, side="right") - 1).tolist()
         readers = self._readers
-        for row, s, g in zip(out, shard, starts.tolist()):
+        flat = out.reshape(-1) if out.flags.c_contiguous else None
+        parts: list[np.ndarray] = []  # one view per window, copied into ``out`` by one concatenate
+        for s, g in zip(shard, starts.tolist()):
             a = g - bounds[s]
-            if g < 0 or a + length > bounds[s + 1] - bounds[s]:  # crosses into the next shard (or out of range)
-                self.tokens(g, g + length, row)
+            if g < 0 or g + length > bounds[s + 1]:  # crosses into the next shard (or out of range)
+                parts.append(self.tokens(g, g + length))
                 continue
             r = readers.get(s) or self._reader(s)
-            if r.kind == "mmap":  # inline the one-run case: one copy, no call
+            if r.kind == "mmap":  # the one-run case: a view, no call
                 k, o = divmod(a, r.chunk_tokens)  # type: ignore[union-attr]
+                if r.pending:  # type: ignore[union-attr]
+                    k1 = (a + length - 1) // r.chunk_tokens  # type: ignore[union-attr]
+                    if k1 - k > 1 or not (r.ready[k] and r.ready[k1]):  # type: ignore[union-attr]
+                        r.ensure(k, k1)  # type: ignore[union-attr]
                 run = r.chunk_run[k]  # type: ignore[union-attr]
                 p = r.chunk_pos[k] + o  # type: ignore[union-attr]
                 if p + length <= run.size:
-                    row[:] = run[p : p + length]
+                    parts.append(run[p : p + length])
                     continue
+            row = np.empty(length, dtype=self.dtype)
             r.read(a, a + length, row)
+            parts.append(row)
+        if flat is not None and length:
+            np.concatenate(parts, out=flat, casting="unsafe")
+        else:
+            for row, part in zip(out, parts):
+                row[:] = part
         return out
 
     def gather_ranges(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -555,25 +648,18 @@ class Corpus:
         tab = None
         readers = [self._reader(s) for s in range(self.num_shards)]
         if readers and all(r.kind == "mmap" for r in readers):
-            runs: list[np.ndarray] = []
-            starts: list[np.ndarray] = []
-            ends: list[np.ndarray] = []
-            sts = np.asarray(self.shard_token_starts, dtype=np.int64)
-            for s, r in enumerate(readers):
-                sizes = np.array([run.size for run in r.runs], dtype=np.int64)  # type: ignore[union-attr]
-                first = sts[s] + np.cumsum(sizes) - sizes  # a shard's runs hold its chunks in order
-                starts.append(first)
-                ends.append(np.minimum(first + sizes, sts[s + 1]))  # the last chunk is stored whole
-                runs.extend(r.runs)  # type: ignore[union-attr]
-            tab = RunTable(runs, np.concatenate(starts), np.concatenate(ends))
+            tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
         self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
         return tab
 
     def document(self, i: int) -> np.ndarray:
-        """Tokens of document ``i`` (EOS included unless it was truncated at build time)."""
-        if not 0 <= i < self.num_documents:
+        """Tokens of document ``i`` (EOS included unless it was truncated at build time); verified
+        like :meth:`tokens`."""
+        hit = self.__dict__.get("_offs_view")
+        offs = hit[1] if hit is not None and hit[0] is self.doc_offsets else self._offsets_view()
+        if not 0 <= i < len(offs) - 1:
             raise IndexError(f"document {i:,} outside [0, {self.num_documents:,})")
-        return self.tokens(int(self.doc_offsets[i]), int(self.doc_offsets[i + 1]))
+        return self.tokens(offs[i], offs[i + 1])
 
     def doc_id(self, i: int) -> str:
         """Hex sha256 of document ``i``'s source text."""
@@ -627,16 +713,20 @@ def open_corpus(
     *,
     tokenizer: TokenizerIdentity | None = None,
     read_path: ReadPath = "auto",
+    verify: bool = True,
 ) -> Corpus:
     """Open ``split`` of the corpus described by ``manifest`` (a path or a parsed Manifest).
 
     Checks format and version of the manifest and every shard, that each shard's index matches the
     manifest, and, if ``tokenizer`` is given, that the corpus was built with the same ids.
     ``read_path``: ``"auto"`` (memory map for raw shards, HDF5 otherwise), or force ``"mmap"`` (raises
-    for shards that cannot use it) or ``"h5py"``.
+    for shards that cannot use it) or ``"h5py"``. ``verify`` (default True): check every chunk
+    against its checksum the first time this process reads it (format version 2; ``False`` is for
+    measuring what verification costs, or a corpus validated just before). A version 1 corpus has
+    no checksums: it opens with an :class:`UnverifiedCorpusWarning` and ``Corpus.verified`` False.
     """
     m = manifest if isinstance(manifest, Manifest) else read_manifest(Path(manifest))
-    return Corpus(m, split, tokenizer=tokenizer, read_path=read_path)
+    return Corpus(m, split, tokenizer=tokenizer, read_path=read_path, verify=verify)
 
 
 def open_live(

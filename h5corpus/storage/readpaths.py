@@ -1,14 +1,19 @@
 """Per-process read paths of one shard's ``/tokens`` (docs/READING.md).
 
-* :class:`MmapTokens`: a finished, unfiltered shard through a read-only memory map of the file, at
-  the chunk byte offsets HDF5 reports (:func:`~h5corpus.storage.format.chunk_byte_offsets`). A range
-  inside one run of file-contiguous chunks is one copy from the page cache, no HDF5 call.
+* :class:`MmapTokens`: a finished shard whose chunks are stored raw, through a read-only memory map
+  of the file at the chunk byte offsets HDF5 reports (:func:`~h5corpus.storage.format.chunk_layout`).
+  A range inside one run of file-contiguous chunks is one copy from the page cache, no HDF5 call. A
+  version 2 shard's compressed final chunk is decoded into memory the first time it is touched.
 * :class:`H5Tokens`: compressed shards and shards still being written, through one low-level
   ``H5Dread`` per range (SWMR, so ``.partial`` files work).
 
-:class:`RunTable` lays every memory-mapped run of a split end to end in global token positions.
-None of these objects is ever pickled: a :class:`~h5corpus.storage.reader.Corpus` opens them lazily
-in the process that reads.
+Verified reads (version 2 shards): both check each chunk against its ``/chunk_xxh3`` checksum the
+first time this process touches it (``ready``), before any of its tokens is served, and raise
+:class:`~h5corpus.storage.format.ChunkChecksumError` naming the shard and the chunk otherwise.
+
+:class:`RunTable` lays every memory-mapped run of a split end to end in global token positions (and
+verifies chunks as ranges are located in it). None of these objects is ever pickled: a
+:class:`~h5corpus.storage.reader.Corpus` opens them lazily in the process that reads.
 """
 
 from __future__ import annotations
@@ -16,19 +21,30 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import h5py
 import numpy as np
 
 from . import format as fmt
-from .format import PARTIAL_SUFFIX
+from .format import PARTIAL_SUFFIX, ChunkChecksumError, FormatError
 
 ReadPath = Literal["auto", "mmap", "h5py"]
 READ_PATHS = ("auto", "mmap", "h5py")
 
 #: Chunks the HDF5 chunk cache holds per compressed ``/tokens`` dataset (per process).
 FILTERED_CACHE_CHUNKS = 8
+
+#: How many forks led to this process: a reader compares it with the count it saw when it opened
+#: its handles, instead of calling ``os.getpid()`` (a system call, ~0.4 us) on every read.
+FORKS = [0]
+
+
+def _count_fork() -> None:
+    FORKS[0] += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
 
 
 def h5open(path: str | os.PathLike[str], *, live: bool = False) -> h5py.File:
@@ -48,49 +64,49 @@ def h5open(path: str | os.PathLike[str], *, live: bool = False) -> h5py.File:
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
 
 
-class RunTable(NamedTuple):
-    """Where the tokens of a split whose shards are all memory-mapped lie: the runs of
-    file-contiguous HDF5 chunks of every shard, in token order, and the global token range of each."""
-
-    runs: list[np.ndarray]
-    """Zero-copy token arrays over the runs."""
-    starts: np.ndarray
-    """(runs,) int64 global position of each run's first token (ascending)."""
-    ends: np.ndarray
-    """(runs,) int64 global position after each run's last token of its shard (a shard's last
-    chunk is stored whole; the tokens past the shard's end are not the next shard's)."""
-
-    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For global token positions ``pos`` (int64): the run holding each, its offset in that
-        run (tokens), and the tokens from it to the run's end: ``[pos, pos + n)`` is one slice of
-        one run if ``n <= room``."""
-        run = self.starts.searchsorted(pos, side="right") - 1
-        return run, pos - self.starts[run], self.ends[run] - pos
-
-
 class MmapTokens:
-    """Raw chunks of a finished, unfiltered shard read through a read-only memory map.
+    """The chunks of a finished shard stored raw, read through a read-only memory map.
 
     The writer appends chunks in order, so most chunks sit right after their predecessor in the
     file. Runs of such chunks are exposed as one array (:attr:`runs`), and a range is one copy
-    unless it crosses from one run into the next (where HDF5 put an index block between chunks)."""
+    unless it crosses from one run into the next (where HDF5 put an index block between chunks). A
+    final chunk stored compressed (``byte_offsets[-1] == -1``) is its own run, an array in memory
+    filled from HDF5 when the chunk is first touched.
+
+    ``checksums`` (version 2): each chunk is verified the first time it is touched; ``ready[k]``
+    says chunk k may be served (verified, and decoded if it had to be), ``pending`` counts the
+    chunks that are not yet."""
 
     kind = "mmap"
 
-    def __init__(self, path: str, chunk_tokens: int, byte_offsets: np.ndarray, dtype: np.dtype, n_tokens: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        chunk_tokens: int,
+        byte_offsets: np.ndarray,
+        dtype: np.dtype,
+        n_tokens: int,
+        checksums: np.ndarray | None = None,
+    ) -> None:
+        self.path = path
         self.chunk_tokens = C = chunk_tokens
         self.n_tokens = n_tokens
+        self.dtype = np.dtype(dtype)
         with open(path, "rb") as fh:
             #: the mapped file's stat (the caller checks it is the file whose index it holds)
             self.stat = os.fstat(fh.fileno())
             size = self.stat.st_size
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        chunk_bytes = C * dtype.itemsize
-        first = np.flatnonzero(np.diff(byte_offsets) != chunk_bytes) + 1 if byte_offsets.size else byte_offsets
-        bounds = [0, *first.tolist(), int(byte_offsets.size)] if byte_offsets.size else [0]
-        #: zero-copy arrays over runs of file-contiguous chunks, in token order
+        n_chunks = int(byte_offsets.size)
+        decoded = bool(n_chunks) and int(byte_offsets[-1]) < 0
+        raw = byte_offsets[:-1] if decoded else byte_offsets
+        chunk_bytes = C * self.dtype.itemsize
+        first = np.flatnonzero(np.diff(raw) != chunk_bytes) + 1 if raw.size else raw
+        bounds = [0, *first.tolist(), int(raw.size)] if raw.size else [0]
+        #: zero-copy arrays over runs of file-contiguous chunks, in token order (and the decoded
+        #: final chunk, if it is stored compressed)
         self.runs = [
-            np.frombuffer(self._mm, dtype=dtype, count=(b - a) * C, offset=int(byte_offsets[a]))
+            np.frombuffer(self._mm, dtype=self.dtype, count=(b - a) * C, offset=int(raw[a]))
             for a, b in zip(bounds[:-1], bounds[1:])
         ]
         #: per chunk: its run's array, and the chunk's first token's position inside that run
@@ -99,11 +115,55 @@ class MmapTokens:
         for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
             self.chunk_run.extend([run] * (b - a))
             self.chunk_pos.extend(range(0, (b - a) * C, C))
+        self._decoded = decoded
+        if decoded:
+            tail = np.empty(n_tokens - (n_chunks - 1) * C, dtype=self.dtype)  # pages untouched until decoded
+            self.runs.append(tail)
+            self.chunk_run.append(tail)
+            self.chunk_pos.append(0)
+        self.checksums = None if checksums is None else [int(x) for x in checksums]
+        #: per chunk: 1 once it may be served in this process
+        self.ready = bytearray(n_chunks) if checksums is not None else bytearray(b"\x01" * n_chunks)
+        if decoded:
+            self.ready[-1] = 0
+        self.pending = n_chunks - sum(self.ready)
+
+    def ensure(self, k0: int, k1: int) -> None:
+        """Make chunks ``k0..k1`` (inclusive) ready: verify (and decode) those that are not yet."""
+        ready = self.ready
+        k = ready.find(0, k0, k1 + 1)
+        while k >= 0:
+            self._prepare(k)
+            k = ready.find(0, k + 1, k1 + 1)
+
+    def _prepare(self, k: int) -> None:
+        C = self.chunk_tokens
+        lo, hi = k * C, min((k + 1) * C, self.n_tokens)
+        view = self.chunk_run[k][self.chunk_pos[k] : self.chunk_pos[k] + hi - lo]
+        if self._decoded and k == len(self.ready) - 1:
+            try:
+                with h5open(self.path) as f:
+                    f[fmt.TOKENS].read_direct(view, source_sel=np.s_[lo:hi])
+            except (OSError, ValueError) as e:
+                raise ChunkChecksumError(self.path, k, lo, hi, f"cannot be decoded ({e})") from None
+        if self.checksums is not None:
+            got, want = fmt.chunk_checksum(view), self.checksums[k]
+            if got != want:
+                raise ChunkChecksumError(
+                    self.path, k, lo, hi, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})"
+                )
+        if not self.ready[k]:
+            self.ready[k] = 1
+            self.pending -= 1
 
     def read(self, lo: int, hi: int, out: np.ndarray) -> None:
         """``out[:] = tokens[lo:hi]`` (shard-local positions; ``out`` may be any integer dtype)."""
+        if hi <= lo:
+            return
         C = self.chunk_tokens
         k, off = divmod(lo, C)
+        if self.pending:
+            self.ensure(k, (hi - 1) // C)
         run = self.chunk_run[k]
         p = self.chunk_pos[k] + off
         if p + (hi - lo) <= run.size:  # the common case: inside one run, one copy
@@ -131,6 +191,79 @@ class MmapTokens:
             self._mm = None
 
 
+class RunTable:
+    """Where the tokens of a split whose shards are all memory-mapped lie: the runs of
+    file-contiguous HDF5 chunks of every shard, in token order, and the global token range of each.
+
+    :meth:`locate` verifies the chunks it is asked about (version 2) and never reports room past a
+    chunk not verified yet, so a caller that copies ``[pos, pos + n)`` out of a run when
+    ``n <= room`` only ever serves verified tokens; longer ranges it reads through the corpus."""
+
+    def __init__(self, readers: list[MmapTokens], shard_starts: np.ndarray) -> None:
+        runs: list[np.ndarray] = []
+        starts: list[np.ndarray] = [np.zeros(0, np.int64)]
+        ends: list[np.ndarray] = [np.zeros(0, np.int64)]
+        chunk_starts: list[np.ndarray] = [np.zeros(0, np.int64)]
+        sts = np.asarray(shard_starts, dtype=np.int64)
+        for s, r in enumerate(readers):
+            sizes = np.array([run.size for run in r.runs], dtype=np.int64)
+            first = sts[s] + np.cumsum(sizes) - sizes  # a shard's runs hold its chunks in order
+            starts.append(first)
+            ends.append(np.minimum(first + sizes, sts[s + 1]))  # a raw last chunk is stored whole
+            runs.extend(r.runs)
+            chunk_starts.append(sts[s] + np.arange(len(r.ready), dtype=np.int64) * r.chunk_tokens)
+        #: zero-copy token arrays over the runs
+        self.runs = runs
+        #: (runs,) int64 global position of each run's first token (ascending)
+        self.starts = np.concatenate(starts)
+        #: (runs,) int64 global position after each run's last token of its shard
+        self.ends = np.concatenate(ends)
+        # per chunk of the split: global start and end, shard, chunk in the shard, ready
+        n = [len(r.ready) for r in readers]
+        self._readers = readers
+        self._chunk_start = np.concatenate(chunk_starts)
+        shard = np.repeat(np.arange(len(readers), dtype=np.int64), n)
+        C = np.array([r.chunk_tokens for r in readers], dtype=np.int64)[shard]
+        self._chunk_end = np.minimum(self._chunk_start + C, sts[shard + 1])
+        self._chunk_shard = shard.tolist()
+        self._chunk_local = ((self._chunk_start - sts[shard]) // np.maximum(C, 1)).tolist()
+        self._ready = np.concatenate(
+            [np.frombuffer(bytes(r.ready), np.uint8) for r in readers] or [np.zeros(0, np.uint8)]
+        )
+        self._ready = self._ready.astype(bool)
+        self._pending = int(self._ready.size - np.count_nonzero(self._ready))
+
+    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For global token positions ``pos`` (int64): the run holding each, its offset in that
+        run (tokens), and the tokens from it to the run's end, or, while some chunks are not
+        verified yet, to the end of the verified chunks that follow (at most two chunk boundaries
+        ahead): ``[pos, pos + n)`` is one slice of one run, of verified tokens, if ``n <= room``.
+        Verifies the chunks that hold ``pos`` (raises
+        :class:`~h5corpus.storage.format.ChunkChecksumError`)."""
+        run = self.starts.searchsorted(pos, side="right") - 1
+        room = self.ends[run] - pos
+        if self._pending:
+            room = self._verify(pos, room)
+        return run, pos - self.starts[run], room
+
+    def _verify(self, pos: np.ndarray, room: np.ndarray) -> np.ndarray:
+        g = self._chunk_start.searchsorted(pos, side="right") - 1
+        ready = self._ready
+        todo = g[~ready[g]]
+        if todo.size:
+            for j in np.unique(todo).tolist():  # the readers' own state may already say ready
+                self._readers[self._chunk_shard[j]].ensure(self._chunk_local[j], self._chunk_local[j])
+                ready[j] = True
+                self._pending -= 1
+        last = ready.size - 1
+        g1, g2 = np.minimum(g + 1, last), np.minimum(g + 2, last)
+        ok1 = ready[g1] & (g < last)
+        ok2 = ok1 & ready[g2] & (g + 1 < last)
+        end = self._chunk_end
+        limit = np.where(ok2, end[g2], np.where(ok1, end[g1], end[g])) - pos
+        return np.minimum(room, limit)
+
+
 class H5Tokens:
     """``/tokens`` through HDF5: one low-level H5Dread per range (SWMR, so ``.partial`` works).
 
@@ -143,10 +276,13 @@ class H5Tokens:
 
     kind = "h5py"
 
-    def __init__(self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, live: bool = False) -> None:
+    def __init__(
+        self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, live: bool = False, verify: bool = False
+    ) -> None:
         self.dtype = dtype
         self.file = h5open(path, live=live)
         self.path = path
+        self.chunk_tokens = chunk_tokens
         dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
         if filtered:
             nbytes = FILTERED_CACHE_CHUNKS * chunk_tokens * dtype.itemsize
@@ -157,13 +293,43 @@ class H5Tokens:
         self._mtype = h5py.h5t.py_create(dtype)
         self._fspace = self.dsid.get_space()  # re-selected per read; renewed by refresh()
         self._mspace: dict[int, Any] = {}
+        #: version 2: the stored checksum of every chunk published so far (read through :attr:`file`)
+        self.checksums: list[int] | None = None
+        self.ready = bytearray()
+        if verify:
+            self._load_checksums()
+
+    def _load_checksums(self) -> None:
+        sums = self.file[fmt.CHUNK_CHECKSUMS]
+        if self.checksums is not None:
+            sums.refresh()
+        self.checksums = [int(x) for x in sums[()]]
+        self.ready.extend(bytes(len(self.checksums) - len(self.ready)))
 
     def read(self, lo: int, hi: int, out: np.ndarray) -> None:
         n = hi - lo
         if n == 0:
             return
+        if self.checksums is not None:
+            C = self.chunk_tokens
+            k0, k1 = lo // C, (hi - 1) // C
+            if k1 >= len(self.ready) or self.ready.find(0, k0, k1 + 1) >= 0:
+                for k in range(k0, k1 + 1):
+                    self._verify(k)
         direct = out.dtype == self.dtype and out.flags.c_contiguous and out.flags.writeable
         dst = out if direct else np.empty(n, dtype=self.dtype)
+        try:
+            self._read(lo, n, dst)
+        except OSError as e:
+            C = self.chunk_tokens
+            raise FormatError(
+                f"{self.path}: cannot read tokens [{lo:,}, {lo + n:,}) (chunks {lo // C:,} to {(lo + n - 1) // C:,}) "
+                f"({e}); run h5corpus validate"
+            ) from None
+        if not direct:
+            out[:] = dst
+
+    def _read(self, lo: int, n: int, dst: np.ndarray) -> None:
         mspace = self._mspace.get(n)
         if mspace is None:
             if len(self._mspace) > 64:
@@ -171,12 +337,36 @@ class H5Tokens:
             mspace = self._mspace[n] = h5py.h5s.create_simple((n,))
         self._fspace.select_hyperslab((lo,), (n,))
         self.dsid.read(mspace, self._fspace, dst, self._mtype)
-        if not direct:
-            out[:] = dst
+
+    def _verify(self, k: int) -> None:
+        """Check chunk ``k`` against its checksum (reading the whole chunk: for compressed shards
+        the chunk cache then holds it for the read that follows)."""
+        assert self.checksums is not None
+        if k < len(self.ready) and self.ready[k]:
+            return
+        if k >= len(self.checksums):
+            self._load_checksums()  # a live shard: published since
+            if k >= len(self.checksums):
+                raise FormatError(
+                    f"{self.path}: no checksum published for chunk {k:,} of /tokens; not a shard being written"
+                )
+        C = self.chunk_tokens
+        lo, hi = k * C, min((k + 1) * C, self.dsid.shape[0])
+        buf = np.empty(hi - lo, dtype=self.dtype)
+        try:
+            self._read(lo, hi - lo, buf)
+        except OSError as e:
+            raise ChunkChecksumError(self.path, k, lo, hi, f"cannot be read ({e})") from None
+        got, want = fmt.chunk_checksum(buf), self.checksums[k]
+        if got != want:
+            raise ChunkChecksumError(self.path, k, lo, hi, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})")
+        self.ready[k] = 1
 
     def refresh(self) -> None:
         self.dsid.refresh()
         self._fspace = self.dsid.get_space()
+        if self.checksums is not None:
+            self._load_checksums()
 
     def close(self) -> None:
         if self.shared:
@@ -194,12 +384,12 @@ class H5Tokens:
 _LIVE_TOKENS: weakref.WeakValueDictionary[tuple[int, str], H5Tokens] = weakref.WeakValueDictionary()
 
 
-def live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype) -> H5Tokens:
+def live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, verify: bool = False) -> H5Tokens:
     """This process's one HDF5 reader of a shard being written (see the BEWARE in H5Tokens)."""
     key = (os.getpid(), os.path.realpath(path))
     r = _LIVE_TOKENS.get(key)
     if r is None:
-        r = H5Tokens(path, filtered, chunk_tokens, dtype, live=True)
+        r = H5Tokens(path, filtered, chunk_tokens, dtype, live=True, verify=verify)
         r.shared = True
         _LIVE_TOKENS[key] = r
     return r

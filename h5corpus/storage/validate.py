@@ -38,7 +38,7 @@ class Finding:
     shard: str | None
     code: str
     """Short machine-readable kind: missing, unlisted, size, unreadable, format, attrs, tokens,
-    offsets, index, sha256, index_sha256, eos, range, manifest."""
+    offsets, index, checksums, sha256, index_sha256, chunk_checksum, eos, range, manifest."""
     message: str
 
     def __str__(self) -> str:
@@ -78,33 +78,40 @@ class ValidationReport:
 def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = False):
     """Yield (start, array) blocks covering ``ds[0:n_tokens]`` in order.
 
-    Uncompressed shards are viewed straight from a read-only memory map of the file at the chunk
-    byte offsets HDF5 reports (:func:`h5corpus.storage.format.chunk_byte_offsets`), runs of chunks that are
-    contiguous in the file cut into blocks of at most :data:`HASH_BLOCK_TOKENS`; anything else
-    (compressed, or an odd layout a corrupt file may have) is read through h5py into one reused
-    buffer, or a fresh one per block when ``fresh`` (a consumer on another thread may still hold
-    the previous block).
+    Chunks stored raw are viewed straight from a read-only memory map of the file at the chunk
+    byte offsets HDF5 reports (:func:`h5corpus.storage.format.chunk_layout`), runs of chunks that are
+    contiguous in the file cut into blocks of at most :data:`HASH_BLOCK_TOKENS`; a version 2
+    shard's compressed final chunk, and anything else (compressed shards, or an odd layout a corrupt
+    file may have) is read through h5py into one reused buffer, or a fresh one per block when
+    ``fresh`` (a consumer on another thread may still hold the previous block). Every block starts
+    on a chunk boundary.
     """
     if not n_tokens:
         return
-    offsets, _ = fmt.chunk_byte_offsets(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
+    offsets, _ = fmt.chunk_layout(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
     if offsets is not None:
         chunk, itemsize = ds.chunks[0], ds.dtype.itemsize
         per_block = max(HASH_BLOCK_TOKENS // chunk, 1)
+        raw = offsets[:-1] if offsets[-1] < 0 else offsets
         with open(path, "rb") as fh:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             # a new run starts where a chunk does not follow the previous one in the file
-            breaks = np.flatnonzero(np.diff(offsets) != chunk * itemsize) + 1
-            for lo, hi in zip(np.r_[0, breaks].tolist(), np.r_[breaks, offsets.size].tolist()):
+            breaks = np.flatnonzero(np.diff(raw) != chunk * itemsize) + 1
+            for lo, hi in zip(np.r_[0, breaks].tolist(), np.r_[breaks, raw.size].tolist()):
                 for k in range(lo, hi, per_block):
                     a, b = k * chunk, min(min(hi, k + per_block) * chunk, n_tokens)
-                    yield a, np.frombuffer(mm, dtype=ds.dtype, count=b - a, offset=int(offsets[k]))
+                    yield a, np.frombuffer(mm, dtype=ds.dtype, count=b - a, offset=int(raw[k]))
         finally:
             try:
                 mm.close()
             except BufferError:  # views still alive; the map closes when they are collected
                 pass
+        if raw.size < offsets.size:  # the compressed final chunk
+            a = raw.size * chunk
+            tail = np.empty(n_tokens - a, dtype=ds.dtype)
+            ds.read_direct(tail, source_sel=np.s_[a:n_tokens])
+            yield a, tail
         return
     chunk = ds.chunks[0] if ds.chunks else n_tokens
     block = max(HASH_BLOCK_TOKENS // chunk, 1) * chunk
@@ -132,12 +139,22 @@ class TokenScan:
     """EOS ids anywhere in the tokens; None unless ``deep``."""
     max_id: int | None
     """Largest token id (-1 for no tokens); None unless ``deep``."""
+    bad_chunks: tuple[int, ...] = ()
+    """Chunks whose tokens do not match their stored checksum (version 2)."""
 
 
 def hash_shard_tokens(
-    ds: h5py.Dataset, path: str, n_tokens: int, eos_id: int, ends: np.ndarray, *, deep: bool = False
+    ds: h5py.Dataset,
+    path: str,
+    n_tokens: int,
+    eos_id: int,
+    ends: np.ndarray,
+    *,
+    deep: bool = False,
+    checksums: np.ndarray | None = None,
 ) -> TokenScan:
-    """Stream ``ds[0:n_tokens]`` once through sha256 and check EOS at ``ends``.
+    """Stream ``ds[0:n_tokens]`` once through sha256, check EOS at ``ends`` and (``checksums``:
+    version 2) each chunk's xxh3-64 against its stored checksum.
 
     ``ends`` are sorted token positions that must hold ``eos_id`` (last token of each whole
     document); they are gathered from each block right after it is hashed, while it is still in
@@ -150,6 +167,17 @@ def hash_shard_tokens(
     h = hashlib.sha256()
     bad_ends, first_bad = 0, -1
     eos_count = max_id = None
+    bad_chunks: list[int] = []
+    C = ds.chunks[0] if ds.chunks else max(n_tokens, 1)
+
+    def check_chunks(a: int, view: np.ndarray) -> None:
+        if checksums is not None:
+            got = fmt.chunk_checksums(view, C)
+            k0 = a // C
+            want = checksums[k0 : k0 + got.size]
+            if want.size != got.size or (got != want).any():
+                miss = np.flatnonzero(got[: want.size] != want).tolist() + list(range(want.size, got.size))
+                bad_chunks.extend(k0 + k for k in miss)
 
     def gather(a: int, view: np.ndarray) -> None:
         nonlocal bad_ends, first_bad
@@ -166,7 +194,8 @@ def hash_shard_tokens(
         for a, view in _token_blocks(ds, path, n_tokens):
             fmt.tokens_sha256_update(h, view)
             gather(a, view)
-        return TokenScan(h.hexdigest(), bad_ends, first_bad, None, None)
+            check_chunks(a, view)
+        return TokenScan(h.hexdigest(), bad_ends, first_bad, None, None, tuple(bad_chunks))
 
     eos_count, max_id = 0, -1
     # sha256 releases the GIL: one helper thread digests blocks in order while this thread scans them
@@ -179,9 +208,10 @@ def hash_shard_tokens(
             eos_count += int(np.count_nonzero(view == eos_id))
             max_id = max(max_id, int(view.max()))
             gather(a, view)
+            check_chunks(a, view)
         for p in pending:
             p.result()
-    return TokenScan(h.hexdigest(), bad_ends, first_bad, eos_count, max_id)
+    return TokenScan(h.hexdigest(), bad_ends, first_bad, eos_count, max_id, tuple(bad_chunks))
 
 
 class _Scratch(threading.local):
@@ -259,7 +289,7 @@ def _check_shard(
             out.extend(Finding(name, pr.code, pr.message) for pr in layout)
             if any(pr.fatal for pr in layout):
                 return out, 0
-            dsets = {k: f[k] for k in fmt.DATASETS}
+            dsets = {k: f[k] for k in fmt.datasets_of(expect.version)}
             tokens = dsets[fmt.TOKENS]
             n = tokens.shape[0]
             if n != entry.tokens:
@@ -277,13 +307,14 @@ def _check_shard(
                     )
                 )
             index_problems = fmt.check_index(offsets, ids, flags, num_tokens=n)
+            sums = None
+            if expect.version >= 2:
+                sums = scratch.read(dsets[fmt.CHUNK_CHECKSUMS])
+                index_problems += fmt.checksum_problems(sums.size, n, expect.chunk_tokens)
             out.extend(Finding(name, pr.code, pr.message) for pr in index_problems)
-            if fmt.index_sha256(offsets, ids, flags) != entry.index_sha256:
-                out.append(
-                    Finding(
-                        name, "index_sha256", "index hash (doc_offsets, doc_ids, doc_flags) differs from the manifest"
-                    )
-                )
+            if fmt.index_sha256(offsets, ids, flags, sums) != entry.index_sha256:
+                covered = "doc_offsets, doc_ids, doc_flags" + (", chunk_xxh3" if sums is not None else "")
+                out.append(Finding(name, "index_sha256", f"index hash ({covered}) differs from the manifest"))
             structure_ok = not index_problems
             ends = np.zeros(0, dtype=np.int64)
             if structure_ok and docs > 0:
@@ -292,7 +323,9 @@ def _check_shard(
                 if not whole.all():
                     ends = ends[whole]
                 ends = ends[int(np.searchsorted(ends, 0)) :]  # sorted: only a leading empty document is < 0
-            scan = hash_shard_tokens(tokens, path, n, expect.eos_id, ends, deep=deep)
+            if sums is not None and sums.size != -(-n // expect.chunk_tokens):
+                sums = None  # already reported; nothing to compare chunk by chunk
+            scan = hash_shard_tokens(tokens, path, n, expect.eos_id, ends, deep=deep, checksums=sums)
         except (OSError, KeyError, ValueError) as e:
             return bad("unreadable", f"read failed ({e})")
         if scan.sha256 != entry.sha256:
@@ -301,6 +334,17 @@ def _check_shard(
                     name,
                     "sha256",
                     f"token hash {scan.sha256[:16]}... differs from the manifest's {entry.sha256[:16]}...",
+                )
+            )
+        if scan.bad_chunks:
+            k = scan.bad_chunks[0]
+            C = expect.chunk_tokens
+            out.append(
+                Finding(
+                    name,
+                    "chunk_checksum",
+                    f"{len(scan.bad_chunks):,} chunks of /tokens fail their checksum (first: chunk {k:,}, "
+                    f"tokens [{k * C:,}, {min((k + 1) * C, n):,}))",
                 )
             )
         if scan.max_id is not None and scan.max_id >= expect.vocab_size:
@@ -382,7 +426,7 @@ def validate_corpus(
             report.findings.append(
                 Finding(s.path, "partial", f"an unfinished write is lying beside it ({partial.name})")
             )
-    expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype)
+    expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize
     bar = None

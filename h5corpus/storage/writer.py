@@ -13,6 +13,12 @@ offsets that point at them). ``close()`` writes the final partial chunk, publish
 index, fsyncs, and only then renames the file to ``path``. A writer that dies leaves only a
 ``.partial`` file, which nothing treats as a shard.
 
+Format version 2 (docs/FORMAT.md): every full chunk of ``/tokens`` is written raw (HDF5 direct
+chunk write, the pipeline's deflate filter skipped: the reader maps these bytes), the final
+partial chunk deflate-compressed (its zero padding then costs nothing on disk), one xxh3-64
+checksum per chunk in ``/chunk_xxh3`` (published before the documents that the chunk completes),
+the index datasets deflate-compressed, string attributes fixed-length (no global heap).
+
 ``fsync=False`` skips the two fsyncs (file, then folder after the rename), about 3-4 ms each on
 ext4. The bytes are the same, and a killed process still never leaves a half-written file under
 ``path`` (the rename is atomic and the page cache survives the process). What is lost is
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -63,6 +70,26 @@ def fsync_files(paths: Iterable[str | os.PathLike[str]], *, dirs: bool = True) -
         for d in parents:
             fsync_dir(d)
     return parents
+
+
+def _create_file(path: Path) -> h5py.File:
+    """A new HDF5 file within :data:`~h5corpus.storage.format.LIBVER`, its root group keeping up to
+    16 attributes in its object header (HDF5's default moves more than 8 into a fractal heap and
+    a B-tree: ~3 KiB per shard), no timestamps."""
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_obj_track_times(False)  # no creation time in the root group: identical inputs, identical bytes
+    fcpl.set_attr_phase_change(16, 14)
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    low, high = (getattr(h5py.h5f, f"LIBVER_{v.upper()}") for v in fmt.LIBVER)
+    fapl.set_libver_bounds(low, high)
+    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
+
+
+def _fixed_string(v: str) -> np.ndarray:
+    """``v`` as a fixed-length UTF-8 string attribute value (a variable-length one costs a 4 KiB
+    global heap collection per file)."""
+    b = v.encode("utf-8")
+    return np.array(b, dtype=h5py.string_dtype("utf-8", max(len(b), 1)))
 
 
 class ShardWriter:
@@ -108,9 +135,11 @@ class ShardWriter:
 
         attrs = fmt.shard_attrs(split=split, dtype=self.dtype, chunk_tokens=chunk_tokens, tokenizer=tokenizer)
         self.final_path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = h5py.File(self.path, "w", libver=fmt.LIBVER)
-        f = self._f
-        filt: dict[str, Any] = {}
+        self._f = f = _create_file(self.path)
+        # Raw shards: a deflate pipeline whose filter every full chunk skips (direct writes, filter
+        # mask 1), so only the final chunk is compressed. Compressed shards: the caller's filter.
+        self._direct = compression is None
+        filt: dict[str, Any] = dict(compression="gzip", compression_opts=fmt.DEFLATE_LEVEL)
         if compression is not None:
             filt = dict(compression=compression, compression_opts=compression_opts)
         self._tokens = f.create_dataset(
@@ -122,11 +151,14 @@ class ShardWriter:
             track_times=False,
             **filt,
         )
+        # The index datasets are unfiltered so that each publish rewrites their last chunk in place
+        # (a compressed chunk that grows is moved, leaving a hole); small chunks bound the padding.
         self._offsets = f.create_dataset(
             fmt.DOC_OFFSETS,
-            data=np.zeros(1, dtype=fmt.OFFSETS_DTYPE),
+            shape=(1,),
             maxshape=(None,),
-            chunks=(fmt.INDEX_CHUNK_DOCS,),
+            dtype=fmt.OFFSETS_DTYPE,
+            chunks=(fmt.OFFSETS_CHUNK,),
             track_times=False,
         )
         self._ids = f.create_dataset(
@@ -134,7 +166,7 @@ class ShardWriter:
             shape=(0, fmt.DOC_ID_BYTES),
             maxshape=(None, fmt.DOC_ID_BYTES),
             dtype=fmt.DOC_ID_DTYPE,
-            chunks=(fmt.INDEX_CHUNK_DOCS, fmt.DOC_ID_BYTES),
+            chunks=(fmt.IDS_CHUNK, fmt.DOC_ID_BYTES),
             track_times=False,
         )
         self._flags = f.create_dataset(
@@ -142,17 +174,27 @@ class ShardWriter:
             shape=(0,),
             maxshape=(None,),
             dtype=fmt.FLAGS_DTYPE,
-            chunks=(fmt.INDEX_CHUNK_DOCS,),
+            chunks=(fmt.FLAGS_CHUNK,),
+            track_times=False,
+        )
+        self._sums_ds = f.create_dataset(
+            fmt.CHUNK_CHECKSUMS,
+            shape=(0,),
+            maxshape=(None,),
+            dtype=fmt.CHECKSUM_DTYPE,
+            chunks=(fmt.CHECKSUM_CHUNK,),
             track_times=False,
         )
         for k, v in attrs.items():
-            f.attrs[k] = v
+            f.attrs[k] = _fixed_string(v) if isinstance(v, str) else v
         f.swmr_mode = True  # every object exists; from here on only datasets grow
 
         self._buf = np.empty(self.chunk_tokens, dtype=self.dtype)
         self._fill = 0  # tokens in _buf
         self._written = 0  # tokens on disk
         self._hash = hashlib.sha256()
+        self._sums: list[int] = []  # checksum of every chunk written
+        self._sums_published = 0
         # Index kept in memory (40 bytes per document) for the index hash; published lazily.
         self._ends: list[np.ndarray] = []
         self._id_blocks: list[np.ndarray] = []
@@ -160,6 +202,7 @@ class ShardWriter:
         self._n_docs = 0
         self._n_tokens = 0
         self._published = 0  # documents visible to readers
+        self._sealed = False  # the final partial chunk is written
         self._closed = False
 
     # -- context manager: publish only on success ---------------------------------------------
@@ -208,6 +251,8 @@ class ShardWriter:
         """
         if self._closed:
             raise RuntimeError(f"{self.final_path}: writer is closed")
+        if self._sealed:
+            raise RuntimeError(f"{self.final_path}: the final partial chunk is written; no document can follow it")
         lengths = np.asarray(lengths, dtype=np.int64)
         n = lengths.size
         doc_ids = np.asarray(doc_ids, dtype=np.uint8).reshape(n, fmt.DOC_ID_BYTES)
@@ -263,13 +308,23 @@ class ShardWriter:
                 self._flush_buffer()
 
     def _flush_buffer(self) -> None:
-        """Write the buffered tokens (one chunk, or the final partial one), then publish the
-        documents they complete: tokens first, ids and flags next, offsets last."""
+        """Write the buffered tokens (one chunk, or the final partial one) and their checksum, then
+        publish the documents they complete: tokens first, checksums next, ids and flags next,
+        offsets last."""
         if self._fill:
-            start = self._written
+            start, real = self._written, self._buf[: self._fill]
             self._tokens.resize((start + self._fill,))
-            self._tokens[start : start + self._fill] = self._buf[: self._fill]
-            fmt.tokens_sha256_update(self._hash, self._buf[: self._fill])
+            if not self._direct:
+                self._sealed = self._fill < self.chunk_tokens
+                self._tokens[start : start + self._fill] = real
+            elif self._fill == self.chunk_tokens:
+                self._tokens.id.write_direct_chunk((start,), self._buf, filter_mask=1)
+            else:  # the final partial chunk: zero padding, deflated as HDF5's filter would
+                self._sealed = True
+                self._buf[self._fill :] = 0
+                self._tokens.id.write_direct_chunk((start,), zlib.compress(self._buf, fmt.DEFLATE_LEVEL), filter_mask=0)
+            fmt.tokens_sha256_update(self._hash, real)
+            self._sums.append(fmt.chunk_checksum(real))
             self._written += self._fill
             self._fill = 0
             self._tokens.flush()
@@ -288,6 +343,11 @@ class ShardWriter:
         if upto <= self._published:
             return
         lo = self._published
+        if self._sums_published < len(self._sums):
+            self._sums_ds.resize((len(self._sums),))
+            self._sums_ds[self._sums_published :] = np.array(self._sums[self._sums_published :], fmt.CHECKSUM_DTYPE)
+            self._sums_ds.flush()
+            self._sums_published = len(self._sums)
         self._ids.resize((upto, fmt.DOC_ID_BYTES))
         self._ids[lo:upto] = self._id_blocks[0][lo:upto]
         self._flags.resize((upto,))
@@ -326,7 +386,7 @@ class ShardWriter:
             tokens=self._written,
             documents=self._n_docs,
             sha256=self._hash.hexdigest(),
-            index_sha256=fmt.index_sha256(offsets, ids, flags),
+            index_sha256=fmt.index_sha256(offsets, ids, flags, np.array(self._sums, fmt.CHECKSUM_DTYPE)),
             bytes=nbytes,
         )
         return self.info
