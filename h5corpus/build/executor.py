@@ -11,7 +11,7 @@ processes or on other nodes can run it from the state folder
 forked workers that inherit the context (encoder and filters loaded once), die with the main
 process (``PR_SET_PDEATHSIG`` on Linux), close their copy of the build lock, share progress
 counters, and turn the stages' named steps into test crash points (:data:`CRASH_ENV`).
-:class:`BuildLock` is the lock a build holds on its shards folder.
+:class:`BuildLock` is the lock a build holds on its shards folder and its manifest.
 """
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
 from .config import BuildConflict, BuildError
+from .oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error, refusal
 from .plan import StageContext
+from .state import LOCK_FILE, manifest_lock_path
 from .tasks import StageCall, run_stage
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
@@ -110,16 +113,52 @@ class LocalEvents:
 
 
 class BuildLock:
-    """Exclusive ``flock`` on ``<shards_dir>/.build.lock`` for the life of a build (the file holds
-    the holder's pid for the message a second build prints)."""
+    """The locks a build holds for its whole life, so that no two builds write one shards folder or
+    one manifest at once: an exclusive ``flock`` on ``<shards_dir>/.build.lock`` and on
+    ``.<manifest name>.lock`` beside the manifest (:func:`~h5corpus.build.state.manifest_lock_path`).
+    The lock files are left in place and hold the holder's pid, for the message a second build prints.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd: int | None = None
+    Where a folder cannot be written (read-only file system, no permission), an existing lock file
+    is locked through a read-only descriptor, or nothing is locked when there is none, and
+    :attr:`writable` is False with :attr:`refusal` saying why: such a build may only find its output
+    up to date. :attr:`fds` are the descriptors a forked worker must close.
+    """
+
+    def __init__(self, shards_dir: Path, manifest: Path) -> None:
+        shards_dir, manifest = Path(shards_dir), Path(manifest)
+        wanted = [
+            (shards_dir / LOCK_FILE, f"into {shards_dir}", shards_dir),
+            (manifest_lock_path(manifest), f"the manifest {manifest}", manifest.parent),
+        ]
+        seen: set[Path] = set()
+        self.wanted = []
+        for path, what, folder in wanted:
+            key = path.absolute().resolve()
+            if key not in seen:
+                seen.add(key)
+                self.wanted.append((path, what, folder))
+        self.fds: list[int] = []
+        self.writable = True
+        self.refusal: BuildOSError | None = None
 
     def __enter__(self) -> BuildLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            for path, what, folder in self.wanted:
+                self._take(path, what, folder)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _take(self, path: Path, what: str, folder: Path) -> None:
+        fd, refused = _open_lock_file(path)
+        if refused is None and not os.access(folder, os.W_OK | os.X_OK):
+            refused = refusal("write into", folder)
+        if refused is not None:
+            self.writable = False
+            self.refusal = self.refusal or refused
+        if fd is None:
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -128,18 +167,37 @@ class BuildLock:
             finally:
                 os.close(fd)
             raise BuildConflict(
-                f"another h5corpus build is writing into {self.path.parent} (lock {self.path} held by pid {holder}); "
+                f"another h5corpus build is writing {what} (lock {path} held by pid {holder}); "
                 "wait for it to finish, or stop it first"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-        return self
+        self.fds.append(fd)
+        if refused is None:
+            try:  # the pid is only for the message: a full disk must not stop the build here
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:
+                pass
 
     def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+        for fd in self.fds:
+            os.close(fd)  # releases the flock
+        self.fds = []
+
+
+def _open_lock_file(path: Path) -> tuple[int | None, BuildOSError | None]:
+    """A descriptor on the lock file at ``path`` (created if need be) and, when its folder cannot be
+    written, why (the descriptor is then read-only, or None when there is no lock file to open)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), None
+    except OSError as e:
+        failed = as_build_os_error(e, "create the lock file", path)
+        if failed is None or e.errno not in NOT_WRITABLE:
+            raise failed or e from None
+    try:
+        return os.open(path, os.O_RDONLY), failed
+    except OSError:
+        return None, failed
 
 
 def _mp_context():
@@ -150,13 +208,15 @@ def _mp_context():
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
-def _worker_main(ctx: StageContext, conn: Connection, counters: Any, lock_fd: int | None, parent_pid: int) -> None:
+def _worker_main(
+    ctx: StageContext, conn: Connection, counters: Any, lock_fds: tuple[int, ...], parent_pid: int
+) -> None:
     """A local worker: run the calls that arrive on ``conn`` until told to stop (None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    if lock_fd is not None:
+    for fd in lock_fds:
         try:
-            os.close(lock_fd)  # the lock belongs to the main process alone
+            os.close(fd)  # the locks belong to the main process alone
         except OSError:
             pass
     if sys.platform.startswith("linux"):
@@ -195,9 +255,9 @@ def _picklable(e: BaseException) -> BaseException:
 class LocalExecutor:
     """``workers`` forked processes on this machine, each running one call at a time."""
 
-    def __init__(self, workers: int, *, lock_fd: int | None = None, count_progress: bool = False) -> None:
+    def __init__(self, workers: int, *, lock_fds: Sequence[int] = (), count_progress: bool = False) -> None:
         self.workers = int(workers)
-        self.lock_fd = lock_fd
+        self.lock_fds = tuple(lock_fds)
         self.counters = _mp_context().Array("q", 2) if count_progress else None
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
@@ -213,7 +273,7 @@ class LocalExecutor:
         for _ in range(self.workers):
             mine, theirs = mp.Pipe()
             p = mp.Process(
-                target=_worker_main, args=(ctx, theirs, self.counters, self.lock_fd, os.getpid()), daemon=True
+                target=_worker_main, args=(ctx, theirs, self.counters, self.lock_fds, os.getpid()), daemon=True
             )
             p.start()
             theirs.close()
