@@ -295,10 +295,11 @@ def build_cli(
 ) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
-    Exit 1 on bad input, 2 on usage errors.
+    Exit 1 when the build could not be completed (bad input, a full disk, read-only output; what it
+    completed is kept), 2 on usage errors.
 
-    CREATES: the shard files, the manifest, --explain-drops FILE when given, and (while running)
-    shards/.build/ and shards/.build.lock.
+    CREATES: the shard files, the manifest, --explain-drops FILE when given, the lock files
+    shards/.build.lock and .<manifest>.lock beside the manifest, and (while running) shards/.build/.
     """
     from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
     from .build.oserrors import BuildOSError

@@ -163,9 +163,13 @@ DECOYS = [
 ]
 
 
-def _plant_decoys(shards: Path) -> dict[str, bytes]:
+#: A decoy that an older build took for a shard it had not made (and so refused to start).
+WIDE = "train/train-000001-000.h5"
+
+
+def _plant_decoys(shards: Path, names=DECOYS) -> dict[str, bytes]:
     out = {}
-    for i, rel in enumerate(DECOYS):
+    for i, rel in enumerate(names):
         p = shards / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(f"user data {i}\n".encode())
@@ -217,8 +221,9 @@ def _killed_at(point: str, settings: dict) -> None:
 @pytest.mark.parametrize("point", ["finish-renamed:2", "finish-record:3", "manifest-after"])
 def test_a_resumed_build_never_deletes_user_files_that_look_like_shards(tmp_path, fault_inputs, reference, point):
     root = tmp_path / "k"
-    planted = _plant_decoys(root / "shards")
+    planted = _plant_decoys(root / "shards", [d for d in DECOYS if d != WIDE])
     _killed_at(point, fault_settings(root, fault_inputs))
+    planted.update(_plant_decoys(root / "shards", [WIDE]))
     assert build_corpus(fault_config(root, fault_inputs)).resumed
     _decoys_intact(root / "shards", planted)
     assert _without(tree(root), "shards", DECOYS) == tree(reference)
@@ -345,6 +350,15 @@ def test_read_only_output_fails_before_any_work(tmp_path, tmpfs, fault_inputs):
     line = _one_error_line(p)
     assert p.returncode == 1 and "[EROFS]" in line and str(root / "shards") in line, line
     assert not any(root.iterdir())
+
+
+def test_a_drop_list_that_cannot_be_written_fails_before_any_work(tmp_path, tmpfs, fault_inputs):
+    ro = tmpfs(tmp_path / "ro", "1m")
+    remount(ro, "ro")
+    root = tmp_path / "b"
+    with pytest.raises(BuildOSError, match=rf"cannot write the drop list {ro / 'drops.jsonl'}: .*\[EROFS\]"):
+        build_corpus(fault_config(root, fault_inputs, explain_drops=ro / "drops.jsonl"))
+    assert not (root / "shards" / ".build").exists()
 
 
 def test_a_finished_build_on_read_only_storage_is_up_to_date(tmp_path, tmpfs, fault_inputs, reference):

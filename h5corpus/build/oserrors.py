@@ -104,15 +104,29 @@ def os_step(op: str, path: str | os.PathLike[str]) -> Iterator[None]:
 
 
 def refusal(op: str, path: str | os.PathLike[str]) -> BuildOSError:
-    """Why ``path`` (an existing folder) cannot be written: read-only file system or no permission."""
+    """Why ``path`` cannot be written: a read-only file system (that of its nearest existing
+    ancestor), or else no permission."""
     p = Path(path)
+    existing = p.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     ro = False
     try:
-        ro = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        ro = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
     except OSError:
         pass
     err = _errno.EROFS if ro else _errno.EACCES
     return BuildOSError(op, p, err, os.strerror(err))
+
+
+def check_writable(op: str, path: Path) -> None:
+    """Raise :class:`BuildOSError` (``cannot <op> <path>``) when the folder that would hold ``path``
+    (its nearest existing ancestor, if it does not exist yet) cannot be written."""
+    folder = Path(path).absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise refusal(op, path)
 
 
 def check_output_kinds(shards_dir: Path, manifest: Path, explain_drops: Path | None = None) -> None:

@@ -46,7 +46,7 @@ from .decide import DecideInput, Decider
 from .encoders import Encoder, HFEncoder, fast_encoder, prove_same_ids
 from .executor import BuildLock, LocalExecutor
 from .explain import ExplainFile
-from .oserrors import BuildOSError, as_build_os_error, check_output_kinds, os_step
+from .oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from .plan import BuildPlan, StageContext, filters_spec, read_plan_run
 from .readers import newlines_before, sample_texts
 from .report import BuildReport, report_from_manifest
@@ -146,6 +146,8 @@ def build_corpus(config: BuildConfig) -> BuildReport:
 def _build(target: _Target, inputs: list[Any], lock: BuildLock, t_start: float) -> BuildReport:
     """The build proper, under its locks, on writable output."""
     cfg, shards_dir = target.cfg, target.shards_dir
+    if cfg.explain_drops is not None:
+        check_writable("write the drop list", Path(cfg.explain_drops))
     if cfg.overwrite:
         with os_step("delete", target.manifest_path):
             target.manifest_path.unlink(missing_ok=True)

@@ -236,12 +236,16 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
 def write_state_file(path: Path, data: bytes, *, durable: bool = False) -> None:
     """Atomic (temp file + rename); not fsynced unless ``durable`` (see the module docstring)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temporary file behind
+        raise
     if durable:
         fsync_dir(path.parent)
 
