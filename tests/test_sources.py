@@ -219,6 +219,25 @@ def test_parquet_nulls_and_missing_columns_are_bad_rows(tmp_path):
     )
 
 
+@pytest.mark.parametrize("value_type", ["string", "large_string"])
+@pytest.mark.parametrize("arrow_schema", [True, False], ids=["arrow-schema", "parquet-only"])
+def test_dictionary_encoded_string_columns_read_as_their_strings(tmp_path, texts, value_type, arrow_schema):
+    """A dictionary-encoded text column (as pandas categoricals and some writers produce) gives the
+    same documents as the plain column, and a null is still a bad row named by its row."""
+    values = [texts[i % 7] for i in range(40)] + [None] + texts[:5]
+    col = pa.array(values, type=getattr(pa, value_type)()).dictionary_encode()
+    d = tmp_path / "dict.parquet"
+    pq.write_table(pa.table({"text": col}), d, row_group_size=9, store_schema=arrow_schema)
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"text": pa.array(values)}), plain, row_group_size=9)
+    if arrow_schema:
+        assert pa.types.is_dictionary(pq.ParquetFile(d).schema_arrow.field("text").type)
+    recs = read_all([str(d)], task_bytes=300)
+    assert recs[:40] + recs[41:] == [v for v in values if v is not None]
+    assert isinstance(recs[40], BadRecord) and recs[40].where == f"{d} row 40" and recs[40].code == "not_string"
+    assert [r for r in read_all([str(plain)], task_bytes=300) if isinstance(r, str)] == recs[:40] + recs[41:]
+
+
 def test_a_million_character_document_streams_whole(tmp_path, stdlib_corpus_texts):
     big = "".join(stdlib_corpus_texts)[:1_200_000]
     assert len(big) == 1_200_000

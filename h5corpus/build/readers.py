@@ -51,6 +51,14 @@ def _type_name(v: Any) -> str:
 Doc = tuple[str, bytes]
 
 
+def _is_text_type(pa: Any, typ: Any) -> bool:
+    """A parquet column of text: string, large_string or string_view, or a dictionary of those
+    (writers dictionary-encode repetitive string columns; the values read back as the same str)."""
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
+
+
 def _utf8(text: str) -> bytes | None:
     """UTF-8 bytes of ``text``; None when it holds lone surrogates (JSON ``\\ud800`` escapes)."""
     try:
@@ -383,7 +391,7 @@ class TaskReader:
                 yield BadRecord(f"{f.name} row {r}", reason, "missing_field")
             return
         typ = pf.schema_arrow.field(fld).type
-        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
+        if not _is_text_type(pa, typ):
             reason = f"column {fld!r} is {typ}, not a string"
             for r in range(row, row + n_rows):
                 yield BadRecord(f"{f.name} row {r}", reason, "not_string")
