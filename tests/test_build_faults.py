@@ -49,9 +49,12 @@ def _texts(n: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fault_inputs(tmp_path_factory) -> list[Path]:
-    """a.jsonl (one task) and b.jsonl (several tasks at ``task_bytes=300_000``), ~1.3 MB in all."""
+    """a.jsonl (one task) and b.jsonl (several tasks at ``task_bytes=300_000``), ~1.3 MB in all.
+    b repeats some of a's documents in two of its tasks, whose finish stage then copies the kept
+    documents instead of renaming the candidate shards."""
     d = tmp_path_factory.mktemp("fault-in")
-    return [write_jsonl(d / "a.jsonl", _texts(120, 1)), write_jsonl(d / "b.jsonl", _texts(1000, 2))]
+    a, b = _texts(120, 1), _texts(1000, 2)
+    return [write_jsonl(d / "a.jsonl", a), write_jsonl(d / "b.jsonl", b[:500] + a[:15] + b[500:] + a[15:30])]
 
 
 def fault_settings(root: Path, sources, **kw) -> dict:
@@ -78,7 +81,8 @@ def fault_config(root: Path, sources, **kw) -> BuildConfig:
 def reference(tmp_path_factory, fault_inputs) -> Path:
     """The inputs built once, uninterrupted, on an ordinary folder."""
     root = tmp_path_factory.mktemp("fault-ref")
-    build_corpus(fault_config(root, fault_inputs))
+    rep = build_corpus(fault_config(root, fault_inputs))
+    assert rep.dropped().get("exact_dup") == 30, "the finish stage's copy path must be exercised"
     return root
 
 
@@ -662,3 +666,43 @@ def test_a_nul_byte_in_an_output_path_is_refused_by_the_library(tmp_path, fault_
     for field in ("shards_dir", "manifest", "explain_drops"):
         with pytest.raises(ValueError, match="NUL byte"):
             build_corpus(fault_config(tmp_path, fault_inputs, **{field: str(tmp_path / "x\0y")}))
+
+
+# -- the build's own sections of an existing manifest ---------------------------------------------
+@pytest.mark.parametrize(
+    "section,key,value,needle",
+    [
+        ("build", None, "x", "manifest field build: 'x' is not of type 'object'"),
+        ("build", None, 5, "manifest field build: 5 is not of type 'object'"),
+        ("build", "settings", [], "manifest field build.settings: [] is not of type 'object'"),
+        ("build", "fingerprint", None, "manifest field build.fingerprint: None is not of type 'string'"),
+        ("build", "tasks", "3", "manifest field build.tasks: '3' is not of type 'integer'"),
+        ("build", "tasks_read", 2.0, "manifest field build.tasks_read: 2.0 is not of type 'integer'"),
+        ("build", "skipped_records", 7, "manifest field build.skipped_records: 7 is not of type 'array'"),
+        ("build", "skipped_records_total", -1, "manifest field build.skipped_records_total: -1 is less than"),
+        ("filters", None, "x", "manifest field filters: 'x' is not of type 'object'"),
+        ("filters", "counters", {"a": "b"}, "manifest field filters.counters.a: 'b' is not of type 'integer'"),
+        ("splits", "train", {"tokens": 1, "near_duplicates": "2"}, "splits.train.near_duplicates: '2' is not"),
+        ("splits", "train", {"dropped": {"quality": None}}, "splits.train.dropped.quality: None is not of type"),
+    ],
+)
+def test_garbled_build_sections_of_the_existing_manifest_are_bad_data_naming_the_field(
+    tmp_path, fault_inputs, section, key, value, needle
+):
+    """Re-running a build reads back the sections only the build writes (``build``, ``filters``,
+    the build's figures in ``splits``): wrong types fail in one line naming the manifest and the
+    field (exit 1), and leave every file as it was."""
+    args = ["build", str(fault_inputs[0]), "--tokenizer", "bytes", "--shards-dir", "s", "--manifest", "m/shards.json"]
+    assert _cli(*args, cwd=tmp_path).returncode == 0
+    manifest = tmp_path / "m" / "shards.json"
+    m = json.loads(manifest.read_text())
+    if key is None:
+        m[section] = value
+    else:
+        m.setdefault(section, {})[key] = value
+    manifest.write_text(json.dumps(m))
+    before = tree(tmp_path)
+    p = _cli(*args, cwd=tmp_path)
+    line = _one_error_line(p)
+    assert p.returncode == 1 and str(manifest) in line and needle in line, line
+    assert tree(tmp_path) == before

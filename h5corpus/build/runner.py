@@ -49,7 +49,7 @@ from .explain import ExplainFile
 from .oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from .plan import BuildPlan, StageContext, filters_spec, read_plan_run
 from .readers import newlines_before, sample_texts
-from .report import BuildReport, report_from_manifest
+from .report import BuildReport, check_build_sections, report_from_manifest
 from .shards import our_shard_files
 from .sources import Task, plan_tasks, resolve_sources
 from .state import FinishRecord, ReadRecord, StateDir, TaskDecision
@@ -212,7 +212,7 @@ def _check_fresh_output(t: _Target, t_start: float) -> BuildReport | None:
         m = read_manifest(manifest_path)
         if not m.tokenizer.same_ids(t.tok.identity):
             raise _tokenizer_conflict(manifest_path, m.tokenizer, t.tok.identity)
-        b = m.extra.get("build") or {}
+        b = check_build_sections(m)
         if b.get("fingerprint") != t.fingerprint:
             raise BuildConflict(
                 f"{manifest_path} exists and was built from other inputs or settings "
