@@ -5,6 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: install demo test lint bench clean
 
@@ -13,23 +14,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The pinned CPU wheel first: an unpinned torch can pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,filters,plot]"
+	$(BIN)/pip install -q -e ".[filters,plot]"
 	touch $(STAMP)
+
+# What the tests need on top: test tools, transformers, Ray (pinned to the version the cluster
+# tests were checked with; the extra has only a floor).
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[dev,filters,plot,cluster]" ray==2.60.0
+	touch $(DEV_STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/h5corpus build --validate
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check h5corpus tests bench
 	$(BIN)/ruff format --check h5corpus tests bench
 	$(BIN)/lint-imports
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	for b in bench/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:

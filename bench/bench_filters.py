@@ -13,7 +13,9 @@ Measured, best of ``--rounds`` interleaved rounds, in CPU seconds of this proces
 * each stage alone over every dev document, with ``DocumentFilter.process_batch`` (documents/s):
   HTML detection (the dev corpus is plain text), HTML extraction (dev web articles wrapped in an
   HTML page with navigation and footer), Unicode repair, whitespace normalization, language ID,
-  quality rules, PII scrubbing, MinHash signatures, the LSH index;
+  quality rules, perplexity (n-gram models trained here, untimed, on the dev English Wikipedia
+  file: order 3 on whole documents and on their first 5,000 characters, order 2), PII scrubbing,
+  MinHash signatures, the LSH index;
 * the pipeline the issue targets -- ``--clean --quality-filter --lang en --scrub-pii
   --near-dedup`` (signatures and the sequential index included) -- through ``process_batch``
   (``--batch`` documents per call) and through per-document ``process`` + ``signature``;
@@ -39,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -110,6 +114,8 @@ def main() -> None:
     ]
 
     all_on = FilterConfig(clean=True, quality=True, lang=("en",), scrub_pii=True, near_dedup=True)
+    model_dir = tempfile.TemporaryDirectory(prefix="bench-ppl-")
+    lm = train_models(a.corpus, Path(model_dir.name))
     stages = {
         "html_detect": (FilterConfig(clean=True), texts),
         "html_extract": (FilterConfig(clean=True), pages),
@@ -118,6 +124,12 @@ def main() -> None:
         "lang": (FilterConfig(lang=("en",)), texts),
         "quality": (FilterConfig(quality=True), texts),
         "pii": (FilterConfig(scrub_pii=True), texts),
+        "perplexity": (FilterConfig(perplexity_model=lm["order3"]["path"]), texts),
+        "perplexity_5000_chars": (
+            FilterConfig(perplexity_model=lm["order3"]["path"], perplexity_max_chars=5000),
+            texts,
+        ),
+        "perplexity_order2": (FilterConfig(perplexity_model=lm["order2"]["path"]), texts),
     }
     filters = {k: DocumentFilter(c) for k, (c, _) in stages.items()}
     sig_filter = DocumentFilter(FilterConfig(near_dedup=True))
@@ -137,6 +149,7 @@ def main() -> None:
     near_dups = 0
     sigs = None
     round_ratios: list[float] = []  # pipeline_batch / tokenize, both measured in the same round
+    perplexity_rounds: dict[str, list[float]] = {}  # the same for each perplexity variant
     for _ in range(a.rounds):
         c, w, n_tokens = cpu(lambda: sum(len(enc.encode_ordinary(t)) for t in texts))
         keep("tokenize", c, w)
@@ -144,6 +157,8 @@ def main() -> None:
         for name, (_, docs) in stages.items():
             c, w, _r = cpu(lambda: run_batches(filters[name], docs, a.batch))
             keep(name, c, w)
+            if name.startswith("perplexity"):
+                perplexity_rounds.setdefault(name, []).append(round(c / tok_round, 3))
         c, w, res = cpu(lambda: run_batches(sig_filter, texts, a.batch, signatures=True))
         keep("signature", c, w)
         sigs = [r.signature for r in res]
@@ -223,6 +238,9 @@ def main() -> None:
         "rounds": a.rounds,
         "batch": a.batch,
     }
+    report["perplexity"] = perplexity_report(lm, filters, texts, per_stage)
+    report["perplexity"]["x_tokenize_per_round"] = perplexity_rounds
+    model_dir.cleanup()
     if a.build:
         report["build"] = bench_build(a.corpus, all_on, a.rounds, a.workers)
     s = json.dumps(report, indent=2)
@@ -230,6 +248,53 @@ def main() -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(s + "\n")
+
+
+def train_models(corpus: Path, out: Path) -> dict[str, dict[str, Any]]:
+    """Order-3 and order-2 models trained on the corpus's English Wikipedia file (CPU seconds of
+    the training, the model's size)."""
+    from h5corpus.filters.ngramtrain import train_ngram_model
+
+    wiki = load_texts_of(corpus / "wiki-en-wikiextractor.jsonl")
+    models = {}
+    for order in (3, 2):
+        c, _w, m = cpu(lambda: train_ngram_model(wiki, order=order))
+        path = m.save(out / f"wiki-order{order}.npz")
+        models[f"order{order}"] = {
+            "path": str(path),
+            "order": order,
+            "train_documents": len(wiki),
+            "train_cpu_s": round(c, 3),
+            "ngrams": m.header["ngrams"],
+            "file_bytes": path.stat().st_size,
+        }
+    return models
+
+
+def load_texts_of(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in open(path, encoding="utf-8")]
+
+
+def perplexity_report(lm: dict, filters: dict, texts: list[str], per_stage: dict) -> dict:
+    """The perplexity stage's figures: the models, each variant's cost against the tokenization,
+    and how far scoring the first 5,000 characters changes the worst 20% (the decision it feeds)."""
+    from h5corpus.filters.perplexity import worst_fraction
+
+    def scores(name: str) -> np.ndarray:
+        return np.array([r.info["perplexity"] for r in run_batches(filters[name], texts, 256)])
+
+    full, head = scores("perplexity"), scores("perplexity_5000_chars")
+    d_full, d_head = worst_fraction(full, 0.2), worst_fraction(head, 0.2)
+    return {
+        "models": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in lm.items()},
+        "x_tokenize": {
+            k: per_stage[k]["x_tokenize"] for k in ("perplexity", "perplexity_5000_chars", "perplexity_order2")
+        },
+        "worst_20_percent_same_with_5000_chars": round(float((d_full & d_head).sum() / d_full.sum()), 4),
+        "documents_changed_by_5000_chars": int((full != head).sum()),
+        "target": "scoring <= 0.3x the build's tokenization with the fast tokenizer (fastokens, not in this "
+        "tree yet); x_tokenize here is against tiktoken",
+    }
 
 
 def bench_build(corpus: Path, cfg, rounds: int, workers: int) -> dict:

@@ -40,6 +40,7 @@ _EXPORTS = {
     # building
     "build_corpus": "build",
     "BuildConfig": "build",
+    "DatasetSource": "build",
     "load_tokenizer": "build.tokenizer",
     # filters (optional extra "filters")
     "FilterConfig": "filters",

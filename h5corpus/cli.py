@@ -214,7 +214,7 @@ def build_cli(
     sources: list[str] | None = typer.Argument(
         None,
         help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
-        "or 'stdlib' (the default: the Python standard library's sources, offline).",
+        "datasets save_to_disk folders, or 'stdlib' (the default: the Python standard library's sources, offline).",
     ),
     tokenizer: str | None = typer.Option(
         None,
@@ -243,7 +243,9 @@ def build_cli(
     on_error: str = typer.Option(
         "fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."
     ),
-    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="JSON field / parquet, CSV or datasets column holding the text."
+    ),
     shard_tokens: int | None = typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
     validate: bool = typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -292,14 +294,44 @@ def build_cli(
         "--explain-drops",
         help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order.",
     ),
+    task_bytes: int | None = typer.Option(
+        None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."
+    ),
+    executor: str = typer.Option(
+        "local", "--executor", help="Where the stages run: local (process pool), ray or slurm (docs/SCALING.md)."
+    ),
+    decide_buckets: int | None = typer.Option(
+        None,
+        "--decide-buckets",
+        help="Buckets of the decide stage (0: in memory; default: in memory on local, 1 per GiB of input otherwise).",
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="Ray: auto or HOST:PORT of the cluster (default $RAY_ADDRESS, else auto)."
+    ),
+    ray_cpus_per_task: float | None = typer.Option(None, "--ray-cpus-per-task", help="Ray: CPUs per stage task (1)."),
+    partition: str | None = typer.Option(None, "--partition", help="Slurm: partition of every job."),
+    time_limit: str | None = typer.Option(None, "--time", help="Slurm: time limit of every job, e.g. 2:00:00."),
+    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="Slurm: CPUs per array element (1)."),
+    max_array_size: int | None = typer.Option(
+        None, "--max-array-size", help="Slurm: most elements per job array, the cluster's MaxArraySize (1000)."
+    ),
+    sbatch_arg: list[str] | None = typer.Option(
+        None,
+        "--sbatch-arg",
+        help="Slurm: extra sbatch argument for every job (repeatable), e.g. --sbatch-arg=--mem=8G.",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Slurm: write the plan and scripts, print them, submit nothing."
+    ),
+    wait: bool = typer.Option(False, "--wait", help="Slurm: follow the jobs until the manifest is written."),
 ) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
     Exit 1 when the build could not be completed (bad input, a full disk, read-only output; what it
     completed is kept), 2 on usage errors.
 
-    CREATES: the shard files, the manifest, --explain-drops FILE when given, the lock files
-    shards/.build.lock and .<manifest>.lock beside the manifest, and (while running) shards/.build/.
+    CREATES: the shard files, the manifest, --explain-drops FILE when given, and while running the
+    run markers shards/.build.lock and .<manifest>.lock beside the manifest and shards/.build/.
     """
     from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
     from .build.oserrors import BuildOSError
@@ -318,8 +350,21 @@ def build_cli(
         ("--workers", workers),
         ("--shard-tokens", shard_tokens),
         ("--max-document-tokens", max_document_tokens),
+        ("--task-bytes", task_bytes),
     ):
         check_positive(name, value)
+    executor_cfg = _executor_options(
+        executor,
+        ray_address=ray_address,
+        ray_cpus_per_task=ray_cpus_per_task,
+        partition=partition,
+        time_limit=time_limit,
+        cpus_per_task=cpus_per_task,
+        max_array_size=max_array_size,
+        sbatch_arg=sbatch_arg,
+        dry_run=dry_run,
+        wait=wait,
+    )
     if tokenizer is None:
         tokenizer = "bytes" if all(s == "stdlib" for s in srcs) else "gpt2"
     try:
@@ -353,9 +398,13 @@ def build_cli(
             progress=sys.stderr.isatty() and not as_json,
             filters=filters,
             explain_drops=explain_drops,
+            decide_buckets=decide_buckets,
+            **executor_cfg,
         )
         if shard_tokens is not None:
             cfg.shard_tokens = shard_tokens
+        if task_bytes is not None:
+            cfg.task_bytes = task_bytes
         report = build_corpus(cfg)
     except BuildError as e:
         raise fail(
@@ -373,6 +422,9 @@ def build_cli(
         raise fail("interrupted; re-run the same command to resume", 130) from None
     code = EXIT_OK
     out = report.to_json()
+    if report.submitted:
+        typer.echo(json.dumps(out, indent=2, sort_keys=True) if as_json else _format_submission(report))
+        raise typer.Exit(EXIT_OK)
     if not as_json:
         typer.echo(format_report(report))
     if validate:
@@ -387,6 +439,110 @@ def build_cli(
     if as_json:
         typer.echo(json.dumps(out, indent=2, sort_keys=True))
     raise typer.Exit(code)
+
+
+def _executor_options(executor: str, **o) -> dict:
+    """The build's ``executor``/``ray``/``slurm`` settings from the flags; an engine's flag without its
+    ``--executor`` is a usage error (exit 2)."""
+    from .build.config import EXECUTORS, RayOptions, SlurmOptions
+
+    if executor not in EXECUTORS:
+        raise fail(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}", EXIT_USAGE)
+    ray_flags = {"--ray-address": o["ray_address"], "--ray-cpus-per-task": o["ray_cpus_per_task"]}
+    slurm_flags = {
+        "--partition": o["partition"],
+        "--time": o["time_limit"],
+        "--cpus-per-task": o["cpus_per_task"],
+        "--max-array-size": o["max_array_size"],
+        "--sbatch-arg": o["sbatch_arg"] or None,
+        "--dry-run": o["dry_run"] or None,
+        "--wait": o["wait"] or None,
+    }
+    for engine, flags in (("ray", ray_flags), ("slurm", slurm_flags)):
+        given = [k for k, v in flags.items() if v is not None]
+        if given and executor != engine:
+            raise fail(f"{', '.join(given)} need --executor {engine}", EXIT_USAGE)
+    check_positive("--cpus-per-task", o["cpus_per_task"])
+    check_positive("--max-array-size", o["max_array_size"])
+    if o["ray_cpus_per_task"] is not None and o["ray_cpus_per_task"] <= 0:
+        raise fail(f"--ray-cpus-per-task must be > 0, got {o['ray_cpus_per_task']}", EXIT_USAGE)
+    ray = RayOptions(address=o["ray_address"])
+    if o["ray_cpus_per_task"] is not None:
+        ray.cpus_per_task = o["ray_cpus_per_task"]
+    slurm = SlurmOptions(
+        partition=o["partition"],
+        time=o["time_limit"],
+        sbatch_args=tuple(o["sbatch_arg"] or ()),
+        dry_run=o["dry_run"],
+        wait=o["wait"],
+    )
+    if o["cpus_per_task"] is not None:
+        slurm.cpus_per_task = o["cpus_per_task"]
+    if o["max_array_size"] is not None:
+        slurm.max_array_size = o["max_array_size"]
+    return {"executor": executor, "ray": ray, "slurm": slurm}
+
+
+def _format_submission(report) -> str:
+    """What a Slurm build without --wait prints: the job ids, or (dry run) the scripts and commands."""
+    s = report.slurm
+    if not report.jobs:
+        lines = [f"dry run: nothing submitted; plan and scripts are in {Path(report.shards_dir) / '.build'}"]
+        for stage, path in s.get("scripts", {}).items():
+            lines += [f"--- {path} ({stage})", Path(path).read_text().rstrip()]
+        lines.append("--- submit with (each job after the previous ones; $X_JOBS: their ids, colon-separated):")
+        lines += s.get("commands", [])
+        return "\n".join(lines)
+    jobs = ", ".join(f"{stage} {' '.join(ids)}" for stage, ids in report.jobs.items())
+    every = ",".join(j for ids in report.jobs.values() for j in ids)
+    return (
+        f"submitted Slurm jobs: {jobs}\n"
+        f"  follow: squeue -j {every}   logs: {s.get('logs')}\n"
+        f"  the manifest {report.manifest} is written by the commit job; re-run the same command to resubmit "
+        "what is missing after a failure"
+    )
+
+
+@app.command("build-stage")
+def build_stage_cli(
+    stage: str = typer.Argument(..., help="read, bucket, decide, finish, commit, or status."),
+    state: Path = typer.Option(..., "--state", help="The build's state folder (<shards-dir>/.build)."),
+    task_index: int | None = typer.Option(
+        None, "--task-index", help="read / finish: the task; bucket: the decide bucket (0-based)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the stage's record as JSON."),
+) -> None:
+    """Run one stage of a planned build from its state folder: what the Slurm jobs run, for any
+    scheduler (docs/SCALING.md). A stage whose record is already valid does nothing. Plan a build
+    with `h5corpus build ... --executor slurm --dry-run`. Exit 1 on bad input, 2 on usage errors
+    (missing plan, stage not ready, index out of range).
+
+    CREATES: the stage's files in the state folder; finish: the task's shards; commit: the manifest
+    (then the state folder is removed).
+    """
+    from .build import BuildConflict, BuildError
+    from .build.stages import main_stage, stage_status
+    from .storage.format import FormatError
+
+    check_path_arg("--state", state)
+    try:
+        if stage == "status":
+            out = stage_status(state)
+        else:
+            rec = main_stage(stage, state, task_index)
+            out = rec.to_json() if hasattr(rec, "to_json") else rec
+    except (BuildError, FormatError) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    except (BuildConflict, ValueError) as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    if as_json or stage == "status":
+        typer.echo(json.dumps(out, indent=2, sort_keys=True, default=str))
+    else:
+        where = "" if task_index is None else f" {task_index}"
+        typer.echo(
+            f"build-stage {stage}{where}: done" + ("" if out is not None else " (past the budgets: nothing to do)")
+        )
+    raise typer.Exit(EXIT_OK)
 
 
 def _build_filters(
@@ -426,6 +582,111 @@ def _build_filters(
     if not cfg.enabled:
         return None
     return DocumentFilter(cfg)  # validates (ValueError naming the field)
+
+
+quality_app = typer.Typer(
+    name="quality-model",
+    help="N-gram language models for the perplexity filter: train on reference text, score documents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(quality_app, name="quality-model")
+
+
+@quality_app.command("train")
+def quality_train_cli(
+    reference: list[str] = typer.Argument(
+        ..., help="Reference documents: build SOURCEs (files, folders, globs, hf://..., stdlib)."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Model file to write (.npz)."),
+    order: int = typer.Option(3, "--order", help="N-gram order, 1-6 (2: bigrams, as the seed lesson; 3: default)."),
+    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    max_documents: int | None = typer.Option(None, "--max-documents", help="Train on the first N documents only."),
+    as_json: bool = typer.Option(False, "--json", help="Print the model's header as JSON."),
+) -> None:
+    """Train an interpolated modified Kneser-Ney n-gram model on REFERENCE documents (docs/FILTERS.md).
+    Exit 1 on a bad record or no text, 2 on usage errors.
+
+    CREATES: the model file (written to a temporary name, then renamed).
+    """
+    from .build.sources import SourceError
+    from .filters.perplexity import MAX_ORDER
+    from .qualitymodel import BadReference, train_from_sources
+
+    check_path_arg("--output", output)
+    check_positive("--max-documents", max_documents)
+    if not 1 <= order <= MAX_ORDER:
+        raise fail(f"--order must be in 1..{MAX_ORDER}, got {order}", EXIT_USAGE)
+    try:
+        rep = train_from_sources(
+            reference,
+            output,
+            order=order,
+            text_field=text_field,
+            max_documents=max_documents,
+            progress=sys.stderr.isatty() and not as_json,
+        )
+    except SourceError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except (BadReference, ValueError) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(), indent=2, sort_keys=True))
+    else:
+        h, t = rep.header, rep.header["training"]
+        typer.echo(
+            f"trained order-{h['order']} model on {t['documents']:,} documents ({t['characters']:,} characters, "
+            f"{t['units']:,} units): n-grams {' / '.join(f'{n:,}' for n in h['ngrams'])}, vocabulary "
+            f"{h['smoothing']['vocabulary']:,}\nwrote {rep.path} ({rep.file_bytes:,} bytes, sha256 {h['sha256']})"
+        )
+    raise typer.Exit(EXIT_OK)
+
+
+@quality_app.command("score")
+def quality_score_cli(
+    model: Path = typer.Argument(..., help="Model file (quality-model train)."),
+    sources: list[str] = typer.Argument(..., help="Documents to score: build SOURCEs."),
+    text_field: str = typer.Option("text", "--text-field", help="JSON field / parquet column holding the text."),
+    max_documents: int | None = typer.Option(None, "--max-documents", help="Score the first N documents only."),
+    max_chars: int | None = typer.Option(None, "--max-chars", help="Score the first N characters of each document."),
+    summary_only: bool = typer.Option(False, "--summary-only", help="Print only the count and quantiles."),
+    as_json: bool = typer.Option(False, "--json", help="Print the scores and quantiles as JSON."),
+) -> None:
+    """Print each document's perplexity (where, perplexity, units, start of the text; tab-separated)
+    and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a corrupt
+    model or a bad record, 2 on usage errors."""
+    from .build.sources import SourceError
+    from .filters.perplexity import ModelFileError
+    from .qualitymodel import BadReference, score_sources
+
+    check_path_arg("MODEL", model)
+    check_positive("--max-documents", max_documents)
+    check_positive("--max-chars", max_chars)
+    if not model.is_file():
+        raise fail(f"{model}: model file not found", EXIT_USAGE)
+    try:
+        rep = score_sources(
+            model,
+            sources,
+            text_field=text_field,
+            max_documents=max_documents,
+            max_chars=max_chars,
+            progress=sys.stderr.isatty() and not as_json,
+        )
+    except SourceError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except (ModelFileError, BadReference) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(documents=not summary_only), indent=2, sort_keys=True))
+        raise typer.Exit(EXIT_OK)
+    if not summary_only:
+        for w, p, u, t in zip(rep.where, rep.perplexity, rep.units, rep.preview):
+            typer.echo(f"{w}\t{p:.2f}\t{u}\t{t}")
+    q = " ".join(f"{k}={v:,.1f}" for k, v in rep.quantiles().items())
+    typer.echo(f"scored {len(rep.perplexity):,} documents with {model} (sha256 {rep.model_sha256[:16]}): {q}")
+    raise typer.Exit(EXIT_OK)
 
 
 def main() -> None:

@@ -284,6 +284,111 @@ def bpe_tokenizer_json(merges: list[tuple[str, str]], *, normalizer=None, pre_to
     }
 
 
+# -- tokenizer families ----------------------------------------------------------------------------
+#: Llama-3's pre-tokenizer split regex (a ``Split`` before a regex-free ``ByteLevel``).
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+#: A ``Split`` regex PCRE2 cannot match on long words (its JIT stack overflows on ~2,000 letters:
+#: fastokens raises), while ``tokenizers`` and tiktoken match it.
+DEEP_PATTERN = r"(?:\p{L}|\p{N})+|\s+|[^\s\p{L}\p{N}]+"
+#: The families :func:`train_tokenizer_family` builds: byte-level BPE like GPT-2 and like
+#: Llama-3 (``Split`` regex), SentencePiece-style BPE (NFKC, Metaspace, byte fallback), BERT
+#: WordPiece, and a Metaspace Unigram.
+TOKENIZER_FAMILIES = ("gpt2_bpe", "llama3_bpe", "sentencepiece_bpe", "bert_wordpiece", "metaspace_unigram")
+
+
+def _chars_prefix(texts: Sequence[str], chars: int) -> list[str]:
+    out, n = [], 0
+    for t in texts:
+        out.append(t)
+        n += len(t)
+        if n >= chars:
+            break
+    return out
+
+
+def train_tokenizer_family(family: str, texts: Sequence[str]) -> str:
+    """A ``tokenizer.json`` of ``family`` (:data:`TOKENIZER_FAMILIES`), trained by ``tokenizers``
+    itself on ``texts`` (a small vocabulary, so it trains in seconds). Each has an EOS token of
+    :data:`h5corpus.build.tokenizer.EOS_CANDIDATES`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if family == "gpt2_bpe":
+        t = Tokenizer(models.BPE())
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        t.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+        )
+    elif family == "llama3_bpe":
+        t = Tokenizer(models.BPE(ignore_merges=True))
+        t.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        t.decoder = decoders.ByteLevel()
+        special = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+        trainer = trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+        )
+    elif family == "sentencepiece_bpe":
+        t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+        t.normalizer = normalizers.NFKC()
+        t.pre_tokenizer = pre_tokenizers.Metaspace()
+        t.decoder = decoders.Metaspace()
+        special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=special, show_progress=False)
+    elif family == "bert_wordpiece":
+        t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        t.normalizer = normalizers.BertNormalizer(lowercase=True)
+        t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        t.decoder = decoders.WordPiece()
+        special = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "</s>"]
+        trainer = trainers.WordPieceTrainer(vocab_size=1500, special_tokens=special, show_progress=False)
+    elif family == "metaspace_unigram":
+        t = Tokenizer(models.Unigram())
+        t.pre_tokenizer = pre_tokenizers.Metaspace()
+        t.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(
+            vocab_size=600,
+            special_tokens=["<unk>", "</s>"],
+            unk_token="<unk>",
+            max_piece_length=12,
+            show_progress=False,
+        )
+        texts = _chars_prefix(texts, 150_000)  # Unigram training is the slow one
+    else:
+        raise ValueError(f"unknown tokenizer family {family!r}")
+    t.train_from_iterator(list(texts), trainer)
+    return t.to_str()
+
+
+def with_split_pattern(tokenizer_json: str, pattern: str) -> str:
+    """A byte-level BPE ``tokenizer.json`` (a Split + ByteLevel sequence, or a plain ByteLevel)
+    with its split regex replaced by ``pattern``."""
+    d = json.loads(tokenizer_json)
+    d["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ],
+    }
+    return json.dumps(d, ensure_ascii=False)
+
+
+def reference_ids(tokenizer_json: str, texts: Sequence[str]) -> list[np.ndarray]:
+    """Ids of ``texts`` by ``tokenizers`` itself (special-token text encoded as text, nothing
+    added): the oracle every encoder is compared with."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True
+    return [np.asarray(tok.encode(t, add_special_tokens=False).ids, dtype=np.int64) for t in texts]
+
+
 # -- loaders -------------------------------------------------------------------------------------
 # Oracles of the loaders' documented rules (docs/PACKING.md), written as plain loops that share no
 # code with h5corpus.loaders, and batch comparisons used by several loader tests and benchmarks.
@@ -444,3 +549,185 @@ def read_stage_files(state: Path, index: int) -> dict[str, str]:
 def without_timings(record: dict) -> dict:
     """A stage record without its CPU timings (the only field that differs between runs)."""
     return {k: v for k, v in record.items() if k != "seconds"}
+
+
+# -- Hugging Face transformers oracles -----------------------------------------------------------
+def paragraph_texts(texts: Sequence[str], limit: int) -> list[str]:
+    """The non-empty paragraphs (blank-line separated, stripped) of ``texts`` in order, at most
+    ``limit``: many documents shorter than a pack, so packs and windows hold several of them."""
+    out = [p.strip() for t in texts for p in t.split("\n\n") if p.strip()]
+    return out[:limit]
+
+
+def window_segments(input_ids: np.ndarray, row_len: int, eos_id: int) -> list[np.ndarray]:
+    """The documents' parts inside document-masked windows, found from the tokens alone: a segment
+    starts at every window start and after every EOS (the last token of a document)."""
+    starts = set(range(0, input_ids.size, row_len)) | {int(i) + 1 for i in np.flatnonzero(input_ids == eos_id)}
+    bounds = sorted(s for s in starts if s < input_ids.size) + [input_ids.size]
+    return [input_ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def per_document_logits(model, segments: Sequence[np.ndarray]):
+    """Each segment through ``model`` on its own (a batch of one on the model's device, default
+    positions, no packing, no grad), logits concatenated: (sum of lengths, vocab). The oracle for
+    packed execution."""
+    import torch
+
+    with torch.no_grad():
+        return torch.cat(
+            [
+                model(
+                    input_ids=torch.as_tensor(np.asarray(s, dtype=np.int64), device=model.device)[None], use_cache=False
+                ).logits[0]
+                for s in segments
+            ]
+        )
+
+
+# -- perplexity filter oracles ----------------------------------------------------------------------
+_LM_UNICODE_SPACE = "[\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+_LM_OWN = "\u3000-\u9fff\uf000-\uffff\u00a1-\u00bf\u2000-\u2bff"  # characters that are units by themselves
+_LM_SPACE = " \t\r\x0b\x0c\x1c-\x1f"
+_LM_PUNCT = "\x00-\x08\x0e-\x1b\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f"
+
+
+def reference_lm_units(text: str) -> list[str]:
+    """The language model's units of ``text`` by a regex over the ``str`` (the definition in
+    ``h5corpus.filters.lmunits``, written independently): own-unit characters, ASCII punctuation,
+    runs of line breaks (``"\\n"``; none at either end), runs of the other characters."""
+    import re
+
+    t = re.sub(_LM_UNICODE_SPACE, " ", text)
+    pattern = f"[{_LM_OWN}]|[{_LM_PUNCT}]|\n(?:[{_LM_SPACE}]*\n)*|[^{_LM_OWN}{_LM_PUNCT}\n{_LM_SPACE}]+"
+    units = ["\n" if u.startswith("\n") else u for u in re.findall(pattern, t)]
+    while units and units[0] == "\n":
+        units.pop(0)
+    while units and units[-1] == "\n":
+        units.pop()
+    return units
+
+
+def fold_lm_unit(unit: str) -> str:
+    """A unit as the model tells units apart: ASCII letters lowercased, ASCII digits -> ``0``."""
+    return unit.translate({c: c + 32 for c in range(65, 91)} | {c: 48 for c in range(48, 58)})
+
+
+def reference_lm_unit_hash(unit: str) -> int:
+    """The unit hash of ``h5corpus.filters.lmunits`` in plain Python integers."""
+    mask, p = (1 << 64) - 1, 0x100000001B3
+    if unit == "\n":
+        return 0x165667B19E3779F9
+    values = bytes((c + 1) & 0xFF for c in fold_lm_unit(unit).encode("utf-8", "surrogatepass"))
+    h = 0
+    for j in range(0, min(len(values), 64), 8):
+        h = (h * p + int.from_bytes(values[j : j + 8], "little")) & mask
+    h ^= (len(values) * 0x9E3779B97F4A7C15) & mask
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & mask
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & mask
+    return h ^ (h >> 33)
+
+
+def naive_kn_discounts(values: Iterable[int]) -> list[float]:
+    """Chen & Goodman's modified Kneser-Ney discounts from counts, with the fallbacks of
+    docs/FILTERS.md (one discount Y = n1 / (n1 + 2 n2), else 0.5)."""
+    vals = list(values)
+    n1, n2, n3, n4 = (sum(1 for v in vals if v == r) for r in (1, 2, 3, 4))
+    if n1 and n2:
+        y = n1 / (n1 + 2 * n2)
+        if n3 and n4:
+            d = [1 - 2 * y * n2 / n1, 2 - 3 * y * n3 / n2, 3 - 4 * y * n4 / n3]
+            if 0 < d[0] < 1 and 0 < d[1] < 2 and 0 < d[2] < 3:
+                return d
+        return [y, y, y]
+    return [0.5, 0.5, 0.5]
+
+
+class NaiveKneserNey:
+    """Interpolated modified Kneser-Ney from the formulas, with dicts and recursion (the oracle of
+    the vectorized trainer and scorer). ``docs``: each document's units (strings)."""
+
+    def __init__(self, docs: Sequence[Sequence[str]], order: int) -> None:
+        from collections import Counter
+
+        self.order = order
+        seqs = [["<s>", *map(fold_lm_unit, d), "</s>"] for d in docs]
+        counts = [Counter() for _ in range(order + 2)]
+        for s in seqs:
+            for k in range(1, order + 1):
+                for i in range(k - 1, len(s)):
+                    counts[k][tuple(s[i - k + 1 : i + 1])] += 1
+        self.a: list[dict] = [{}]
+        for k in range(1, order + 1):
+            left = Counter(g[1:] for g in counts[k + 1]) if k < order else None
+            self.a.append({g: (c if k == order or g[0] == "<s>" else left[g]) for g, c in counts[k].items()})
+        self.d = [[]] + [
+            naive_kn_discounts(v for g, v in self.a[k].items() if k > 1 or g != ("<s>",)) for k in range(1, order + 1)
+        ]
+        self.sums: list[dict] = [{} for _ in range(order + 1)]
+        self.mass: list[dict] = [{} for _ in range(order + 1)]
+        for k in range(2, order + 1):
+            for g, v in self.a[k].items():
+                self.sums[k][g[:-1]] = self.sums[k].get(g[:-1], 0) + v
+                self.mass[k][g[:-1]] = self.mass[k].get(g[:-1], 0) + self.disc(k, v)
+        self.vocab = sorted({g[0] for g in counts[1]} - {"<s>"})  # + <unk>
+        uni = [v for g, v in self.a[1].items() if g != ("<s>",)]
+        self.total = sum(uni)
+        self.gamma0 = sum(self.disc(1, v) for v in uni) / self.total
+
+    def disc(self, k: int, count: int) -> float:
+        return 0.0 if count == 0 else self.d[k][min(count, 3) - 1]
+
+    def prob(self, context: Sequence[str], unit: str) -> float:
+        """p(unit | context); units as strings (folded here); an unseen unit is ``<unk>``."""
+        h = tuple(map(fold_lm_unit, context))[max(0, len(context) - (self.order - 1)) :] if self.order > 1 else ()
+        return self._p(h, fold_lm_unit(unit))
+
+    def _p(self, h: tuple, w: str) -> float:
+        if not h:
+            a = self.a[1].get((w,), 0)
+            return max(a - self.disc(1, a), 0) / self.total + self.gamma0 / (len(self.vocab) + 1)
+        k = len(h) + 1
+        s = self.sums[k].get(h, 0)
+        if s == 0:
+            return self._p(h[1:], w)
+        a = self.a[k].get((*h, w), 0)
+        return max(a - self.disc(k, a), 0) / s + self.mass[k][h] / s * self._p(h[1:], w)
+
+
+def spam_texts(reference_words: Sequence[str], n: int = 80, seed: int = 0) -> list[str]:
+    """Spam-like documents in four kinds, in turn: keyword lists, word salad (real reference words
+    without syntax), navigation/footer boilerplate, machine noise (random tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    kw = "cheap buy online best price discount free shipping casino poker loans replica watches weight loss seo backlinks crypto bitcoin deal sale".split()
+    menu = ["Home", "About Us", "Contact", "Privacy Policy", "Terms of Service", "Login", "Register", "Cart"]
+    menu += ["FAQ", "Sitemap", "Blog", "Careers", "Support", "My Account", "Wishlist", "Subscribe"]
+    cities = ["London", "Paris", "Berlin", "Madrid", "Rome", "Dallas", "Boston", "Chicago"]
+    noise = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEF+/=_-"
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            t = ", ".join(" ".join(rng.sample(kw, rng.randint(1, 3))) for _ in range(rng.randint(40, 120)))
+        elif kind == 1:
+            t = " ".join(rng.choice(reference_words) for _ in range(rng.randint(80, 300)))
+        elif kind == 2:
+            lines = []
+            for _ in range(rng.randint(8, 25)):
+                lines.append(" | ".join(rng.sample(menu, rng.randint(3, 7))))
+                if rng.random() < 0.3:
+                    lines.append(f"Copyright © {rng.randint(2005, 2025)} All rights reserved. Click here to subscribe!")
+                if rng.random() < 0.3:
+                    lines.append(
+                        f"Best {rng.choice(kw)} {rng.choice(kw)} in {rng.choice(cities)} - {rng.choice(kw)} now"
+                    )
+            t = "\n".join(lines)
+        else:
+            t = " ".join(
+                "".join(rng.choice(noise) for _ in range(rng.randint(3, 14))) for _ in range(rng.randint(60, 200))
+            )
+        out.append(t)
+    return out

@@ -9,7 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from h5corpus.build.encoders import BytesEncoder, TiktokenEncoder, fast_encoder, prove_same_ids
+from h5corpus.build.encoders import BytesEncoder, TiktokenEncoder, fast_encoder
+from h5corpus.build.proof import prove_same_ids
 from h5corpus.build.tokenizer import (
     BYTES_REVISION,
     GPT2_REPO,
@@ -46,7 +47,7 @@ def test_special_token_text_is_encoded_as_plain_text(gpt2_json):
     text = "before<|endoftext|>after <|endoftext|>"
     ref = tok.encode(text)
     assert tok.eos_id == 50256 and 50256 not in ref.tolist()
-    fast, _ = fast_encoder(tok)
+    fast, _ = fast_encoder(tok, ["tiktoken"])
     assert isinstance(fast, TiktokenEncoder)
     assert fast.encode(text).tolist() == ref.tolist()
     assert tok.hf.decode(ref.tolist()) == text
@@ -99,7 +100,7 @@ def test_tiktoken_fast_path_equals_tokenizers_on_the_whole_dev_corpus(gpt2_json,
     """The proof the build's fast path rests on: tiktoken built from GPT-2's tokenizer.json gives
     the `tokenizers` ids on every one of the 10.6k dev documents (~10M tokens)."""
     tok = load_tokenizer(str(gpt2_json))
-    fast, why = fast_encoder(tok)
+    fast, why = fast_encoder(tok, ["tiktoken"])
     assert isinstance(fast, TiktokenEncoder), why
     bad = [i for i, (t, ref) in enumerate(zip(dev_texts, dev_gpt2_ids)) if not np.array_equal(fast.encode(t), ref)]
     assert bad == [], f"{len(bad)} documents differ, first {bad[:5]}"
@@ -121,7 +122,7 @@ def test_fast_path_refused_for_tokenizers_it_cannot_mirror(tmp_path):
     ):
         p = tmp_path / "tokenizer.json"
         p.write_text(json.dumps(d))
-        fast, reason = fast_encoder(load_tokenizer(str(p)))
+        fast, reason = fast_encoder(load_tokenizer(str(p)), ["tiktoken"])
         if why is None:
             assert isinstance(fast, TiktokenEncoder)
         else:
@@ -134,7 +135,7 @@ def test_proof_catches_a_plausible_fast_path_that_differs(tmp_path):
     p = tmp_path / "tokenizer.json"
     p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("a", "bc")])))
     tok = load_tokenizer(str(p))
-    fast, why = fast_encoder(tok)
+    fast, why = fast_encoder(tok, ["tiktoken"])
     assert isinstance(fast, TiktokenEncoder), why
     assert tok.encode("abc").tolist() == [256, ord("c")]
     assert fast.encode("abc").tolist() == [258]
@@ -159,7 +160,7 @@ def test_a_passed_proof_is_cached_and_a_failed_one_never(tmp_path, monkeypatch):
 
     def prove(texts, **kw):
         tok = load_tokenizer(str(p))  # a fresh Tokenizer: `tokenizers` not loaded yet
-        fast, why = fast_encoder(tok)
+        fast, why = fast_encoder(tok, ["tiktoken"])
         assert isinstance(fast, TiktokenEncoder), why
         return prove_same_ids(tok.reference_encoder(), fast, texts, **kw), tok._hf is not None
 
@@ -191,16 +192,16 @@ def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch)
     bad = _abc_tokenizer(tmp_path)
     texts = ["the abc song"]
     tg, tb = load_tokenizer(str(good)), load_tokenizer(str(bad))
-    assert prove_same_ids(tg.reference_encoder(), fast_encoder(tg)[0], texts) is None
-    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tb)[0], texts) is not None
+    assert prove_same_ids(tg.reference_encoder(), fast_encoder(tg, ["tiktoken"])[0], texts) is None
+    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tb, ["tiktoken"])[0], texts) is not None
     # reference = the bad tokenizer, candidate = the good tokenizer's (proven) encoder: not reused
-    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tg)[0], texts) is not None
+    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tg, ["tiktoken"])[0], texts) is not None
 
 
 def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, stdlib_corpus_texts):
     """The ranks cache (keyed by the JSON's sha256 and this module's source, payload hashed) gives
     the ranks the conversion gives; a damaged file is ignored and rewritten."""
-    from h5corpus.build import encoders as tk
+    from h5corpus.build import tiktoken_bpe as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
@@ -208,12 +209,12 @@ def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, st
     p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
     tok = load_tokenizer(str(p))
     sha = hashlib.sha256(p.read_bytes()).hexdigest()
-    assert tk._load_ranks(sha) is None
+    assert tk.load_ranks(sha) is None
     reference, _ = tk.tiktoken_from_json(tok.json)  # no sha: no ranks cache
     assert not (tmp_path / "cache" / "tiktoken").exists()
     first, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)  # converts and stores
     (f,) = (tmp_path / "cache" / "tiktoken").glob("*.ranks")
-    cached = tk._load_ranks(sha)
+    cached = tk.load_ranks(sha)
     assert cached == reference._mergeable_ranks == first._mergeable_ranks
     second, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)
     assert second._mergeable_ranks == reference._mergeable_ranks
@@ -222,9 +223,9 @@ def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, st
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 1  # flip a bit of the last token's bytes
     f.write_bytes(bytes(raw))
-    assert tk._load_ranks(sha) is None
+    assert tk.load_ranks(sha) is None
     third, _ = tk.tiktoken_from_json(tok.json, json_sha256=sha)
-    assert third._mergeable_ranks == reference._mergeable_ranks and tk._load_ranks(sha) == cached
+    assert third._mergeable_ranks == reference._mergeable_ranks and tk.load_ranks(sha) == cached
 
 
 def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, monkeypatch, stdlib_corpus_texts):
@@ -238,11 +239,11 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
     p.write_text(json.dumps(bpe_tokenizer_json([("a", "b"), ("b", "c"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")])))
     first = load_tokenizer(str(p))
     assert first._json is not None  # parsed
-    fast1, why = fast_encoder(first)
+    fast1, why = fast_encoder(first, ["tiktoken"])
     assert fast1 is not None, why
     second = load_tokenizer(str(p))
     assert second._json is None and second.identity == first.identity  # from the cache, unparsed
-    fast2, why = fast_encoder(second)
+    fast2, why = fast_encoder(second, ["tiktoken"])
     assert fast2 is not None and second._json is None, why
     text = "\n".join(stdlib_corpus_texts[:20]) + " the ab abc bc er <|endoftext|>"
     assert np.array_equal(fast2.encode(text), fast1.encode(text))
@@ -259,12 +260,12 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
 
 def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
     """GPT-2's 50,257-entry vocabulary round-trips through the ranks cache exactly."""
-    from h5corpus.build import encoders as tk
+    from h5corpus.build import tiktoken_bpe as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
     tok = load_tokenizer(str(gpt2_json))
     fresh, _ = tk.tiktoken_from_json(tok.json)
-    fast_encoder(tok)  # stores
-    assert tk._load_ranks(tok.identity.sha256) == fresh._mergeable_ranks
+    fast_encoder(tok, ["tiktoken"])  # stores
+    assert tk.load_ranks(tok.identity.sha256) == fresh._mergeable_ranks
     assert len(fresh._mergeable_ranks) == 50_256

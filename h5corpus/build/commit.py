@@ -37,6 +37,7 @@ class CommitTotals:
     filter_counters: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     """Worker CPU seconds per step, of the tasks this run read."""
+    encoder_fallbacks: int = 0
 
 
 def add_up(reads: Sequence[ReadRecord], timed: set[int]) -> CommitTotals:
@@ -49,6 +50,7 @@ def add_up(reads: Sequence[ReadRecord], timed: set[int]) -> CommitTotals:
         for k, v in rec.filter_counters.items():
             t.filter_counters[k] = t.filter_counters.get(k, 0) + int(v)
         t.skipped_total += int(rec.skipped_total)
+        t.encoder_fallbacks += int(rec.encoder_fallbacks)
         if rec.index in timed:
             for k, v in rec.seconds.items():
                 t.seconds[k] = t.seconds.get(k, 0.0) + float(v)

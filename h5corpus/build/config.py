@@ -9,7 +9,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -88,12 +88,49 @@ def filters_detect_language(f: Any) -> bool:
 
 
 # -- configuration ------------------------------------------------------------------------------
+EXECUTORS = ("local", "ray", "slurm")
+
+
+@dataclass(kw_only=True)
+class RayOptions:
+    """``executor="ray"``: where the cluster is and what a stage task asks of it (docs/SCALING.md)."""
+
+    address: str | None = None
+    """``auto``, ``HOST:PORT`` of the cluster's GCS, or None: ``$RAY_ADDRESS``, else ``auto``."""
+    cpus_per_task: float = 1.0
+    """CPUs Ray reserves for each stage task (a task runs one process)."""
+    max_retries: int = 3
+    """Times Ray reruns a task whose worker or node died (stages are idempotent)."""
+
+
+@dataclass(kw_only=True)
+class SlurmOptions:
+    """``executor="slurm"``: the job arrays' resources and how the command behaves (docs/SCALING.md)."""
+
+    partition: str | None = None
+    time: str | None = None
+    """Time limit of every job (``sbatch --time``), e.g. ``2:00:00``."""
+    cpus_per_task: int = 1
+    max_array_size: int = 1000
+    """Most elements per job array (the cluster's ``MaxArraySize``); more tasks make several arrays."""
+    sbatch_args: Sequence[str] = ()
+    """Extra ``sbatch`` arguments for every job, e.g. ``--account=x``, ``--mem=8G``."""
+    dry_run: bool = False
+    """Write the plan and the scripts, print the scripts; submit nothing."""
+    wait: bool = False
+    """Follow the jobs with a progress bar until the manifest is written (or a job fails)."""
+    python: str | None = None
+    """Interpreter the jobs run (default: this one, ``sys.executable``)."""
+
+
 @dataclass(kw_only=True)
 class BuildConfig:
     """Everything a build depends on. Paths are relative to the current directory."""
 
-    sources: Sequence[str] = ("stdlib",)
-    """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``), in input order."""
+    sources: Sequence[Any] = ("stdlib",)
+    """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``) and ``datasets``
+    objects (``Dataset``, ``IterableDataset``, :class:`~h5corpus.build.hfdatasets.DatasetSource`), in
+    input order."""
     tokenizer: str = "gpt2"
     """Tokenizer spec: ``gpt2``, ``bytes``, or a path to ``tokenizer.json`` / its folder."""
     shards_dir: str | os.PathLike[str] = DEFAULT_SHARDS_DIR
@@ -101,7 +138,7 @@ class BuildConfig:
     workers: int | None = None
     """Worker processes (default: all cores). Never changes the output."""
     text_field: str = "text"
-    """JSON field / parquet column holding the text."""
+    """JSON field / parquet or ``datasets`` column holding the text."""
     split_seed: int = DEFAULT_SPLIT_SEED
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION
     """Probability that a document goes to validation (by hash of id and seed), in [0, 1]."""
@@ -123,7 +160,10 @@ class BuildConfig:
     filters: DocumentFilters | None = None
     """Optional :class:`DocumentFilters` (cleaning, quality, language, PII, near-dedup)."""
     fast_path: bool = True
-    """Use a proven-equal fast encoder (tiktoken / raw bytes) when the tokenizer allows one."""
+    """Use a proven-equal fast encoder (fastokens / tiktoken / raw bytes) when the tokenizer allows one."""
+    fast_encoders: Sequence[str] | None = None
+    """The fast encoders to try, in order (default ``bytes``, ``fastokens``, ``tiktoken``; each
+    where it applies, each proven before use). For tests and benchmarks: never changes a byte."""
     progress: bool = False
     """Show a tqdm bar (documents, tokens, tokens/s) on stderr."""
     hf_cache_dir: str | os.PathLike[str] | None = None
@@ -134,6 +174,23 @@ class BuildConfig:
     """Write one JSON line per document that was read but not stored (id of the text as read,
     source, line/row, reason), in input order, atomically. Not part of the build's settings: it
     never changes a shard or the manifest."""
+    executor: str = "local"
+    """Where the stages run: ``local`` (a process pool here), ``ray`` (tasks on a Ray cluster) or
+    ``slurm`` (job arrays). Never changes the output (docs/SCALING.md)."""
+    decide_buckets: int | None = None
+    """Buckets of the decide stage: 0 decides in memory in the driver (the local executor's way);
+    N >= 1 partitions exact and near dedup into N tasks. None: in memory on the local executor and
+    whenever budgets can stop reading early, else one bucket per GiB of input. Never changes the
+    output."""
+    ray: RayOptions = field(default_factory=RayOptions)
+    slurm: SlurmOptions = field(default_factory=SlurmOptions)
+
+    def __post_init__(self) -> None:
+        # a config read back from JSON (``dataclasses.asdict``) gives the options as mappings
+        if isinstance(self.ray, Mapping):
+            self.ray = RayOptions(**self.ray)
+        if isinstance(self.slurm, Mapping):
+            self.slurm = SlurmOptions(**self.slurm)
 
     def check(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -157,6 +214,20 @@ class BuildConfig:
         for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.decide_buckets is not None and int(self.decide_buckets) < 0:
+            raise ValueError(f"decide_buckets must be >= 0, got {self.decide_buckets}")
+        if self.executor == "slurm" and self.decide_buckets == 0:
+            raise ValueError("the slurm executor has no driver to decide in memory: decide_buckets must be >= 1")
+        if float(self.ray.cpus_per_task) <= 0 or int(self.ray.max_retries) < 0:
+            raise ValueError("ray: cpus_per_task must be > 0 and max_retries >= 0")
+        if int(self.slurm.cpus_per_task) < 1 or int(self.slurm.max_array_size) < 1:
+            raise ValueError("slurm: cpus_per_task and max_array_size must be >= 1")
+        known = ("bytes", "fastokens", "tiktoken")
+        for name in self.fast_encoders or ():
+            if name not in known:
+                raise ValueError(f"fast_encoders: unknown encoder {name!r} (known: {', '.join(known)})")
         if self.filters is not None and not callable(getattr(self.filters, "process", None)):
             raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
 

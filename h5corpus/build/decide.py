@@ -10,7 +10,13 @@ as it and all earlier ones are read, so finishing overlaps reading) or over ever
 (:func:`decide`); both give the same decisions. Its state is the ids kept so far (32 bytes each),
 the near-duplicate index and the budgets used. A rule that needs every document's score before
 deciding any (e.g. "drop the worst fraction") would run :func:`decide` after all reads, in two
-passes; a decide stage partitioned by id prefix would split :meth:`Decider._exact` into buckets.
+passes.
+
+That in-memory fold is the fast path of one machine. The bucketed decide stage
+(:mod:`~h5corpus.build.buckets`) finds the same exact and near duplicates in buckets that run as
+separate tasks (by id prefix and by LSH band key), and its merge feeds them to :meth:`Decider.feed`
+(``exact=``, ``near=``), which then only applies the budgets and counts: the same decisions, with
+memory bounded per bucket instead of per build.
 """
 
 from __future__ import annotations
@@ -117,15 +123,32 @@ class Decider:
     def filled(self) -> bool:
         return all((not need) or (b is not None and u >= b) for b, u, need in zip(self.budget, self.used, self.needs))
 
-    def feed(self, inp: DecideInput, *, verify_candidates: bool = False) -> tuple[TaskDecision, list[dict[str, Any]]]:
+    def feed(
+        self,
+        inp: DecideInput,
+        *,
+        verify_candidates: bool = False,
+        exact: np.ndarray | None = None,
+        near: np.ndarray | None = None,
+    ) -> tuple[TaskDecision, list[dict[str, Any]]]:
         """Decide one task's documents; also returns its ``--explain-drops`` lines in input order
-        (when asked for). ``verify_candidates`` is passed on to the finish stage."""
+        (when asked for). ``verify_candidates`` is passed on to the finish stage.
+
+        ``exact`` and ``near`` (one bool per table row), when given, are the task's exact and near
+        duplicates as the bucketed decide stage found them (:mod:`~h5corpus.build.buckets`); the
+        decider's own id set and index are then left alone, and only the budgets and counts run."""
         rec, docs = inp.record, inp.docs
         self._add_read_counts(rec)
         ids = docs["id"]
-        dup = self.seen.contains(ids) if ids.size else np.zeros(0, bool)
-        self.seen.add(ids[~dup])
-        near = self._near(dup, inp.signatures)
+        if exact is not None:
+            dup = np.asarray(exact, dtype=bool)
+        else:
+            dup = self.seen.contains(ids) if ids.size else np.zeros(0, bool)
+            self.seen.add(ids[~dup])
+        if near is not None:
+            near = np.asarray(near, dtype=bool) & ~dup
+        else:
+            near = self._near(dup, inp.signatures)
         keep = ~dup & ~near
         over = self._budgets(keep, docs)
         decision = np.where(keep, docs["split"].astype(np.uint8) + 1, 0).astype(np.uint8)

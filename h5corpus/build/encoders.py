@@ -1,84 +1,69 @@
-"""Encoders: text -> token ids. The reference (``tokenizers``), the fast paths, and the proof that a
-fast path gives the reference's ids.
+"""Encoders: text -> token ids. The reference (``tokenizers``) and the fast paths.
 
-For byte-level BPE tokenizers of the GPT-2 family :func:`fast_encoder` builds a ``tiktoken`` encoding
-from the same ``tokenizer.json`` (vocab -> mergeable ranks, GPT-2 split regex); for the ``bytes``
-tokenizer ids are the UTF-8 bytes themselves (docs/BUILD.md has the measured speeds). A fast encoder
-is only used after :func:`prove_same_ids` found it emits exactly the reference ids on a sample (the
-build does this at start, on its own input). A *passed* proof is cached
-(:func:`h5corpus.build.tokenizer.cache_dir`) by everything its answer depends on, so re-running a
-build on the same input does not load ``tokenizers`` and prove again; a failed proof is never cached.
+* :class:`HFEncoder` -- the reference, Hugging Face ``tokenizers``;
+* :class:`FastokensEncoder` -- ``fastokens`` (Rust, PCRE2 JIT) on the same ``tokenizer.json``: the
+  first fast path for every tokenizer it loads (byte-level BPE: GPT-2, Llama-3, Qwen style);
+* :class:`TiktokenEncoder` -- a ``tiktoken`` encoding converted from a byte-level BPE
+  ``tokenizer.json`` (:mod:`h5corpus.build.tiktoken_bpe`);
+* :class:`BytesEncoder` -- the ``bytes`` tokenizer, whose ids are the UTF-8 bytes.
 
-:func:`encoder_named` rebuilds an encoder from its name (the persisted plan records the name).
+:func:`fast_encoder` picks the first fast encoder that applies to a tokenizer, in the order of
+:data:`FAST_ENCODERS`; none is used before :mod:`h5corpus.build.proof` proved it emits the
+reference's ids on the build's own input. :func:`encoder_named` rebuilds an encoder from its name
+(the persisted plan records the name). docs/BUILD.md has the measured speeds.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Any, Protocol
 
 import numpy as np
 
-from .tokenizer import (
-    Tokenizer,
-    TokenizerError,
-    byte_level_alphabet,
-    cache_dir,
-    library_versions,
-    load_facts,
-    source_sha256,
-    store_facts,
-    write_cache_file,
-)
+from .tiktoken_bpe import cached_tiktoken, is_bytes_model, tiktoken_encoding, tiktoken_plan
+from .tokenizer import Tokenizer, TokenizerError, load_facts, store_facts
 
-#: The GPT-2 pre-tokenizer split (the ``ByteLevel(use_regex=True)`` pattern; tiktoken's r50k/gpt2).
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-#: Strings every fast-path proof includes besides the build's own sample: whitespace runs,
-#: contractions, digits, scripts, emoji, control characters and literal special-token text.
-PROOF_TEXTS: tuple[str, ...] = (
-    "Hello, world! It's 2026; we'd've said 'no'. I'LL GO.",
-    "  leading and trailing spaces  \n\n\ttabs\t\r\nwindows\r\n   \n",
-    "<|endoftext|>",
-    "text <|endoftext|> inside<|endoftext|>text",
-    "</s><s><pad>[CLS]",
-    "numbers 1234567890 3.14159 1,000,000 ٣٤٥ ५६७",
-    "Ünïcödé naïve café — “quotes” ‘single’ … ½ ² ™",
-    "日本語のテキスト、吾輩は猫である。名前はまだ無い。",
-    "한국어 텍스트입니다.",
-    "Tiếng Việt có dấu.",
-    "Ελληνικά κείμενα",
-    "русский текст",
-    "עברית",
-    "العربية",
-    "हिन्दी",
-    "ภาษาไทย",
-    "emoji 👍🏽 👨‍👩‍👧 🇺🇸 ✨",
-    "\x00nul\x00 \x03etx \x1b[0m \u200b\ufeff\ufffd",
-    "a" * 300 + " " + "ab" * 200,
-    "\n" * 50,
-    " " * 70 + "x",
-    "'s 't 're 've 'm 'll 'd 'S 'T",
-)
-
-#: Format of the proof cache files (bump to invalidate every entry).
-_PROOF_CACHE_FORMAT = "h5corpus-proof-1"
+#: The fast encoders, in the order they are tried (each only where it applies: ``bytes`` for the
+#: ``bytes`` tokenizer, ``fastokens`` where it loads the JSON, ``tiktoken`` for byte-level BPE).
+FAST_ENCODERS: tuple[str, ...] = ("bytes", "fastokens", "tiktoken")
 
 
 class Encoder(Protocol):
     """Turns texts into token ids (no EOS, no BOS, special-token text encoded as text)."""
 
     name: str
+    fallbacks: int
+    """Documents this object handed to the reference encoder because its own path raised (grows)."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """One 1-D unsigned id array per text."""
         ...
 
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """All ids in one 1-D unsigned array, and int64 offsets (``len(texts) + 1``): text ``i``'s
+        ids are ``flat[offsets[i]:offsets[i + 1]]``."""
+        ...
 
-# -- encoders -------------------------------------------------------------------------------------
+
+def flat_of(arrays: Sequence[np.ndarray], dtype: Any = np.uint32) -> tuple[np.ndarray, np.ndarray]:
+    """``(flat, offsets)`` of per-text id arrays (the :meth:`Encoder.encode_flat` layout)."""
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)), out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return flat, offsets
+
+
+def split_flat(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """Per-text views of an :meth:`Encoder.encode_flat` result."""
+    return np.split(flat, offsets[1:-1]) if offsets.size > 1 else []
+
+
+# -- the reference --------------------------------------------------------------------------------
 class HFEncoder:
     """The reference: ``tokenizers`` with special-token matching off and no added special tokens.
 
@@ -87,6 +72,7 @@ class HFEncoder:
     """
 
     name = "tokenizers"
+    fallbacks = 0
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
@@ -95,17 +81,152 @@ class HFEncoder:
         encs = self.tok.hf.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
 
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        encs = self.tok.hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        ids = [e.ids for e in encs]
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)), out=offsets[1:])
+        return np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(offsets[-1])), offsets
+
     def encode_each(self, texts: Iterable[str]) -> list[np.ndarray]:
         """Like :meth:`encode_batch`, one text at a time (never starts the Rayon thread pool)."""
         hf = self.tok.hf
         return [np.asarray(hf.encode(t, add_special_tokens=False).ids, dtype=np.uint32) for t in texts]
 
 
+# -- fastokens ------------------------------------------------------------------------------------
+#: The pid of the process in which a fastokens thread pool was seen starting (None: never).
+#: Module state on purpose: it is a fact about this process's copy of the native library. A
+#: forked child inherits the pool without its threads, and fastokens then waits forever on work
+#: handed to them; so a child must not use fastokens, and :func:`fast_encoder` does not offer
+#: fastokens in a process that would fork workers after its pool started.
+_POOL_STARTED_IN: int | None = None
+#: Texts at least this long may make fastokens split them on its thread pool (it does from a few
+#: hundred thousand characters on, with a PCRE2 split regex); only such batches are watched.
+_WATCH_CHARS = 1 << 16
+#: What fastokens' failures never include: these propagate.
+_INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - not Linux: workers are spawned, never forked
+        return 0
+
+
+def fastokens_on_one_thread() -> None:
+    """Size fastokens' pools to one thread. The variables are read when a pool starts (the first
+    encode that needs it) and the build parallelizes by processes: a pool of its own per worker
+    would compete with the other workers for the same cores."""
+    os.environ["FASTOKENS_BPE_THREADS"] = "1"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+
+
+class FastokensEncoder:
+    """``fastokens`` on the tokenizer's own JSON: ``encode_batch_flat(texts, add_special_tokens=False,
+    split_special_tokens=True)``, so special-token text is encoded as text (like the reference).
+
+    A batch it raises on (PCRE2 match or JIT-stack limits on pathological text) is encoded one
+    text at a time; a text it raises on is encoded by the reference and counted in
+    :attr:`fallbacks`. It runs on one thread (:func:`fastokens_on_one_thread`). Pickles as the
+    tokenizer; the native object is rebuilt lazily.
+    """
+
+    name = "fastokens"
+
+    def __init__(self, tok: Tokenizer, native: Any = None) -> None:
+        self.tok = tok
+        self._native = native
+        self.fallbacks = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tok": self.tok}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["tok"])
+
+    @classmethod
+    def load(cls, tok: Tokenizer) -> tuple[FastokensEncoder | None, str]:
+        """(encoder, "") or (None, why fastokens cannot encode with this tokenizer)."""
+        try:
+            import fastokens
+        except ImportError:
+            return None, "fastokens is not installed"
+        if _POOL_STARTED_IN == os.getpid():
+            return None, "its thread pool already runs in this process, and workers forked from it could not use it"
+        fastokens_on_one_thread()
+        try:
+            native = fastokens.Tokenizer.from_json_str(tok.json_text)
+            native.no_truncation()
+            native.no_padding()
+        except Exception as e:  # unsupported normalizer / pre-tokenizer / model, bad regex, ...
+            return None, f"fastokens refused the tokenizer ({_first_line(e)})"
+        return cls(tok, native), ""
+
+    @property
+    def native(self) -> Any:
+        if _POOL_STARTED_IN is not None and _POOL_STARTED_IN != os.getpid():
+            raise TokenizerError(
+                "fastokens started its thread pool in the process this one was forked from; a forked copy "
+                "cannot use it (encode with fastokens only after forking, or pass fast_encoders=('tiktoken',))"
+            )
+        if self._native is None:
+            enc, why = self.load(self.tok)
+            if enc is None:
+                raise TokenizerError(f"fastokens encoder unavailable for {self.tok.identity.name!r}: {why}")
+            self._native = enc._native
+        return self._native
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        global _POOL_STARTED_IN
+        native = self.native
+        texts = texts if isinstance(texts, list) else list(texts)
+        watch = sys.platform.startswith("linux") and max(map(len, texts), default=0) >= _WATCH_CHARS
+        before = _thread_count() if watch else 0
+        try:
+            ids, offs = native.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=True)
+            flat, offsets = np.frombuffer(ids, dtype="<u4"), np.frombuffer(offs, dtype="<u8").astype(np.int64)
+        except _INTERRUPTS:
+            raise
+        except BaseException:  # also a Rust panic (pyo3's PanicException is a BaseException)
+            flat, offsets = self._one_by_one(native, texts)
+        if watch and _POOL_STARTED_IN is None and _thread_count() > before:
+            _POOL_STARTED_IN = os.getpid()
+        return flat, offsets
+
+    def _one_by_one(self, native: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = []
+        for t in texts:
+            try:
+                ids, _ = native.encode_batch_flat([t], add_special_tokens=False, split_special_tokens=True)
+                parts.append(np.frombuffer(ids, dtype="<u4"))
+            except _INTERRUPTS:
+                raise
+            except BaseException:
+                parts.append(self.tok.encode(t))  # the reference; what it raises, the build reports
+                self.fallbacks += 1
+        return flat_of(parts)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return split_flat(*self.encode_flat(texts))
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_flat([text])[0]
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# -- tiktoken, bytes ------------------------------------------------------------------------------
 class TiktokenEncoder:
     """A ``tiktoken`` encoding built from a byte-level BPE ``tokenizer.json`` (ordinary encoding:
     special-token text is plain text). Pickles as the JSON; rebuilt lazily."""
 
     name = "tiktoken"
+    fallbacks = 0
 
     def __init__(self, json_text: str) -> None:
         self.json_text = json_text
@@ -120,11 +241,9 @@ class TiktokenEncoder:
     @property
     def encoding(self):
         if self._enc is None:
-            sha = hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()
-            cached = _cached_tiktoken(sha, load_facts(sha, "fast path"))
-            enc, reason = cached or tiktoken_from_json(json.loads(self.json_text), json_sha256=sha)
+            enc, why = _tiktoken_encoding_of(self.json_text)
             if enc is None:
-                raise TokenizerError(f"tiktoken fast path unavailable: {reason}")
+                raise TokenizerError(f"tiktoken fast path unavailable: {why}")
             self._enc = enc
         return self._enc
 
@@ -136,11 +255,15 @@ class TiktokenEncoder:
         none: set[str] = set()
         return [enc.encode_to_numpy(t, allowed_special=none, disallowed_special=()) for t in texts]
 
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        return flat_of(self.encode_batch(texts))
+
 
 class BytesEncoder:
     """Ids = the UTF-8 bytes (the ``bytes`` tokenizer's model, without the BPE machinery)."""
 
     name = "bytes"
+    fallbacks = 0
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -148,349 +271,100 @@ class BytesEncoder:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
-
-def _split_pattern(pre: Any) -> tuple[str | None, str]:
-    """The regex a byte-level pre-tokenizer splits with, or (None, why not)."""
-    if not isinstance(pre, dict):
-        return None, "no pre-tokenizer"
-    if pre.get("type") == "ByteLevel":
-        if pre.get("add_prefix_space"):
-            return None, "ByteLevel pre-tokenizer adds a prefix space"
-        if pre.get("use_regex", True):
-            return GPT2_PATTERN, ""
-        return None, "ByteLevel pre-tokenizer without a split regex"
-    if pre.get("type") == "Sequence":
-        steps = pre.get("pretokenizers") or []
-        if (
-            len(steps) == 2
-            and steps[0].get("type") == "Split"
-            and steps[1].get("type") == "ByteLevel"
-            and not steps[1].get("use_regex", True)
-            and not steps[1].get("add_prefix_space")
-            and steps[0].get("behavior") == "Isolated"
-            and not steps[0].get("invert")
-            and "Regex" in (steps[0].get("pattern") or {})
-        ):
-            return steps[0]["pattern"]["Regex"], ""
-        return None, "pre-tokenizer sequence is not Split(regex, Isolated) + ByteLevel"
-    return None, f"pre-tokenizer {pre.get('type')!r} is not byte-level"
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        datas = [t.encode("utf-8") for t in texts]
+        offsets = np.zeros(len(datas) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, datas), dtype=np.int64, count=len(datas)), out=offsets[1:])
+        return np.frombuffer(b"".join(datas), dtype=np.uint8), offsets
 
 
-def _byte_level_ranks(model: Mapping[str, Any], added_contents: set[str]) -> tuple[dict[bytes, int] | None, str]:
-    """tiktoken's mergeable ranks (token bytes -> id) of a byte-level BPE model, or (None, why not)."""
-    # Byte-level symbol -> byte, as a str.translate table to latin-1 code points.
-    table = {ord(c): b for b, c in byte_level_alphabet().items()}
-    vocab = model.get("vocab") or {}
-    outside = re.compile("[^" + re.escape("".join(byte_level_alphabet().values())) + "]")
-    stray = outside.search("".join(t for t in vocab if t not in added_contents))
-    if stray:
-        return None, f"vocabulary has characters outside the byte-level alphabet (e.g. {stray.group()!r})"
-    ranks: dict[bytes, int] = {}
-    for tok, i in vocab.items():
-        if tok in added_contents:
-            continue
-        try:
-            ranks[tok.translate(table).encode("latin-1")] = int(i)
-        except UnicodeEncodeError:
-            return None, f"vocabulary entry {tok!r} is not byte-level"
-    if any(bytes([b]) not in ranks for b in range(256)):
-        return None, "vocabulary lacks some of the 256 byte symbols"
-    if len(set(ranks.values())) != len(ranks):
-        return None, "two vocabulary entries share an id"
-    merges = model.get("merges") or []
-    made = np.array(
-        [vocab.get(m.replace(" ", "", 1) if isinstance(m, str) else m[0] + m[1], -1) for m in merges], dtype=np.int64
-    ).reshape(-1)
-    bad = np.flatnonzero((made < 0) | (np.diff(made, prepend=-1) <= 0))
-    if bad.size:
-        return None, f"merge {merges[int(bad[0])]!r} does not produce ids in merge order"
-    return ranks, ""
-
-
-#: Format of the mergeable-ranks cache files (bump to invalidate every entry).
-_RANKS_CACHE_FORMAT = "h5corpus-ranks-1"
-
-
-def _ranks_cache_path(json_sha256: str) -> tuple[Path, dict[str, str]] | None:
-    d = cache_dir()
-    if d is None:
-        return None
-    fields = {"format": _RANKS_CACHE_FORMAT, "tokenizer_sha256": json_sha256, "module_sha256": source_sha256()}
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    return d / "tiktoken" / f"{key}.ranks", fields
-
-
-def _load_ranks(json_sha256: str) -> dict[bytes, int] | None:
-    """Ranks cached for this tokenizer JSON and this module's source, or None (absent, unreadable,
-    or not matching its key and payload hash: then it is rebuilt from the JSON)."""
-    where = _ranks_cache_path(json_sha256)
-    if where is None:
-        return None
-    path, fields = where
-    try:
-        raw = path.read_bytes()
-        head, payload = raw.split(b"\n", 1)
-        h = json.loads(head)
-        n, nblob = int(h["n"]), int(h["blob"])
-        if (
-            h.get("fields") != fields
-            or len(payload) != 8 * n + nblob
-            or hashlib.sha256(payload).hexdigest() != h["sha256"]
-        ):
-            return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    ids = np.frombuffer(payload, dtype="<u4", count=n)
-    ends = np.cumsum(np.frombuffer(payload, dtype="<u4", count=n, offset=4 * n), dtype=np.int64).tolist()
-    blob = payload[8 * n :]
-    return dict(zip([blob[a:b] for a, b in zip([0] + ends[:-1], ends)], ids.tolist()))
-
-
-def _store_ranks(json_sha256: str, ranks: Mapping[bytes, int]) -> None:
-    where = _ranks_cache_path(json_sha256)
-    if where is None:
-        return
-    path, fields = where
-    toks = list(ranks)
-    payload = (
-        np.fromiter(ranks.values(), dtype="<u4", count=len(toks)).tobytes()
-        + np.fromiter(map(len, toks), dtype="<u4", count=len(toks)).tobytes()
-        + b"".join(toks)
-    )
-    head = json.dumps(
-        {
-            "fields": fields,
-            "n": len(toks),
-            "blob": len(payload) - 8 * len(toks),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-        },
-        sort_keys=True,
-    ).encode()
-    write_cache_file(path, head + b"\n" + payload)
-
-
-def _tiktoken_plan(
-    d: dict[str, Any], json_sha256: str | None
-) -> tuple[dict[str, Any] | None, dict[bytes, int] | None, str]:
-    """The structural checks of :func:`tiktoken_from_json`: (plan, ranks, "") or (None, None, reason).
-    A plan holds the split ``pattern`` and the ``special`` tokens (content -> id) to register."""
-    model = d.get("model") or {}
-    if model.get("type") != "BPE":
-        return None, None, f"model is {model.get('type')!r}, not BPE"
-    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(key):
-            return None, None, f"BPE option {key}={model.get(key)!r}"
-    if model.get("byte_fallback"):
-        return None, None, "BPE byte_fallback"
-    if d.get("normalizer"):
-        return None, None, f"normalizer {d['normalizer'].get('type')!r}"
-    pattern, why = _split_pattern(d.get("pre_tokenizer"))
-    if pattern is None:
-        return None, None, why
-    added = d.get("added_tokens") or []
-    if any(not t.get("special") for t in added):
-        return None, None, "non-special added tokens (matched inside text by tokenizers)"
-    ranks = _load_ranks(json_sha256) if json_sha256 else None
-    if ranks is None:
-        ranks, why = _byte_level_ranks(model, {t["content"] for t in added})
-        if ranks is None:
-            return None, None, why
-        if json_sha256:
-            _store_ranks(json_sha256, ranks)
-    # Special tokens are registered but never allowed, so their text is encoded as plain text
-    # (encode_to_numpy with allowed_special=set()). At least one must exist: with none, tiktoken's
-    # special-token scan uses an empty pattern and runs much slower (docs/BUILD.md, "Performance").
-    used = set(ranks.values())
-    special = {t["content"]: int(t["id"]) for t in added if int(t["id"]) not in used}
-    if not special:
-        special = {"<|h5corpus-unused-special|>": max(ranks.values()) + 1}
-    return {"pattern": pattern, "special": special}, ranks, ""
-
-
-def _tiktoken_encoding(plan: Mapping[str, Any], ranks: dict[bytes, int]):
-    import tiktoken
-
-    try:
-        return tiktoken.Encoding(
-            "h5corpus-bpe", pat_str=plan["pattern"], mergeable_ranks=ranks, special_tokens=dict(plan["special"])
-        ), ""
-    except Exception as e:  # e.g. a regex tiktoken's engine rejects
-        return None, f"tiktoken rejected the encoding ({e})"
-
-
-def tiktoken_from_json(d: dict[str, Any], *, json_sha256: str | None = None):
-    """Build a ``tiktoken.Encoding`` equivalent in structure to a byte-level BPE tokenizer.json.
-
-    Returns (encoding, "") or (None, reason). Structural requirements: BPE model without dropout,
-    subword prefixes/suffixes or byte fallback; no normalizer; a GPT-2-style byte-level
-    pre-tokenizer; every one of the 256 byte symbols in the vocabulary; each merge's result has a
-    larger id than the previous merge's (tiktoken merges by rank = id); no non-special added tokens.
-    Equality of ids is then proven empirically (:func:`prove_same_ids`), never assumed.
-
-    ``json_sha256`` (the sha256 of the JSON text ``d`` was parsed from) enables the ranks cache
-    (:func:`~h5corpus.build.tokenizer.cache_dir`): the vocabulary conversion and its checks, a pure
-    function of the JSON and of the source, are then loaded instead of redone (docs/BUILD.md).
-    """
-    try:
-        import tiktoken  # noqa: F401
-    except ImportError:  # pragma: no cover - tiktoken is a dependency
-        return None, "tiktoken is not installed"
-    plan, ranks, why = _tiktoken_plan(d, json_sha256)
-    if plan is None or ranks is None:
-        return None, why
-    return _tiktoken_encoding(plan, ranks)
-
-
-def _bytes_model(d: dict[str, Any]) -> bool:
-    """True when ``d`` is the ``bytes`` tokenizer's model: ids are the UTF-8 bytes themselves."""
-    model = d.get("model") or {}
-    vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
-    if model.get("type") == "BPE" and not model.get("merges") and not d.get("normalizer"):
-        pre = d.get("pre_tokenizer") or {}
-        alphabet = byte_level_alphabet()
-        return bool(
-            pre.get("type") == "ByteLevel"
-            and not pre.get("add_prefix_space")
-            and all(vocab.get(alphabet[b]) == b for b in range(256))
-            and not any(not t.get("special") for t in d.get("added_tokens") or [])
-        )
-    return False
-
-
-def _cached_tiktoken(json_sha256: str, verdict: Mapping[str, Any] | None) -> tuple[Any, str] | None:
-    """(encoding or None, why) from a cached tiktoken verdict and cached ranks; None when either
-    is not cached (the JSON must then be parsed and converted)."""
-    if verdict is None or verdict.get("kind") != "tiktoken":
-        return None
-    ranks = _load_ranks(json_sha256)
-    return None if ranks is None else _tiktoken_encoding(verdict, ranks)
-
-
-def fast_encoder(tok: Tokenizer) -> tuple[Encoder | None, str]:
-    """A faster encoder structurally equivalent to ``tok`` (not yet proven), or (None, why not).
-
-    The structural verdict is cached (:func:`cache_dir`) by the JSON's sha256 with the converted
-    vocabulary, so a later build with the same tokenizer neither parses its JSON nor converts it."""
+# -- choosing ---------------------------------------------------------------------------------------
+def _structure(tok: Tokenizer) -> tuple[str | None, Any, str]:
+    """The structural verdict on the bytes and tiktoken paths: (``"bytes"`` | ``"tiktoken"`` | None,
+    the tiktoken encoding when it applies, why neither applies). Cached by the JSON's sha256 with the
+    converted vocabulary, so a later build with the same tokenizer neither parses nor converts it."""
     sha = tok.identity.sha256
     verdict = load_facts(sha, "fast path")
-    cached = _cached_tiktoken(sha, verdict)
-    if cached is not None:
-        enc, why = cached
-        if enc is None:
-            return None, why
-        e = TiktokenEncoder(tok.json_text)
-        e._enc = enc
-        return e, ""
-    if verdict is not None and verdict.get("kind") == "bytes":
-        return BytesEncoder(), ""
-    elif verdict is not None and verdict.get("kind") is None and isinstance(verdict.get("why"), str):
-        return None, verdict["why"]
-    d = tok.json
-    if _bytes_model(d):
+    if verdict is not None:
+        kind = verdict.get("kind")
+        if kind == "bytes":
+            return "bytes", None, ""
+        if kind is None and isinstance(verdict.get("why"), str):
+            return None, None, verdict["why"]
+        cached = cached_tiktoken(sha, verdict)
+        if cached is not None:
+            return ("tiktoken", cached[0], "") if cached[0] is not None else (None, None, cached[1])
+    if is_bytes_model(tok.json):
         store_facts(sha, "fast path", {"kind": "bytes"})
-        return BytesEncoder(), ""
+        return "bytes", None, ""
+    enc, why = _tiktoken_encoding_of(tok.json_text, tok.json)
+    return ("tiktoken", enc, "") if enc is not None else (None, None, why)
+
+
+def _is_bytes(tok: Tokenizer) -> bool:
+    """True for the ``bytes`` tokenizer's model (from the cached verdict when there is one)."""
+    verdict = load_facts(tok.identity.sha256, "fast path")
+    if verdict is not None and (verdict.get("kind") in ("bytes", "tiktoken") or isinstance(verdict.get("why"), str)):
+        return verdict.get("kind") == "bytes"
+    return _structure(tok)[0] == "bytes"
+
+
+def _tiktoken_encoding_of(json_text: str, parsed: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The tiktoken encoding of a tokenizer JSON, or (None, why not); the verdict is cached."""
     try:
         import tiktoken  # noqa: F401
     except ImportError:  # pragma: no cover - tiktoken is a dependency
         return None, "tiktoken is not installed"
-    plan, ranks, why = _tiktoken_plan(d, sha)
+    sha = hashlib.sha256(json_text.encode("utf-8")).hexdigest()
+    cached = cached_tiktoken(sha, load_facts(sha, "fast path"))
+    if cached is not None:
+        return cached
+    plan, ranks, why = tiktoken_plan(json.loads(json_text) if parsed is None else parsed, sha)
     if plan is None or ranks is None:
         store_facts(sha, "fast path", {"kind": None, "why": why})
         return None, why
-    enc, why = _tiktoken_encoding(plan, ranks)
+    enc, why = tiktoken_encoding(plan, ranks)
+    if enc is not None:
+        store_facts(sha, "fast path", {"kind": "tiktoken", **plan})
+    return enc, why
+
+
+def _candidate(tok: Tokenizer, name: str) -> tuple[Encoder | None, str]:
+    """The fast encoder ``name`` for ``tok``, or (None, why not; "" when not worth reporting)."""
+    if name == "fastokens":
+        return FastokensEncoder.load(tok)
+    if name not in ("bytes", "tiktoken"):
+        raise ValueError(f"unknown fast encoder {name!r} (known: {', '.join(FAST_ENCODERS)})")
+    if name == "bytes":
+        return (BytesEncoder(), "") if _is_bytes(tok) else (None, "")
+    kind, enc, why = _structure(tok)
     if enc is None:
-        return None, why
-    store_facts(sha, "fast path", {"kind": "tiktoken", **plan})
+        return None, "" if kind == "bytes" else why
     e = TiktokenEncoder(tok.json_text)
     e._enc = enc
     return e, ""
 
 
-def _proof_key(reference: HFEncoder, candidate: Encoder, texts: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
-    """(key, the fields it hashes) for a proof, or None when the inputs cannot be identified."""
-    tok = getattr(reference, "tok", None)
-    ident = getattr(tok, "identity", None)
-    if ident is None or not getattr(ident, "sha256", None):
-        return None
-    cand_json = getattr(candidate, "json_text", None)
-    if isinstance(candidate, TiktokenEncoder):
-        if cand_json is None or hashlib.sha256(cand_json.encode("utf-8")).hexdigest() != ident.sha256:
-            return None  # built from another JSON than the reference: do not guess
-    elif not isinstance(candidate, BytesEncoder):
-        return None  # an encoder this module does not know: always prove
-    h = hashlib.sha256()
-    for t in texts:
-        b = t.encode("utf-8", "surrogatepass")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    fields = {
-        "format": _PROOF_CACHE_FORMAT,
-        "tokenizer_sha256": ident.sha256,
-        "candidate": candidate.name,
-        "texts": len(texts),
-        "texts_sha256": h.hexdigest(),
-        "module_sha256": source_sha256(),
-        **library_versions(),
-    }
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    return key, fields
-
-
-def _proof_cached(key: str, fields: Mapping[str, Any]) -> bool:
-    d = cache_dir()
-    if d is None:
-        return False
-    try:
-        got = json.loads((d / "proofs" / f"{key}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(got, dict) and got.get("fields") == dict(fields) and got.get("verdict") == "same ids"
-
-
-def _remember_proof(key: str, fields: Mapping[str, Any]) -> None:
-    d = cache_dir()
-    if d is None:
-        return
-    write_cache_file(
-        d / "proofs" / f"{key}.json",
-        json.dumps({"fields": dict(fields), "verdict": "same ids"}, sort_keys=True).encode("utf-8"),
-    )
-
-
-def prove_same_ids(reference: HFEncoder, candidate: Encoder, texts: Iterable[str], *, cache: bool = True) -> str | None:
-    """Compare ``candidate`` with the reference on every text (and :data:`PROOF_TEXTS`).
-
-    Returns None when all ids are equal, else a description of the first difference.
-
-    With ``cache`` (default), a proof that passed before on exactly these texts, with the same
-    tokenizer, encoder, library versions and module source, is not run again (see
-    :func:`cache_dir`); ``tokenizers`` is then not even loaded. A difference is never cached.
-    """
-    texts = list(PROOF_TEXTS) + list(texts)
-    keyed = _proof_key(reference, candidate, texts) if cache else None
-    if keyed is not None and _proof_cached(*keyed):
-        return None
-    ref = reference.encode_each(texts)
-    got = candidate.encode_batch(texts)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a.shape != b.shape or not np.array_equal(a, b.astype(np.uint32, copy=False)):
-            n = min(a.size, b.size)
-            k = int(np.argmax(a[:n] != b[:n])) if n and (a[:n] != b[:n]).any() else n
-            return (
-                f"sample text {i} ({texts[i][:40]!r}...) differs at token {k}: tokenizers gives "
-                f"{a[k : k + 4].tolist()}, {candidate.name} gives {b[k : k + 4].tolist()}"
-            )
-    if keyed is not None:
-        _remember_proof(*keyed)
-    return None
+def fast_encoder(tok: Tokenizer, names: Sequence[str] | None = None) -> tuple[Encoder | None, str]:
+    """The first of the fast encoders ``names`` (default :data:`FAST_ENCODERS`) that applies to
+    ``tok`` (not yet proven), and why the ones before it do not (``"name: reason; ..."``)."""
+    skipped = []
+    for name in FAST_ENCODERS if names is None else names:
+        enc, why = _candidate(tok, name)
+        if enc is not None:
+            return enc, "; ".join(skipped)
+        if why:
+            skipped.append(f"{name}: {why}")
+    return None, "; ".join(skipped)
 
 
 def encoder_named(tok: Tokenizer, name: str) -> Encoder:
-    """The encoder called ``name`` (``tokenizers``, ``tiktoken``, ``bytes``) for ``tok``; raises
-    :class:`~h5corpus.build.tokenizer.TokenizerError` when that fast path does not apply to it."""
+    """The encoder called ``name`` (``tokenizers``, ``fastokens``, ``tiktoken``, ``bytes``) for
+    ``tok``; raises :class:`~h5corpus.build.tokenizer.TokenizerError` when that fast path does not
+    apply to it."""
     if name == HFEncoder.name:
         return HFEncoder(tok)
-    fast, why = fast_encoder(tok)
-    if fast is None or fast.name != name:
-        raise TokenizerError(f"encoder {name!r} is not available for tokenizer {tok.identity.name!r}: {why or fast}")
+    fast, why = fast_encoder(tok, [name]) if name in FAST_ENCODERS else (None, f"unknown encoder {name!r}")
+    if fast is None:
+        raise TokenizerError(f"encoder {name!r} is not available for tokenizer {tok.identity.name!r}: {why}")
     return fast

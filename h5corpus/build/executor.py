@@ -11,12 +11,12 @@ processes or on other nodes can run it from the state folder
 forked workers that inherit the context (encoder and filters loaded once), die with the main
 process (``PR_SET_PDEATHSIG`` on Linux), close their copy of the build lock, share progress
 counters, and turn the stages' named steps into test crash points (:data:`CRASH_ENV`).
-:class:`BuildLock` is the lock a build holds on its shards folder and its manifest.
+:class:`BuildLock` is what a build holds on its shards folder and its manifest: run markers
+(:mod:`~h5corpus.build.runmarker`), which work on NFS and Lustre where ``flock`` does not.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import sys
@@ -27,11 +27,13 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import BuildConflict, BuildError
-from .oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error, refusal
+from .config import BuildError
+from .oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error
 from .plan import StageContext
+from .runmarker import RunMarker
+from .stages import run_stage
 from .state import LOCK_FILE, manifest_lock_path
-from .tasks import StageCall, run_stage
+from .tasks import StageCall
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
 #: (main process and workers) the N-th time (default 1st) one process reaches that point.
@@ -113,98 +115,92 @@ class LocalEvents:
 
 
 class BuildLock:
-    """The locks a build holds for its whole life, so that no two builds write one shards folder or
-    one manifest at once: an exclusive ``flock`` on ``<shards_dir>/.build.lock`` and on
-    ``.<manifest name>.lock`` beside the manifest (:func:`~h5corpus.build.state.manifest_lock_path`).
-    The lock files are left in place and hold the holder's pid, for the message a second build prints.
+    """The run markers a build holds for its whole life, so that no two builds write one shards
+    folder or one manifest at once: ``<shards_dir>/.build.lock`` and ``.<manifest name>.lock``
+    beside the manifest (:func:`~h5corpus.build.state.manifest_lock_path`), taken in that order.
+    Each holds host, pid and start time, for the message a second build prints; a second build
+    refuses while the first is alive and replaces a stale marker. They are removed when the build
+    ends (a Slurm build hands them over to its jobs: :meth:`update`, :meth:`hand_over`).
 
-    Where a folder cannot be written (read-only file system, no permission), an existing lock file
-    is locked through a read-only descriptor, or nothing is locked when there is none, and
-    :attr:`writable` is False with :attr:`refusal` saying why: such a build may only find its output
-    up to date. :attr:`fds` are the descriptors a forked worker must close.
+    Where a folder cannot be written (read-only file system, no permission), no marker can be
+    created there: a live marker already there still refuses the build, else :attr:`writable` is
+    False with :attr:`refusal` saying why, and such a build may only find its output up to date.
+    :attr:`fds` is empty: a marker holds no descriptor for forked workers to close.
     """
 
     def __init__(self, shards_dir: Path, manifest: Path) -> None:
         shards_dir, manifest = Path(shards_dir), Path(manifest)
         wanted = [
-            (shards_dir / LOCK_FILE, f"into {shards_dir}", shards_dir),
-            (manifest_lock_path(manifest), f"the manifest {manifest}", manifest.parent),
+            (shards_dir / LOCK_FILE, f"into {shards_dir}"),
+            (manifest_lock_path(manifest), f"the manifest {manifest}"),
         ]
         seen: set[Path] = set()
-        self.wanted = []
-        for path, what, folder in wanted:
+        self.markers: list[RunMarker] = []
+        for path, what in wanted:
             key = path.absolute().resolve()
             if key not in seen:
                 seen.add(key)
-                self.wanted.append((path, what, folder))
-        self.fds: list[int] = []
+                self.markers.append(RunMarker(path, what))
+        self.held: list[RunMarker] = []
+        self.fds: tuple[int, ...] = ()
         self.writable = True
         self.refusal: BuildOSError | None = None
 
     def __enter__(self) -> BuildLock:
         try:
-            for path, what, folder in self.wanted:
-                self._take(path, what, folder)
+            for marker in self.markers:
+                self._take(marker)
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def _take(self, path: Path, what: str, folder: Path) -> None:
-        fd, refused = _open_lock_file(path)
-        if refused is None and not os.access(folder, os.W_OK | os.X_OK):
-            refused = refusal("write into", folder)
-        if refused is not None:
-            self.writable = False
-            self.refusal = self.refusal or refused
-        if fd is None:
-            return
+    def _take(self, marker: RunMarker) -> None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            finally:
-                os.close(fd)
-            raise BuildConflict(
-                f"another h5corpus build is writing {what} (lock {path} held by pid {holder}); "
-                "wait for it to finish, or stop it first"
-            ) from None
-        self.fds.append(fd)
-        if refused is None:
-            try:  # the pid is only for the message: a full disk must not stop the build here
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
-            except OSError:
-                pass
+            marker.acquire()
+        except OSError as e:
+            failed = as_build_os_error(e, "create the run marker", marker.path)
+            if failed is None or e.errno not in NOT_WRITABLE:
+                raise failed or e from None
+            marker.check_not_alive()  # a live build there (one that may write) still refuses
+            self.writable = False
+            self.refusal = self.refusal or _refusal_of(failed, marker.path.parent)
+            return
+        self.held.append(marker)
+
+    @property
+    def cancel_jobs(self) -> list[str]:
+        """Slurm jobs of replaced runs that would pend forever (the caller cancels them)."""
+        return [j for m in self.markers for j in m.cancel_jobs]
+
+    def update(self, **fields: Any) -> None:
+        """Rewrite every held marker with more fields (``kind="slurm", jobs=[...]``)."""
+        for marker in self.held:
+            marker.update(**fields)
+
+    def hand_over(self) -> None:
+        """Leave the markers in place: the build's jobs hold the output now."""
+        for marker in self.held:
+            marker.hand_over()
+        self.held = []
 
     def __exit__(self, *exc: Any) -> None:
-        for fd in self.fds:
-            os.close(fd)  # releases the flock
-        self.fds = []
+        for marker in reversed(self.held):
+            marker.release()
+        self.held = []
 
 
-def _open_lock_file(path: Path) -> tuple[int | None, BuildOSError | None]:
-    """A descriptor on the lock file at ``path`` (created if need be) and, when its folder cannot be
-    written, why (the descriptor is then read-only, or None when there is no lock file to open)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), None
-    except OSError as e:
-        failed = as_build_os_error(e, "create the lock file", path)
-        if failed is None or e.errno not in NOT_WRITABLE:
-            raise failed or e from None
-    try:
-        return os.open(path, os.O_RDONLY), failed
-    except OSError:
-        return None, failed
+def _refusal_of(failed: BuildOSError, folder: Path) -> BuildOSError:
+    """``failed`` (a marker that could not be created) as the refusal to write into ``folder``."""
+    return BuildOSError("write into", folder, failed.errno, failed.strerror or "")
 
 
 def _mp_context():
     import multiprocessing as mp
 
     # fork: workers inherit the loaded encoder and filters (no re-import, no pickling). Safe here:
-    # the main process holds no open HDF5 file and runs no thread of its own when it forks.
+    # the main process holds no open HDF5 file when it forks, and its one thread besides the main
+    # one (the run marker's heartbeat) only sleeps and touches a file, holding no lock a child needs.
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 

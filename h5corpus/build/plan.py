@@ -85,6 +85,15 @@ class BuildPlan:
     """The read stage records what ``--explain-drops`` needs."""
     newlines_before: dict[int, int] = field(default_factory=dict)
     """Task index -> line breaks before its first byte (JSONL tasks inside a file; explain only)."""
+    decide_buckets: int = 0
+    """Buckets of the decide stage (:mod:`~h5corpus.build.buckets`); 0: the in-memory decide. The read
+    stage writes each task's sorted keys when it is not 0. Never changes an output byte."""
+    manifest: str | None = None
+    """Absolute path of the manifest (for a commit stage run from the state folder alone)."""
+    sources: dict[str, Any] | None = None
+    """The inputs' description (the manifest's ``source``), for the same."""
+    explain_drops: str | None = None
+    """Absolute path of the ``--explain-drops`` file, when asked for."""
     version: int = PLAN_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -101,7 +110,7 @@ class BuildPlan:
             raise ValueError(
                 f"plan version {d.get('version') if isinstance(d, Mapping) else None!r} is not {PLAN_VERSION}"
             )
-        kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.name not in _OPTIONAL_FIELDS}
         kw["tokenizer"] = TokenizerIdentity.from_json(d["tokenizer"])
         kw["tasks"] = tuple(Task.from_json(t) for t in d["tasks"])
         kw["split"] = SplitRule(int(d["split"]["seed"]), float(d["split"]["validation_fraction"]))
@@ -113,6 +122,10 @@ class BuildPlan:
         if tokenizer_json is not None:
             write_state_file(state.tokenizer, tokenizer_json.encode("utf-8"))
         write_state_file(state.plan, json.dumps(self.to_json(), sort_keys=True).encode("utf-8"), durable=True)
+
+
+_OPTIONAL_FIELDS = ("decide_buckets", "manifest", "sources", "explain_drops")
+"""Fields a plan written before they existed lacks (their defaults apply)."""
 
 
 def read_plan_run(state: StateDir) -> dict[str, Any] | None:

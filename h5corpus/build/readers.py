@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .sources import SourceFile, Task, open_parquet
+from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
 
 #: Rows per parquet read batch.
 PARQUET_BATCH_ROWS = 1024
@@ -49,14 +49,6 @@ def _type_name(v: Any) -> str:
 
 #: A document as read: its text and the text's UTF-8 bytes (``data`` hashes to the document id).
 Doc = tuple[str, bytes]
-
-
-def _is_text_type(pa: Any, typ: Any) -> bool:
-    """A parquet column of text: string, large_string or string_view, or a dictionary of those
-    (writers dictionary-encode repetitive string columns; the values read back as the same str)."""
-    if pa.types.is_dictionary(typ):
-        typ = typ.value_type
-    return pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
 
 
 def _utf8(text: str) -> bytes | None:
@@ -234,6 +226,10 @@ class TaskReader:
             return self._parquet()
         if k == "text":
             return self._text()
+        if k.startswith(DATASETS_KIND_PREFIX):
+            from .hfreaders import read_records
+
+            return read_records(self.task, self.text_field)
         raise ValueError(f"unknown task kind {k!r}")
 
     # jsonl --------------------------------------------------------------------------------------
@@ -369,8 +365,16 @@ class TaskReader:
 
     # parquet ------------------------------------------------------------------------------------
     def _parquet(self) -> Iterator[Doc | BadRecord]:
-        import pyarrow as pa
+        for chunk in self.parquet_chunks():
+            if isinstance(chunk, BadRecord):
+                yield chunk
+            else:
+                yield from zip(*chunk)
 
+    def parquet_chunks(self) -> Iterator[DocChunk | BadRecord]:
+        """A parquet task's records, a row batch at a time: runs of documents as ``(texts, datas)``
+        (``datas``: each text's UTF-8 bytes, as views of the column's own buffer where it has one)
+        and bad records, in row order. No Python work per row beyond making its ``str``."""
         t = self.task
         f = t.files[0]
         try:
@@ -383,57 +387,24 @@ class TaskReader:
         groups = list(range(t.start, stop))
         n_rows = sum(pf.metadata.row_group(i).num_rows for i in groups)
         row = t.first_row
-        names = pf.schema_arrow.names
         fld = self.text_field
-        if fld not in names:
-            reason = f"no column {fld!r} (columns: {', '.join(names[:8])})"
+        why = _not_a_text_column(pf.schema_arrow, fld)
+        if why is not None:
+            reason, code = why
             for r in range(row, row + n_rows):
-                yield BadRecord(f"{f.name} row {r}", reason, "missing_field")
-            return
-        typ = pf.schema_arrow.field(fld).type
-        if not _is_text_type(pa, typ):
-            reason = f"column {fld!r} is {typ}, not a string"
-            for r in range(row, row + n_rows):
-                yield BadRecord(f"{f.name} row {r}", reason, "not_string")
+                yield BadRecord(f"{f.name} row {r}", reason, code)
             return
         if not groups:
             return
         try:
-            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld])
+            # use_threads=False: the worker decodes on its own thread (workers are the parallelism)
+            batches = pf.iter_batches(
+                batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld], use_threads=False
+            )
             for batch in batches:
                 col = batch.column(0)
-                try:
-                    values = col.to_pylist()
-                except Exception:  # invalid UTF-8 somewhere in the batch: find the row
-                    values = []
-                    for i in range(len(col)):
-                        try:
-                            values.append(col[i].as_py())
-                        except Exception as e:
-                            values.append(
-                                BadRecord(
-                                    f"{f.name} row {row + i}",
-                                    f"invalid string ({type(e).__name__}: {e})",
-                                    "invalid_utf8",
-                                )
-                            )
-                for i, v in enumerate(values):
-                    if isinstance(v, str):
-                        data = _utf8(v)
-                        yield (
-                            (v, data)
-                            if data is not None
-                            else BadRecord(
-                                f"{f.name} row {row + i}", f"field {fld!r} is not valid Unicode", "invalid_unicode"
-                            )
-                        )
-                    elif isinstance(v, BadRecord):
-                        yield v
-                    else:
-                        yield BadRecord(
-                            f"{f.name} row {row + i}", f"field {fld!r} is {_type_name(v)}, not a string", "not_string"
-                        )
-                row += len(values)
+                yield from _string_chunks(col, f"{f.name} row ", row, fld)
+                row += len(col)
         except Exception as e:
             yield BadRecord(
                 f"{f.name} row {row}", f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
@@ -457,6 +428,89 @@ class TaskReader:
                     f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start:,}, line {line})",
                     "invalid_utf8",
                 )
+
+
+def _is_text_type(typ: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ))
+
+
+def _not_a_text_column(schema: Any, fld: str) -> tuple[str, str] | None:
+    """(reason, code) when column ``fld`` of a parquet file cannot hold texts, else None. A string
+    column may be dictionary-encoded (``dictionary<values=string>``, e.g. written from a categorical)."""
+    import pyarrow as pa
+
+    if fld not in schema.names:
+        return f"no column {fld!r} (columns: {', '.join(schema.names[:8])})", "missing_field"
+    typ = schema.field(fld).type
+    if _is_text_type(typ) or (pa.types.is_dictionary(typ) and _is_text_type(typ.value_type)):
+        return None
+    return f"column {fld!r} is {typ}, not a string", "not_string"
+
+
+#: A run of documents of one row batch: their texts and the texts' UTF-8 bytes (``bytes`` or views).
+DocChunk = tuple[list[str], list[Any]]
+
+
+def _utf8_views(col: Any) -> list[Any] | None:
+    """Each value's UTF-8 bytes as a view of a string array's data buffer, or None for an array
+    without that layout (string views)."""
+    import numpy as np
+    import pyarrow as pa
+
+    if pa.types.is_string(col.type):
+        width = np.int32
+    elif pa.types.is_large_string(col.type):
+        width = np.int64
+    else:
+        return None
+    bufs = col.buffers()
+    offs = np.frombuffer(bufs[1], dtype=width)[col.offset : col.offset + len(col) + 1].tolist()
+    data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+    return [data[a:b] for a, b in zip(offs[:-1], offs[1:])]
+
+
+def _string_chunks(col: Any, where: str, row: int, fld: str) -> Iterator[DocChunk | BadRecord]:
+    """One row batch of the text column (rows ``row``, ``row + 1``, ...) as document runs and bad
+    records, in row order."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    try:
+        texts = col.to_pylist()
+    except Exception:  # invalid UTF-8 somewhere in the batch: find the row
+        yield from _rows_one_by_one(col, where, row, fld)
+        return
+    if col.null_count == 0:
+        datas = _utf8_views(col)
+        yield texts, datas if datas is not None else [v.encode("utf-8") for v in texts]
+        return
+    run: list[str] = []
+    for i, v in enumerate(texts):
+        if v is None:
+            if run:
+                yield run, [x.encode("utf-8") for x in run]
+                run = []
+            yield BadRecord(f"{where}{row + i}", f"field {fld!r} is null, not a string", "not_string")
+        else:
+            run.append(v)
+    if run:
+        yield run, [x.encode("utf-8") for x in run]
+
+
+def _rows_one_by_one(col: Any, where: str, row: int, fld: str) -> Iterator[DocChunk | BadRecord]:
+    for i in range(len(col)):
+        try:
+            v = col[i].as_py()
+        except Exception as e:
+            yield BadRecord(f"{where}{row + i}", f"invalid string ({type(e).__name__}: {e})", "invalid_utf8")
+            continue
+        if v is None:
+            yield BadRecord(f"{where}{row + i}", f"field {fld!r} is null, not a string", "not_string")
+        else:
+            yield [v], [v.encode("utf-8")]
 
 
 class LocatingReader(TaskReader):
@@ -489,6 +543,10 @@ class LocatingReader(TaskReader):
     def location(self, ordinal: int) -> tuple[str, str | None, int | None]:
         """Where record number ``ordinal`` (0-based, bad records included) of the task is."""
         t = self.task
+        if t.kind.startswith(DATASETS_KIND_PREFIX):
+            from .hfreaders import record_location
+
+            return record_location(t, ordinal)
         if t.kind == "parquet":
             return t.files[0].name, "row", t.first_row + ordinal
         if t.kind == "text":

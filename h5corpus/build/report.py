@@ -57,9 +57,12 @@ class BuildReport:
     shards_written: int = 0
     shards_reused: int = 0
     encoder: str = ""
-    """Encoder that tokenized this run: tiktoken, bytes or tokenizers."""
+    """Encoder that tokenized this run: fastokens, tiktoken, bytes or tokenizers."""
     encoder_note: str = ""
-    """Why the fast path was not used, when it was not."""
+    """Why a fast encoder was not used (not applicable, or disabled by its proof), when one was not."""
+    encoder_fallbacks: int = 0
+    """Documents the fast encoder raised on (e.g. PCRE2 limits on pathological text), encoded by
+    the reference encoder instead. Not in the manifest."""
     skipped_total: int = 0
     skipped_records: list[str] = field(default_factory=list)
     """``file:line: reason`` of skipped records (the first :data:`~h5corpus.build.config.MAX_LISTED`)."""
@@ -79,6 +82,18 @@ class BuildReport:
     up_to_date: bool = False
     """The manifest already described this exact build; nothing was done."""
     resumed: bool = False
+    executor: str = "local"
+    """Where the stages ran: ``local``, ``ray`` or ``slurm``."""
+    decide_buckets: int = 0
+    """Buckets of the decide stage (0: decided in memory by the driver)."""
+    jobs: dict[str, list[str]] = field(default_factory=dict)
+    """Slurm: the job ids submitted per stage (``read``, ``bucket``, ``decide``, ``finish``, ``commit``)."""
+    slurm: dict[str, Any] = field(default_factory=dict)
+    """Slurm: ``scripts`` (stage -> sbatch script path), ``logs`` (their folder), and for a dry run the
+    ``commands`` that would submit them."""
+    submitted: bool = False
+    """Slurm without ``wait``: the jobs were submitted (or, with ``dry_run``, written) and the build
+    goes on without this process; ``splits`` is empty."""
 
     @property
     def tokens(self) -> int:
@@ -231,6 +246,10 @@ def format_report(report: BuildReport) -> str:
     ]
     if report.encoder_note:
         lines.append(f"  note: {report.encoder_note}")
+    if report.encoder_fallbacks:
+        lines.append(
+            f"  note: {report.encoder_fallbacks:,} documents encoded by tokenizers ({report.encoder} raised on them)"
+        )
     width = {c: max(len(c), 12) for c in cols}
 
     def cell(st: Mapping[str, Any], c: str) -> int:

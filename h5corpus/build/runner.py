@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +43,12 @@ from .config import (
     filters_detect_language,
 )
 from .decide import DecideInput, Decider
-from .encoders import Encoder, HFEncoder, fast_encoder, prove_same_ids
+from .encoders import Encoder, HFEncoder, fast_encoder
 from .executor import BuildLock, LocalExecutor
 from .explain import ExplainFile
 from .oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from .plan import BuildPlan, StageContext, filters_spec, read_plan_run
+from .proof import prove_fast_path
 from .readers import newlines_before, sample_texts
 from .report import BuildReport, check_build_sections, report_from_manifest
 from .shards import our_shard_files
@@ -118,10 +119,10 @@ def build_corpus(config: BuildConfig) -> BuildReport:
     manifest_path = Path(cfg.manifest).absolute()
     check_output_kinds(shards_dir, manifest_path, None if cfg.explain_drops is None else Path(cfg.explain_drops))
     tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, cache_dir=cfg.hf_cache_dir)
-    inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir)
+    inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
     settings = cfg.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
-    run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": list(cfg.sources)}
+    run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": [i.spec for i in inputs]}
     target = _Target(
         cfg=cfg,
         tok=tok,
@@ -163,8 +164,10 @@ def _build(target: _Target, inputs: list[Any], lock: BuildLock, t_start: float) 
         shutil.rmtree(target.state.root, ignore_errors=True)  # a state folder without its plan cannot be trusted
     with os_step("create the state folder", target.state.root):
         target.state.create()
-    tasks = plan_tasks(inputs, task_bytes=int(target.cfg.task_bytes))
-    return _Run(target, tasks, resumed, lock.fds, t_start).run()
+    tasks = plan_tasks(inputs, task_bytes=int(cfg.task_bytes))
+    from .scaled import make_run  # the executor and the decide stage's form (it imports _Run)
+
+    return make_run(target, tasks, resumed, lock, t_start).run()
 
 
 def _read_only(target: _Target, refused: BuildOSError, t_start: float) -> BuildReport:
@@ -195,7 +198,7 @@ def _resumable(t: _Target) -> bool:
     if old != t.run_id:
         if old.get("tokenizer") and not TokenizerIdentity.from_json(old["tokenizer"]).same_ids(t.tok.identity):
             raise _tokenizer_conflict(t.state.root, TokenizerIdentity.from_json(old["tokenizer"]), t.tok.identity)
-        srcs = list(t.cfg.sources)
+        srcs = t.run_id["sources"]
         raise BuildConflict(
             f"{t.state.root} holds an interrupted build with other settings ({_diff_keys(old.get('settings') or {}, t.settings)}"
             f"{'; sources ' + repr(old.get('sources')) if old.get('sources') != srcs else ''}); "
@@ -244,7 +247,9 @@ class _Run:
     """One run of the stages: the read records, decisions and finish records so far, the work
     in flight, and the event loop that moves tasks from one stage to the next."""
 
-    def __init__(self, target: _Target, tasks: list[Task], resumed: bool, lock_fds: list[int], t_start: float) -> None:
+    def __init__(
+        self, target: _Target, tasks: list[Task], resumed: bool, lock_fds: Sequence[int], t_start: float
+    ) -> None:
         cfg = target.cfg
         self.t, self.cfg, self.tasks, self.t_start = target, cfg, tasks, t_start
         self.n = len(tasks)
@@ -255,11 +260,12 @@ class _Run:
         self.fast: Encoder | None = None
         self.note = ""
         if cfg.fast_path:
-            self.fast, why = fast_encoder(target.tok)
+            self.fast, why = fast_encoder(target.tok, cfg.fast_encoders)
             if self.fast is None:
                 self.note = f"fast path not applicable: {why}"
             else:
                 self.encoder = self.fast
+                self.note = f"not applicable: {why}" if why else ""
         self.read: dict[int, ReadRecord] = {}
         for t in tasks:
             rec = target.state.load_read_record(t.index, t.key)
@@ -377,17 +383,16 @@ class _Run:
         if fast is None or self.encoder is not fast:
             return
         sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
-        diff = prove_same_ids(HFEncoder(self.t.tok), fast, sample)
-        if diff is None:
+        chosen, note = prove_fast_path(HFEncoder(self.t.tok), fast, sample, names=self.cfg.fast_encoders)
+        if chosen is fast:
             return
-        self.note = f"fast path ({fast.name}) disabled: {diff}"
+        self.note = "; ".join(filter(None, (self.note, note)))
         self.executor.cancel()
-        hf = HFEncoder(self.t.tok)
-        for i in [i for i, r in self.read.items() if not self._usable(r, hf)]:
+        for i in [i for i, r in self.read.items() if not self._usable(r, chosen)]:
             del self.read[i]
         self.to_read = [i for i in self.order if i not in self.read]
         self.read_pending.clear()
-        self._start(hf, dataclasses.replace(self.plan, encoder=hf.name))
+        self._start(chosen, dataclasses.replace(self.plan, encoder=chosen.name))
         self._submit_reads()
 
     def _usable(self, rec: ReadRecord, encoder: Encoder) -> bool:
@@ -505,6 +510,7 @@ class _Run:
         r.tasks_read = len(reads)
         r.splits = m.splits
         r.skipped_total, r.skipped_records = totals.skipped_total, totals.skipped_records
+        r.encoder_fallbacks = totals.encoder_fallbacks
         r.filter_counters, r.seconds = totals.filter_counters, totals.seconds
         if self.explain is not None:
             r.explain_drops, r.explained = str(self.cfg.explain_drops), self.explain.lines

@@ -1,10 +1,13 @@
 """The build's shard files: their names, and writing a task's documents into a sequence of them.
 
-Final shards are ``<shards_dir>/<split>/<split>-<task:05d>-<n:03d>.h5`` (:func:`final_shard_name`):
-task index and sequence number in input order, so sorting the names sorts the corpus (up to 99,999
-tasks and 1,000 shards per task; wider numbers are written and recognized, but sort apart).
-Candidate shards, in a task's candidate folder, are ``<split>-<n:03d>.h5``. Nothing else in the
-build spells a shard file name.
+Final shards are ``<shards_dir>/<split>/<split>-<task>-<n>.h5`` (:func:`final_shard_name`): task
+index and sequence number in input order, each written by :func:`sortable_number`, so sorting the
+names (bytewise) sorts the corpus at any size. Below 100,000 tasks and 1,000 shards per task the
+names are the plain zero-padded ``<task:05d>-<n:03d>``; a wider number is prefixed with a letter
+that says how many digits it has beyond the width (``a`` one more, ``b`` two, ...), and letters sort
+after digits: ``train-99999-999.h5`` < ``train-99999-a1000.h5`` < ``train-a100000-000.h5``.
+Candidate shards, in a task's candidate folder, are ``<split>-<n>.h5``. Nothing else in the build
+spells a shard file name.
 """
 
 from __future__ import annotations
@@ -22,19 +25,63 @@ from ..storage.format import PARTIAL_SUFFIX, ShardRecord, TokenizerIdentity
 from ..storage.writer import ShardWriter, fsync_files
 
 # -- names ------------------------------------------------------------------------------------
-#: A shard file name: split, task index (5+ digits), sequence number within the task (3+ digits).
-SHARD_NAME = re.compile(r"^(train|validation)-(\d{5,})-(\d{3,})\.h5$")
+TASK_DIGITS = 5
+"""Digits of a task index in a shard name below 100,000 tasks."""
+SEQUENCE_DIGITS = 3
+"""Digits of a shard's sequence number within its task below 1,000 shards."""
+_NUMBER = r"(\d{%d}|[a-z]\d+)"
+#: A shard file name: split, task index, sequence number within the task (:func:`sortable_number`).
+SHARD_NAME = re.compile(r"^(train|validation)-%s-%s\.h5$" % (_NUMBER % TASK_DIGITS, _NUMBER % SEQUENCE_DIGITS))
+
+
+def sortable_number(x: int, width: int) -> str:
+    """``x`` as ``width`` zero-padded digits when it fits, else a letter then its digits: ``a`` for
+    ``width + 1`` digits, ``b`` for ``width + 2``, ... (up to ``z``). Bytewise order of the strings
+    is numeric order for any ``x >= 0``."""
+    if x < 0:
+        raise ValueError(f"shard numbers are >= 0, got {x}")
+    digits = str(x)
+    if len(digits) <= width:
+        return digits.zfill(width)
+    extra = len(digits) - width
+    if extra > 26:
+        raise ValueError(f"{x} has more than {width + 26} digits")
+    return chr(ord("a") + extra - 1) + digits
+
+
+def parse_sortable_number(s: str, width: int) -> int:
+    """The number :func:`sortable_number` wrote (ValueError for anything it would not write)."""
+    if len(s) == width and s.isdigit():
+        return int(s)
+    if s[:1].isalpha() and s[1:].isdigit() and s[1:2] != "0" and len(s) - 1 == width + ord(s[0]) - ord("a") + 1:
+        return int(s[1:])
+    raise ValueError(f"{s!r} is not a shard number of width {width}")
 
 
 def shard_file_name(split: str, task: int, n: int) -> str:
-    """``<split>-<task:05d>-<n:03d>.h5``: a task's ``n``-th shard of ``split`` (sortable in input order
-    up to 99,999 tasks and 1,000 shards per task; wider numbers still parse)."""
-    return f"{split}-{task:05d}-{n:03d}.h5"
+    """``<split>-<task>-<n>.h5``: a task's ``n``-th shard of ``split``; ``<task:05d>-<n:03d>`` below
+    100,000 tasks and 1,000 shards per task, sortable in input order at any size."""
+    return f"{split}-{sortable_number(task, TASK_DIGITS)}-{sortable_number(n, SEQUENCE_DIGITS)}.h5"
+
+
+def parse_shard_file_name(name: str) -> tuple[str, int, int] | None:
+    """``(split, task, n)`` of a name :func:`shard_file_name` writes, else None."""
+    m = SHARD_NAME.match(name)
+    if m is None:
+        return None
+    try:
+        return (
+            m.group(1),
+            parse_sortable_number(m.group(2), TASK_DIGITS),
+            parse_sortable_number(m.group(3), SEQUENCE_DIGITS),
+        )
+    except ValueError:
+        return None
 
 
 def candidate_shard_name(split: str, n: int) -> str:
     """Name of a candidate shard inside its task's candidate folder."""
-    return f"{split}-{n:03d}.h5"
+    return f"{split}-{sortable_number(n, SEQUENCE_DIGITS)}.h5"
 
 
 def final_shard_name(split: str, task: int, n: int) -> str:
@@ -44,22 +91,21 @@ def final_shard_name(split: str, task: int, n: int) -> str:
 
 def candidate_number(name: str) -> int:
     """``n`` of a candidate shard name ``<split>-<n>.h5``."""
-    return int(Path(name).stem.rsplit("-", 1)[1])
+    return parse_sortable_number(Path(name).stem.rsplit("-", 1)[1], SEQUENCE_DIGITS)
 
 
 def parse_build_file(name: str) -> tuple[str, int, int, bool] | None:
     """``(split, task, n, partial)`` when ``name`` is exactly a name the build writes: a final shard
     name as :func:`shard_file_name` spells it, or that name plus ``.partial`` (a shard being written);
-    else None. ``train-00000-000.h5.sha256``, ``train-00000-draft.h5``, ``train-0000-000.h5`` and
-    ``train-000000-000.h5`` are not the build's."""
+    else None. ``train-00000-000.h5.sha256``, ``train-00000-draft.h5``, ``train-0000-000.h5``,
+    ``train-000000-000.h5`` and ``train-a012345-000.h5`` are not the build's;
+    ``train-a123456-a1234.h5`` is."""
     partial = name.endswith(PARTIAL_SUFFIX)
     base = name[: -len(PARTIAL_SUFFIX)] if partial else name
-    m = SHARD_NAME.match(base)
-    if m is None:
+    parsed = parse_shard_file_name(base)
+    if parsed is None or shard_file_name(*parsed) != base:
         return None
-    split, task, n = m.group(1), int(m.group(2)), int(m.group(3))
-    if shard_file_name(split, task, n) != base:
-        return None
+    split, task, n = parsed
     return split, task, n, partial
 
 

@@ -17,7 +17,11 @@ A SOURCE is one of
   with ranged reads;
 * ``stdlib`` -- the running Python's standard library sources (every ``*.py`` outside test
   folders and site-packages, one document per file): real text that ships with every Python, so
-  a build runs on a fresh machine with no network.
+  a build runs on a fresh machine with no network;
+* a Hugging Face ``datasets`` object (``Dataset``, ``IterableDataset``, a ``DatasetDict`` split,
+  optionally wrapped in :class:`~h5corpus.build.hfdatasets.DatasetSource`) or a ``save_to_disk``
+  folder; hub files that are not parquet (jsonl, json, csv, tsv, arrow) are read with
+  ``datasets``' own builders (:mod:`h5corpus.build.hfdatasets`).
 
 Input order is the order of the SOURCE arguments, then file order within each, then line/row order.
 The unit of work is a :class:`Task`: a byte range of an uncompressed ``.jsonl`` (whole lines: a
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import glob as globlib
 import hashlib
+import json
 import os
 import re
 import sys
@@ -51,7 +56,11 @@ EXTENSIONS = {
 }
 STDLIB_SPEC = "stdlib"
 HF_PREFIX = "hf://"
+#: Task and file kinds read through :mod:`h5corpus.build.hfdatasets` start with this.
+DATASETS_KIND_PREFIX = "datasets-"
 _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
+#: Files that make a folder a ``datasets`` ``save_to_disk`` folder (read as one dataset).
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
 
@@ -95,11 +104,15 @@ class Input:
     """One resolved SOURCE argument."""
 
     spec: str
+    """The SOURCE as given, or (a ``datasets`` object) a description of it: part of the build's identity."""
     kind: str
-    """files | stdlib | hf"""
+    """files | stdlib | hf | datasets"""
     files: tuple[SourceFile, ...]
     meta: dict[str, Any] = field(default_factory=dict)
-    """hf: repo, revision, path; stdlib: python version."""
+    """hf: repo, revision, path; stdlib: python version; datasets: fingerprint, builder, split, ..."""
+    dataset: Any = field(default=None, compare=False, repr=False)
+    """datasets: the resolved object (:class:`~h5corpus.build.hfdatasets.ResolvedDataset`) the
+    planner cuts into tasks; never described or persisted."""
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description for the manifest (no absolute paths, no mtimes)."""
@@ -133,10 +146,15 @@ class Task:
     """parquet: index of the first row of ``start`` (for messages)."""
     nbytes: int = 0
     """Approximate input bytes (for scheduling and progress)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """JSON-able reader parameters of the ``datasets-*`` kinds (column, row counts, ...); part of the key."""
+    live: Any = field(default=None, compare=False, repr=False)
+    """``datasets-object`` tasks: the in-memory object they read, held only by the planning process
+    (and the local executor's forked workers); never persisted."""
 
     def to_json(self) -> dict[str, Any]:
         """Everything a reader needs (the persisted plan holds this): no re-listing, no footers."""
-        return {
+        d = {
             "index": self.index,
             "kind": self.kind,
             "files": [f.to_json() for f in self.files],
@@ -145,6 +163,9 @@ class Task:
             "first_row": self.first_row,
             "nbytes": self.nbytes,
         }
+        if self.extra:
+            d["extra"] = dict(self.extra)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Task:
@@ -156,6 +177,7 @@ class Task:
             stop=int(d["stop"]),
             first_row=int(d["first_row"]),
             nbytes=int(d["nbytes"]),
+            extra=dict(d.get("extra") or {}),
         )
 
     @property
@@ -163,11 +185,17 @@ class Task:
         """Identity of the task's input (paths, range, sizes, mtimes): a resumed build reuses a
         task's outputs only when its key is unchanged."""
         parts = [self.kind, str(self.start), str(self.stop)] + [f"{f.path}|{f.size}|{f.mtime_ns}" for f in self.files]
+        if self.extra:
+            parts.append(json.dumps(self.extra, sort_keys=True, separators=(",", ":")))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     @property
     def label(self) -> str:
         """Short description for messages."""
+        if self.kind.startswith(DATASETS_KIND_PREFIX):
+            from .hfreaders import task_label
+
+            return task_label(self)
         f = self.files[0].name
         if self.kind == "text" and len(self.files) > 1:
             return f"{f} (+{len(self.files) - 1} files)"
@@ -225,23 +253,33 @@ def parse_hf_spec(spec: str) -> tuple[str, str, str]:
     return f"{m['org']}/{m['name']}", rev, (m["path"] or "").strip("/")
 
 
+def _hub_listing(local: Path, snap: Path, sub: str) -> list[tuple[str, Path]]:
+    """(path in the repository, local path) of the files a cached snapshot holds at ``sub`` (a
+    file, a folder: every file below it but dot-files, or a glob), in path order."""
+    if local.is_file():
+        return [(sub, local)]
+    if local.is_dir():
+        found = sorted(p for p in local.rglob("*") if p.is_file())
+    elif any(ch in sub for ch in "*?[") and snap.is_dir():
+        found = [Path(m) for m in sorted(globlib.glob(str(snap / sub), recursive=True)) if Path(m).is_file()]
+    else:
+        return []
+    out = [(p.relative_to(snap).as_posix(), p) for p in found]
+    return [(n, p) for n, p in out if not any(part.startswith(".") for part in n.split("/"))]
+
+
 def _resolve_hf(spec: str, cache_dir: Path) -> Input:
+    from .hfdatasets import hub_files_to_read
+
     repo, rev, sub = parse_hf_spec(spec)
-    meta = {"repo": repo, "revision": rev, "path": sub}
+    meta: dict[str, Any] = {"repo": repo, "revision": rev, "path": sub}
     snap = cache_dir / f"datasets--{repo.replace('/', '--')}" / "snapshots" / rev
     local = snap / sub if sub else snap
-    files: list[SourceFile] = []
-    if local.is_file():
-        files = [_local_file(sub, local, "parquet")]
-    elif local.is_dir():
-        for p in sorted(local.rglob("*.parquet")):
-            files.append(_local_file(p.relative_to(snap).as_posix(), p, "parquet"))
-    elif any(ch in sub for ch in "*?[") and snap.is_dir():
-        for m in sorted(globlib.glob(str(snap / sub), recursive=True)):
-            if m.endswith(".parquet"):
-                files.append(_local_file(Path(m).relative_to(snap).as_posix(), Path(m), "parquet"))
-    if files:
-        return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
+    listing = _hub_listing(local, snap, sub)
+    if listing:
+        fmt, chosen = hub_files_to_read(spec, [n for n, _ in listing])
+        files = [_local_file(listing[i][0], listing[i][1], kind) for i, kind in chosen]
+        return _hub_input(spec, fmt, files, meta)
     from .tokenizer import hub_offline
 
     if hub_offline():
@@ -251,41 +289,61 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
 
         fs = HfFileSystem()
         base = f"datasets/{repo}@{rev}" + (f"/{sub}" if sub else "")
-        if sub.endswith(".parquet"):
+        if any(ch in sub for ch in "*?["):
+            paths = sorted(p for p in fs.glob(base) if fs.isfile(p))
+        elif fs.isfile(base):
             paths = [base]
-        elif any(ch in sub for ch in "*?["):
-            paths = sorted(p for p in fs.glob(base) if p.endswith(".parquet"))
         else:
-            paths = sorted(fs.glob(base + "/**/*.parquet"))
+            paths = sorted(fs.find(base))
         prefix = f"datasets/{repo}@{rev}/"
-        for p in paths:
-            info = fs.info(p)
-            files.append(
-                SourceFile(
-                    name=p[len(prefix) :] if p.startswith(prefix) else p,
-                    path=HF_PREFIX + p,
-                    kind="parquet",
-                    size=int(info.get("size") or 0),
-                )
-            )
+        names = [p[len(prefix) :] if p.startswith(prefix) else p for p in paths]
     except Exception as e:
         raise SourceError(
             f"{spec}: not in the local Hugging Face cache ({local}) and the hub could not be listed ({type(e).__name__}: {e})"
         ) from None
-    if not files:
-        raise SourceError(f"{spec}: no parquet files at that path")
+    if not paths:
+        raise SourceError(f"{spec}: no files at that path")
+    fmt, chosen = hub_files_to_read(spec, names)
+    files = []
+    for i, kind in chosen:
+        try:
+            size = int(fs.info(paths[i]).get("size") or 0)
+        except Exception as e:
+            raise SourceError(f"{spec}: cannot stat {names[i]} on the hub ({type(e).__name__}: {e})") from None
+        files.append(SourceFile(name=names[i], path=HF_PREFIX + paths[i], kind=kind, size=size))
+    return _hub_input(spec, fmt, files, meta)
+
+
+def _hub_input(spec: str, fmt: str, files: list[SourceFile], meta: dict[str, Any]) -> Input:
+    if fmt != "parquet":  # read by datasets' builders (parquet by the build's own reader)
+        from .hfdatasets import warm_up_file_reader
+
+        meta["format"] = fmt
+        warm_up_file_reader(files[0])
     return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
 
 
-def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str] | None = None) -> list[Input]:
+def resolve_sources(
+    specs: Sequence[Any], *, hf_cache_dir: str | os.PathLike[str] | None = None, text_field: str = "text"
+) -> list[Input]:
     """Resolve SOURCE arguments to files, in input order. Raises :class:`SourceError` naming the
-    spec for a missing path, an unsupported file type, or a pattern that matches nothing."""
+    spec for a missing path, an unsupported file type, or a pattern that matches nothing.
+
+    A spec is a string (or path), or a ``datasets`` object (:mod:`h5corpus.build.hfdatasets`),
+    whose text column defaults to ``text_field``."""
     from .tokenizer import hf_cache_dir as _cache
 
     if not specs:
         raise SourceError("no SOURCE given")
     out: list[Input] = []
     for spec in specs:
+        if isinstance(spec, os.PathLike):
+            spec = os.fspath(spec)
+        if not isinstance(spec, str):
+            from .hfdatasets import resolve_dataset_object
+
+            out.append(resolve_dataset_object(spec, text_field))
+            continue
         if spec == STDLIB_SPEC:
             files = tuple(_local_file(n, p, "text") for n, p in stdlib_files())
             out.append(
@@ -297,6 +355,11 @@ def resolve_sources(specs: Sequence[str], *, hf_cache_dir: str | os.PathLike[str
             continue
         p = Path(spec)
         files_l: list[SourceFile] = []
+        if p.is_dir() and any((p / n).is_file() for n in SAVED_DATASET_MARKERS):
+            from .hfdatasets import resolve_saved_dataset
+
+            out.append(resolve_saved_dataset(spec, p, text_field))
+            continue
         if p.is_dir():
             for q in sorted(p.rglob("*"), key=lambda q: q.relative_to(p).as_posix()):
                 rel = q.relative_to(p)
@@ -358,6 +421,11 @@ def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
         tasks.append(Task(index=len(tasks), **kw))
 
     for inp in inputs:
+        if inp.kind == "datasets":
+            from .hfdatasets import plan_dataset_tasks
+
+            tasks.extend(plan_dataset_tasks(inp, task_bytes=task_bytes, first_index=len(tasks)))
+            continue
         group: list[SourceFile] = []
         group_bytes = 0
         for f in inp.files:

@@ -42,7 +42,7 @@ from .config import BuildConflict
 STATE_DIR = ".build"
 LOCK_FILE = ".build.lock"
 #: Version of the read stage's files (record, table, signatures, meta): other versions are redone.
-READ_RECORD_VERSION = 3
+READ_RECORD_VERSION = 4
 #: Version of the finish stage's record.
 FINISH_RECORD_VERSION = 1
 #: Version of :class:`TaskDecision`'s JSON.
@@ -102,7 +102,7 @@ class ReadRecord:
     task: str
     """The task's key (:attr:`h5corpus.build.sources.Task.key`): its input's identity."""
     encoder: str
-    """Encoder that produced the tokens (``tiktoken``, ``bytes``, ``tokenizers``)."""
+    """Encoder that produced the tokens (``fastokens``, ``tiktoken``, ``bytes``, ``tokenizers``)."""
     explain: bool
     """The meta file holds what ``--explain-drops`` needs."""
     documents: int
@@ -121,6 +121,8 @@ class ReadRecord:
     filter_counters: dict[str, int]
     seconds: dict[str, float]
     """Worker CPU seconds per step (report only)."""
+    encoder_fallbacks: int = 0
+    """Documents the fast encoder raised on, encoded by the reference instead (report only)."""
     version: int = READ_RECORD_VERSION
 
     def to_json(self) -> dict[str, Any]:

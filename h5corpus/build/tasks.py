@@ -11,6 +11,9 @@ written last, carries their hashes.
 task that keeps every candidate document has its candidate shards renamed into place; otherwise
 its kept documents are copied into new shards (at most ``shard_tokens`` tokens each, documents
 whole). Both report named steps through ``ctx.step`` (the executor's crash points in tests).
+
+The module runs past 600 lines because the read stage's hot path (record batches, the accept
+path, the encode queue and its flat-id assembly) is meant to be read in one place.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,7 @@ from ..storage.format import ShardRecord
 from .config import MAX_LISTED, BuildError
 from .explain import explain_line
 from .plan import StageContext
-from .readers import BadRecord, LocatingReader, TaskReader
+from .readers import BadRecord, DocChunk, LocatingReader, TaskReader
 from .shards import (
     ShardSequence,
     Syncer,
@@ -199,8 +204,11 @@ class _EncodeQueue:
 
     def __init__(self, ctx: StageContext, out: _ReadOutputs, seconds: dict[str, float]) -> None:
         self.encoder = ctx.encoder
-        self.dtype = fmt.token_dtype(ctx.plan.tokenizer.vocab_size)
+        self.vocab_size = ctx.plan.tokenizer.vocab_size
+        self.dtype = fmt.token_dtype(self.vocab_size)
         self.eos = ctx.plan.tokenizer.eos_id
+        self.fallbacks = 0
+        """Documents of this task the encoder handed to the reference encoder."""
         self.max_tokens = ctx.plan.max_document_tokens
         self.out, self.seconds = out, seconds
         self.texts: list[str] = []
@@ -227,47 +235,60 @@ class _EncodeQueue:
             return
         clock = time.process_time
         c0 = clock()
-        arrs = self.encoder.encode_batch(self.texts[:k])
+        fallbacks = self.encoder.fallbacks
+        flat, offsets = self.encoder.encode_flat(self.texts[:k])
         c1 = clock()
         self.seconds["encode"] += c1 - c0
-        full = np.fromiter((a.size + 1 for a in arrs), dtype=np.int64, count=k)
+        self.fallbacks += self.encoder.fallbacks - fallbacks
+        full = np.diff(offsets) + 1
         stored = np.minimum(full, self.max_tokens) if self.max_tokens else full
         flags = (stored < full).astype(np.uint8) * fmt.FLAG_TRUNCATED
+        tokens = self._stored_tokens(flat, offsets, stored)
         split = np.asarray(self.splits[:k], dtype=np.uint8)
         ids = b"".join(self.ids[:k])
         id_rows = np.frombuffer(ids, dtype=np.uint8).reshape(k, fmt.DOC_ID_BYTES)
+        starts = np.zeros(k + 1, dtype=np.int64)
+        np.cumsum(stored, out=starts[1:])
         for s in (0, 1):
-            sel = np.flatnonzero(split == s)
-            if sel.size:
-                flat = self._tokens(arrs, sel, stored, bool(flags[sel].any()))
-                self.out.add_split(s, flat, stored[sel], id_rows[sel], flags[sel])
+            sel = split == s
+            if sel.all():
+                self.out.add_split(s, tokens, stored, id_rows, flags)
+            elif sel.any():
+                self.out.add_split(s, _gather(tokens, starts, sel), stored[sel], id_rows[sel], flags[sel])
         self.out.add_rows(ids, stored, self.chars[:k], split, flags)
         self.size -= sum(self.chars[:k])
         for lst in (self.texts, self.ids, self.chars, self.splits):
             del lst[:k]
         self.seconds["write"] += clock() - c1
 
-    def _tokens(self, arrs: list[np.ndarray], sel: np.ndarray, stored: np.ndarray, cut: bool) -> np.ndarray:
-        """The stored tokens of documents ``sel``, one flat array: each one's ids then EOS, or, when
+    def _stored_tokens(self, flat: np.ndarray, offsets: np.ndarray, stored: np.ndarray) -> np.ndarray:
+        """The stored tokens of the batch, one flat array: each document's ids then EOS, or, when
         cut at ``max_document_tokens``, its first ``stored`` ids without EOS."""
-        if not cut:
-            eos = np.array([self.eos], dtype=self.dtype)
-            parts = []
-            for i in sel.tolist():
-                parts.append(arrs[i])
-                parts.append(eos)
-            return np.concatenate(parts, dtype=self.dtype, casting="unsafe")
-        flat = np.empty(int(stored[sel].sum()), dtype=self.dtype)
-        pos = 0
-        for i in sel.tolist():
-            a, m = arrs[i], int(stored[i])
-            if m == a.size + 1:
-                flat[pos : pos + m - 1] = a
-                flat[pos + m - 1] = self.eos
-            else:
-                flat[pos : pos + m] = a[:m]
-            pos += m
-        return flat
+        k = offsets.size - 1
+        if flat.size and int(flat.max()) >= self.vocab_size:  # before the cast to the stored dtype
+            raise BuildError(
+                f"{self.out.label}: tokenizer output cannot be stored: id {int(flat.max())} >= vocabulary size "
+                f"{self.vocab_size}"
+            )
+        out = np.empty(flat.size + k, dtype=self.dtype)
+        eos_at = offsets[1:] + np.arange(k)
+        keep = np.ones(out.size, dtype=bool)
+        keep[eos_at] = False
+        out[keep] = flat
+        out[eos_at] = self.eos
+        full = np.diff(offsets) + 1
+        if bool((stored < full).any()):
+            starts = offsets[:-1] + np.arange(k)
+            out = np.concatenate([out[a : a + m] for a, m in zip(starts.tolist(), stored.tolist())])
+        return out
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """The tokens of the documents ``sel`` (bool per document; document ``i`` holds
+    ``tokens[starts[i]:starts[i + 1]]``), in order: one slice per run of selected documents."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], sel, [False])).astype(np.int8)))
+    runs = starts[edges].reshape(-1, 2).tolist()
+    return np.concatenate([tokens[a:b] for a, b in runs]) if len(runs) > 1 else tokens[runs[0][0] : runs[0][1]]
 
 
 class _TaskRead:
@@ -362,9 +383,17 @@ class _TaskRead:
     def accept(self, b: _Batch) -> None:
         """The one accept path of every document past the filters: id, split, empty and duplicate
         checks, then the encode queue."""
-        ids = [hashlib.sha256(d).digest() for d in b.datas]
+        sha256 = hashlib.sha256
+        ids = [sha256(d).digest() for d in b.datas]
         splits = self.rule.indices(ids)
         texts, seen = b.texts, self.seen
+        fresh = set(ids)
+        if len(fresh) == len(ids) and seen.isdisjoint(fresh) and all(texts):  # the common case, in C
+            seen |= fresh
+            if self.out.sigs is not None or self.out.langs is not None or self.explain:
+                self._kept_extras(b, range(len(ids)), ids)
+            self.queue.extend(texts, ids, list(map(len, texts)), splits.tolist())
+            return
         kept: list[int] = []
         dropped: list[tuple[int, str]] = []
         for i, doc_id in enumerate(ids):
@@ -397,7 +426,7 @@ class _TaskRead:
                 dup_of = ids[i].hex() if why == "exact_dup" else None
                 self.out.ex_drops.append((b.ordinals[i], explain_line(read_id.hex(), b.locs[i], why, info, dup_of)))
 
-    def _kept_extras(self, b: _Batch, kept: list[int], kept_ids: list[bytes]) -> None:
+    def _kept_extras(self, b: _Batch, kept: Sequence[int], kept_ids: list[bytes]) -> None:
         """Per kept document: its signature, its language, its explain row (table order)."""
         out = self.out
         for j, i in enumerate(kept):
@@ -416,6 +445,9 @@ class _TaskRead:
 
 def _read_records(run: _TaskRead, reader: TaskReader, locate: Callable[[int], Any] | None) -> None:
     """The read stage's hot loop: stream the task's records into batches; bad records aside."""
+    if locate is None and reader.task.kind == "parquet":
+        _read_chunks(run, reader.parquet_chunks())
+        return
     batch = _Batch()
     size = 0
     for k, rec in enumerate(reader):
@@ -433,6 +465,34 @@ def _read_records(run: _TaskRead, reader: TaskReader, locate: Callable[[int], An
         if len(batch.texts) >= RECORD_BATCH_DOCS or size >= RECORD_BATCH_CHARS:
             run.documents(batch)
             batch, size = _Batch(), 0
+    run.documents(batch)
+    run.queue.flush()
+
+
+def _read_chunks(run: _TaskRead, chunks: Iterable[DocChunk | BadRecord]) -> None:
+    """:func:`_read_records` for a reader that gives runs of documents: the same batches (a batch
+    ends at the document that reaches :data:`RECORD_BATCH_DOCS` or :data:`RECORD_BATCH_CHARS`),
+    cut out of each run without a Python step per record."""
+    batch = _Batch()
+    size = 0
+    for chunk in chunks:
+        if isinstance(chunk, BadRecord):
+            run.bad(chunk)
+            continue
+        texts, datas = chunk
+        i, n = 0, len(texts)
+        while i < n:
+            room = RECORD_BATCH_DOCS - len(batch.texts)
+            ends = list(accumulate(map(len, texts[i : i + room]), initial=size))
+            j = bisect_left(ends, RECORD_BATCH_CHARS, lo=1)  # documents up to the one that fills it
+            take = min(j, len(ends) - 1)
+            batch.texts += texts[i : i + take]
+            batch.datas += datas[i : i + take]
+            size = ends[take]
+            i += take
+            if len(batch.texts) >= RECORD_BATCH_DOCS or size >= RECORD_BATCH_CHARS:
+                run.documents(batch)
+                batch, size = _Batch(), 0
     run.documents(batch)
     run.queue.flush()
 
@@ -483,6 +543,7 @@ def read_task(ctx: StageContext, index: int) -> ReadRecord:
         skipped_records=run.listed,
         filter_counters=_counter_delta(counters0, f),
         seconds={k: round(v, 4) for k, v in seconds.items()},
+        encoder_fallbacks=run.queue.fallbacks,
     )
     write_state_file(paths.record, json.dumps(record.to_json(), sort_keys=True).encode("utf-8"))
     ctx.step("read-record")

@@ -18,7 +18,7 @@ Caching (:func:`cache_dir`: ``$H5CORPUS_CACHE_DIR``, else ``$XDG_CACHE_HOME/h5co
 ``~/.cache/h5corpus``; ``H5CORPUS_NO_CACHE=1`` turns it off): facts derived from a tokenizer JSON
 (its EOS id and vocabulary size, the fast path's verdict, the converted vocabulary, a passed proof)
 are remembered under a key made of everything they depend on -- the JSON's sha256, the sha256 of
-the source of this module and of :mod:`~h5corpus.build.encoders`, and for proofs the compared
+the source of this module and of the encoder modules, and for proofs the compared
 texts and library versions. Cache files are written atomically and a file whose content does not
 match its key is ignored.
 """
@@ -124,6 +124,43 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+#: Seconds the network probe of :func:`hub_unreachable` may take (name lookup plus connect).
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str:
+    """Why the Hugging Face hub (``$HF_ENDPOINT``, or the HTTPS proxy when one is set) cannot be
+    reached, or "" when a TCP connection to it opens within ``timeout_s``. A name lookup that hangs
+    (no route to the resolver) counts as unreachable: it runs on a daemon thread that is not waited
+    for beyond the timeout."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    proxy = next(
+        (os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), ""
+    )
+    url = urlsplit(
+        proxy
+        if "://" in proxy
+        else (f"http://{proxy}" if proxy else os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    )
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    result: list[str] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            result.append("")
+        except OSError as e:
+            result.append(f"{'proxy ' if proxy else ''}{host}:{port}: {e.strerror or e}")
+
+    t = threading.Thread(target=probe, name="h5corpus-hub-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return result[0] if result else f"{host}:{port}: no answer within {timeout_s:g} s"
+
+
 def _fetch_gpt2_json(cache_dir: Path) -> Path:
     from huggingface_hub import hf_hub_download
 
@@ -143,6 +180,12 @@ def _fetch_gpt2_json(cache_dir: Path) -> Path:
     if hub_offline():
         raise TokenizerError(
             f"tokenizer 'gpt2' ({where}) is not in the Hugging Face cache at {cache_dir} and HF_HUB_OFFLINE is set; {hint}"
+        )
+    unreachable = hub_unreachable()
+    if unreachable:  # fail now: huggingface_hub would retry for ~25 s before giving up
+        raise TokenizerError(
+            f"tokenizer 'gpt2' ({where}) is not in the Hugging Face cache at {cache_dir} and the hub could not be "
+            f"reached ({unreachable}); {hint}"
         )
     try:
         return Path(
@@ -326,13 +369,14 @@ _VERSIONS: dict[str, str] | None = None
 
 
 def source_sha256() -> str:
-    """sha256 of the source of this module and of :mod:`h5corpus.build.encoders`: part of every cache
-    key, so a change to how facts are derived never reuses an old answer."""
+    """sha256 of the source of this module and of :mod:`~h5corpus.build.encoders`,
+    :mod:`~h5corpus.build.tiktoken_bpe` and :mod:`~h5corpus.build.proof`: part of every cache key, so
+    a change to how facts are derived never reuses an old answer."""
     global _SOURCE_SHA256
     if _SOURCE_SHA256 is None:
         h = hashlib.sha256()
         try:
-            for name in ("tokenizer.py", "encoders.py"):
+            for name in ("tokenizer.py", "encoders.py", "tiktoken_bpe.py", "proof.py"):
                 h.update((Path(__file__).parent / name).read_bytes())
             _SOURCE_SHA256 = h.hexdigest()
         except OSError:  # pragma: no cover - no source file (frozen): never reuse a cached proof
@@ -341,13 +385,13 @@ def source_sha256() -> str:
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of tiktoken and tokenizers (part of a proof's cache key)."""
+    """Installed versions of fastokens, tiktoken and tokenizers (part of a proof's cache key)."""
     global _VERSIONS
     if _VERSIONS is None:
         import importlib.metadata as md
 
         out = {}
-        for dist in ("tiktoken", "tokenizers"):
+        for dist in ("fastokens", "tiktoken", "tokenizers"):
             try:
                 out[dist] = md.version(dist)
             except md.PackageNotFoundError:

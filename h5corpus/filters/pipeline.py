@@ -9,6 +9,9 @@ each stage vectorized over the batch; :meth:`DocumentFilter.process` is one docu
 2. ``lang``: keep documents whose language (py3langid, :mod:`h5corpus.langid`) is in ``lang``
    with probability >= ``lang_threshold``.
 3. ``quality``: heuristic rules (:mod:`h5corpus.quality`).
+3b. ``perplexity_model``: each document's perplexity under an n-gram language model trained on
+   reference text (:mod:`h5corpus.filters.perplexity`), in ``FilterResult.info["perplexity"]``;
+   documents above ``max_perplexity`` (when set) are dropped.
 4. ``scrub_pii``: e-mails, phone numbers, IP addresses -> placeholders (:mod:`h5corpus.pii`).
 
 :meth:`DocumentFilter.process` returns ``(text, None)`` for a kept document (the text to hash into
@@ -19,11 +22,11 @@ global input order, after exact dedup, to :meth:`DocumentFilter.near_duplicate_i
 
 Drop reasons (``--explain-drops``): ``clean:no_main_text``, ``clean:empty``, ``lang:<code>``
 (detected language not wanted), ``lang:low_confidence`` (wanted language below the threshold),
-``quality:<rule>``; the build adds ``exact_dup`` and ``near_dup``.
+``quality:<rule>``, ``perplexity``; the build adds ``exact_dup`` and ``near_dup``.
 
 Counters (:meth:`DocumentFilter.stats`, a ``dict[str, int]``; add them up across workers with
 :func:`merge_stats`): ``docs``, ``kept``, ``drop:<rule>`` (``drop:clean:no_main_text``,
-``drop:clean:empty``, ``drop:lang``, ``drop:quality:<rule>``), ``clean:html`` (documents extracted
+``drop:clean:empty``, ``drop:lang``, ``drop:quality:<rule>``, ``drop:perplexity``), ``clean:html`` (documents extracted
 from HTML), ``clean:unicode`` / ``clean:whitespace`` (documents changed), ``lang:<code>`` (documents
 detected per language), ``pii:docs`` (documents changed), ``pii:email`` / ``pii:phone`` /
 ``pii:ip`` (replacements). The build's manifest has the drops per exact reason under
@@ -36,6 +39,7 @@ on, so ``import h5corpus`` works without the ``filters`` extra.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -93,6 +97,14 @@ class FilterConfig:
     """Confirm LSH candidates by signature agreement >= threshold (else any band collision)."""
     seed: int = 1
     """MinHash seed."""
+    perplexity_model: str | None = None
+    """Path of an n-gram language model file (``h5corpus quality-model train``): every document
+    reaching this stage gets its perplexity under it (``FilterResult.info["perplexity"]``)."""
+    max_perplexity: float | None = None
+    """Drop documents whose perplexity is above this (>= 1; needs ``perplexity_model``); None =
+    score only (e.g. for a decision over all documents' scores made later)."""
+    perplexity_max_chars: int | None = None
+    """Score only the first this many characters of each document; None = the whole document."""
 
     @property
     def enabled(self) -> bool:
@@ -105,6 +117,7 @@ class FilterConfig:
             or self.lang
             or self.scrub_pii
             or self.near_dedup
+            or self.perplexity_model is not None
         )
 
     def lsh_params(self) -> tuple[int, int]:
@@ -140,15 +153,40 @@ class FilterConfig:
         if b * r > self.num_perm:
             raise ValueError(f"FilterConfig: bands x rows = {b} x {r} = {b * r} exceeds num_perm = {self.num_perm}")
         self.quality_thresholds.validate()
+        self._validate_perplexity()
         if self.lang:
             from .langid import check_languages
 
             self.lang = check_languages(self.lang)
 
+    def _validate_perplexity(self) -> None:
+        if self.perplexity_model is None:
+            for name in _PERPLEXITY_FIELDS[1:]:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"FilterConfig.{name} needs perplexity_model")
+            return
+        if self.max_perplexity is not None and not self.max_perplexity >= 1.0:
+            raise ValueError(f"FilterConfig.max_perplexity = {self.max_perplexity}: must be >= 1 (a perplexity)")
+        if self.perplexity_max_chars is not None and self.perplexity_max_chars < 1:
+            raise ValueError(f"FilterConfig.perplexity_max_chars = {self.perplexity_max_chars}: must be >= 1")
+        from .perplexity import read_model_header
+
+        self.perplexity_model = os.fspath(self.perplexity_model)
+        read_model_header(self.perplexity_model)  # ModelFileError (a ValueError) naming the file
+
     def to_json(self) -> dict[str, Any]:
         """The config as written to the manifest's top-level ``filters`` key (derived LSH
-        parameters and the versions of the models/backends of enabled stages included)."""
+        parameters and the versions of the models/backends of enabled stages included). The
+        perplexity fields appear only when the stage is on, with the model's sha256
+        (``perplexity_model_sha256``, what decides the scores)."""
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.perplexity_model is None:
+            for name in _PERPLEXITY_FIELDS:
+                del d[name]
+        else:
+            from .perplexity import read_model_header
+
+            d["perplexity_model_sha256"] = read_model_header(self.perplexity_model)["sha256"]
         d["quality_thresholds"] = self.quality_thresholds.to_json()
         d["lang"] = list(self.lang)
         d["filters_version"] = FILTERS_VERSION
@@ -167,6 +205,9 @@ class FilterConfig:
         if "lang" in kw:
             kw["lang"] = tuple(kw["lang"])
         return cls(**kw)
+
+
+_PERPLEXITY_FIELDS = ("perplexity_model", "max_perplexity", "perplexity_max_chars")
 
 
 def backend_versions(config: FilterConfig) -> dict[str, str]:
@@ -239,7 +280,8 @@ class FilterResult:
     """Why it was dropped (e.g. ``"quality:min_words"``, ``"lang:de"``), None when kept."""
     info: dict[str, Any]
     """Per-document facts: ``lang``/``lang_prob`` (when language ID ran), ``html`` (True when
-    extracted from HTML), ``pii`` ({kind: replacements}) when any, ``reason`` when dropped."""
+    extracted from HTML), ``pii`` ({kind: replacements}) when any, ``perplexity`` (float >= 1,
+    when the perplexity stage ran on it), ``reason`` when dropped."""
     signature: np.ndarray | None = None
     """uint32[num_perm] MinHash of the kept text when near-dedup is on and signatures were asked
     for (:meth:`DocumentFilter.process_batch` ``signatures=True``)."""
@@ -257,11 +299,17 @@ class DocumentFilter:
         self.config = config
         self._stats: Counter[str] = Counter()
         self._minhasher = None
+        self._language_model = None
+        self._model_sha256: str | None = None  # of the model the settings name (checked when loaded)
+        if config.perplexity_model is not None:
+            from .perplexity import read_model_header
+
+            self._model_sha256 = read_model_header(config.perplexity_model)["sha256"]
         self._cache: tuple[str, np.ndarray] | None = None  # (last kept text, its word hashes)
         self.last_info: dict[str, Any] = {}
         """Facts about the last document of the last call (see :attr:`FilterResult.info`)."""
         self.seconds: Counter[str] = Counter()
-        """CPU seconds of this process spent per stage (clean, lang, quality, pii, signature),
+        """CPU seconds of this process spent per stage (clean, lang, quality, perplexity, pii, signature),
         for build summaries and benchmarks (CPU time: robust to other jobs on the machine)."""
 
     @classmethod
@@ -271,12 +319,14 @@ class DocumentFilter:
         return cls(FilterConfig.from_json(description))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config, "stats": dict(self._stats)}
+        return {"config": self.config, "stats": dict(self._stats), "model_sha256": self._model_sha256}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.config = state["config"]
         self._stats = Counter(state["stats"])
         self._minhasher = None
+        self._language_model = None
+        self._model_sha256 = state.get("model_sha256")
         self._cache = None
         self.last_info = {}
         self.seconds = Counter()
@@ -369,6 +419,14 @@ class DocumentFilter:
             live = [i for i in live if out[i] is None]
             tm["quality"] += clock() - t0
             t0 = clock()
+        if c.perplexity_model is not None and live:
+            for i, ppl in zip(live, self._perplexities([cur[i] for i in live])):
+                infos[i]["perplexity"] = ppl
+                if c.max_perplexity is not None and ppl > c.max_perplexity:
+                    drop(i, "perplexity")
+            live = [i for i in live if out[i] is None]
+            tm["perplexity"] += clock() - t0
+            t0 = clock()
         if c.scrub_pii:
             from .pii import scrub_pii
 
@@ -404,6 +462,28 @@ class DocumentFilter:
             self._cache = (cur[n - 1], word_hashes[n - 1])
         self.last_info = infos[-1] if n else {}
         return out  # type: ignore[return-value]
+
+    # -- perplexity -------------------------------------------------------------------------
+    def language_model(self):
+        """The :class:`h5corpus.filters.perplexity.NgramModel` of ``perplexity_model``, loaded once
+        per process (:meth:`warm_up` loads it before the build forks its workers)."""
+        if self._language_model is None:
+            from .perplexity import ModelFileError, load_model
+
+            model = load_model(self.config.perplexity_model)
+            if model.sha256 != self._model_sha256:  # replaced since the settings were made
+                raise ModelFileError(
+                    f"{self.config.perplexity_model}: the model changed (sha256 {model.sha256}, "
+                    f"settings name {self._model_sha256})"
+                )
+            self._language_model = model
+        return self._language_model
+
+    def _perplexities(self, texts: list[str]) -> list[float]:
+        limit = self.config.perplexity_max_chars
+        if limit is not None:
+            texts = [t[:limit] for t in texts]
+        return self.language_model().perplexities(texts).tolist()
 
     # -- near-dedup -------------------------------------------------------------------------
     def _hasher(self):
@@ -450,7 +530,7 @@ class DocumentFilter:
 
     def timings(self) -> dict[str, float]:
         """CPU seconds spent per stage in this process so far (``clean``, ``lang``, ``quality``,
-        ``pii``, ``signature``; only growing, like :meth:`stats`). Not part of any output file."""
+        ``perplexity``, ``pii``, ``signature``; only growing, like :meth:`stats`). Not part of any output file."""
         return dict(sorted(self.seconds.items()))
 
     def describe(self) -> dict[str, Any]:
@@ -482,6 +562,8 @@ class DocumentFilter:
             from .quality import quality_batch
 
             quality_batch([sample, sample * 3], c.quality_thresholds)
+        if c.perplexity_model is not None:
+            self._perplexities([sample])  # loads the model and builds its lookup directories
         if c.scrub_pii:
             from .pii import _digit_prefixes, scrub_pii
 

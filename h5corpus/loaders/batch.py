@@ -600,31 +600,61 @@ class VarlenBatch:
     # -- Hugging Face padding-free names ---------------------------------------------------------
     @property
     def cu_seq_lens_q(self) -> torch.Tensor:
+        """``cu_seqlens`` under the name transformers' flash-attention path reads."""
         return self.cu_seqlens
 
     @property
     def cu_seq_lens_k(self) -> torch.Tensor:
+        """``cu_seqlens`` (keys span the same segments as queries)."""
         return self.cu_seqlens
 
     @property
     def max_length_q(self) -> int:
+        """``max_seqlen`` under the name transformers' flash-attention path reads."""
         return self.max_seqlen
 
     @property
     def max_length_k(self) -> int:
+        """``max_seqlen`` (keys span the same segments as queries)."""
         return self.max_seqlen
 
-    def hf_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for a Hugging Face model's padding-free (flash-attention) path:
-        ``model(**batch.hf_kwargs())``; inputs get a leading batch axis of 1."""
-        return {
+    def hf_kwargs(self, labels: bool = False) -> dict[str, Any]:
+        """Keyword arguments that make a Hugging Face causal LM attend inside each segment only:
+        ``model(**batch.hf_kwargs())`` gives the logits of every segment run on its own, as (1, T, V).
+
+        * ``input_ids``, ``position_ids``: (1, T) int64; positions restart at 0 per segment. eager,
+          sdpa and flex attention find the segments from these positions alone.
+        * ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, ``cu_seqlens``), ``max_length_q``/``max_length_k``
+          (``max_seqlen``): the varlen metadata flash attention reads.
+        * ``use_cache=False``: transformers derives the segments from ``position_ids`` only when no
+          KV cache exists, and a model creates one by default (``config.use_cache``); with it,
+          eager/sdpa/flex attend across segments, silently. Never add an ``attention_mask`` either:
+          any 2-D mask switches that derivation off the same way.
+
+        ``labels=True`` adds ``shift_labels`` (1, T) = ``targets``, with which the model's loss
+        equals :func:`~h5corpus.loaders.attention.packed_loss` of its logits (mean cross-entropy over the
+        targets that are not :data:`IGNORE_INDEX`; pass ``num_items_in_batch=N`` to the model for
+        ``packed_loss(..., num_targets=N)``), and ``labels`` (1, T) = ``targets`` moved one place
+        right (:data:`IGNORE_INDEX` first): transformers only computes a loss when ``labels`` is given,
+        and code that shifts ``labels`` itself (``Trainer``'s label smoothing) then still pairs every
+        logit but the batch's last with its true target. Details and measurements: docs/READING.md.
+        """
+        kw: dict[str, Any] = {
             "input_ids": self.input_ids.unsqueeze(0),
             "position_ids": self.position_ids.unsqueeze(0),
             "cu_seq_lens_q": self.cu_seqlens,
             "cu_seq_lens_k": self.cu_seqlens,
             "max_length_q": self.max_seqlen,
             "max_length_k": self.max_seqlen,
+            "use_cache": False,
         }
+        if labels:
+            targets = self.targets
+            moved = torch.full_like(targets, IGNORE_INDEX)
+            moved[1:] = targets[:-1]
+            kw["shift_labels"] = targets.unsqueeze(0)
+            kw["labels"] = moved.unsqueeze(0)
+        return kw
 
     # -- movement and pickling ------------------------------------------------------------------------
     def _map(self, fn) -> VarlenBatch:
