@@ -159,6 +159,9 @@ DECOYS = [
     "train/train-00001-000.h5~",
     "train/train-0000-000.h5",
     "train/train-000001-000.h5",
+    "train/train-a012345-000.h5",
+    "train/train-b12345-000.h5",
+    "train/train-00000-a0100.h5",
     "train/train-00000-000.H5",
     "train/notes.h5.partial",
     "train/train-00002-000.h5.partial.keep",
@@ -239,7 +242,11 @@ def test_overwrite_deletes_the_builds_file_names_only(tmp_path, fault_inputs, re
     root = tmp_path / "o"
     build_corpus(fault_config(root, fault_inputs, split_seed=7))
     planted = _plant_decoys(root / "shards")
-    stale = [root / "shards" / "train" / "train-00042-000.h5", root / "shards" / "train" / "train-00042-001.h5.partial"]
+    stale = [
+        root / "shards" / "train" / "train-00042-000.h5",
+        root / "shards" / "train" / "train-00042-001.h5.partial",
+        root / "shards" / "train" / "train-a123456-a1234.h5",  # a task and a shard past the 5 and 3 digits
+    ]
     for p in stale:
         p.write_bytes(b"exact shard name")
     build_corpus(fault_config(root, fault_inputs, overwrite=True))
@@ -366,14 +373,31 @@ def test_a_drop_list_that_cannot_be_written_fails_before_any_work(tmp_path, tmpf
     assert not (root / "shards" / ".build").exists()
 
 
+def _marker_of(pid: int, pid_start: str) -> str:
+    """A run marker's JSON as a local driver with ``pid`` writes it (docs/BUILD.md, "Run markers")."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    fields = {"kind": "process", "host": os.uname().nodename, "boot_id": boot, "pid": pid, "pid_start": pid_start}
+    return json.dumps({**fields, "started": "2026-01-01T00:00:00+00:00", "token": "t"})
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def test_a_finished_build_on_read_only_storage_is_up_to_date(tmp_path, tmpfs, fault_inputs, reference):
-    """Re-run on read-only storage: up to date, exit 0, with or without the lock files that the
-    build left (a corpus copied elsewhere has none). Other settings are the same conflict as on
-    writable storage; --overwrite cannot write."""
+    """Re-run on read-only storage: up to date, exit 0, with or without the stale run markers of a
+    build killed there (a corpus copied elsewhere has none). Other settings are the same conflict
+    as on writable storage; --overwrite cannot write."""
     root = tmpfs(tmp_path / "ro", "16m")
     build_corpus(fault_config(root, fault_inputs))
+    assert not (root / "shards" / ".build.lock").exists()  # removed when the build ended
     copy = tmpfs(tmp_path / "copy", "16m")
-    shutil.copytree(root, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock"))
+    shutil.copytree(root, copy, dirs_exist_ok=True)
+    stale = _marker_of(_dead_pid(), "1")
+    (root / "shards" / ".build.lock").write_text(stale)
+    (root / "manifests" / ".shards.json.lock").write_text(stale)
     for fs in (root, copy):
         remount(fs, "ro")
         before = tree(fs)
@@ -383,6 +407,23 @@ def test_a_finished_build_on_read_only_storage_is_up_to_date(tmp_path, tmpfs, fa
         with pytest.raises(BuildOSError, match=r"\[EROFS\]"):
             build_corpus(fault_config(fs, fault_inputs, overwrite=True))
         assert tree(fs) == before == tree(reference)
+    assert (root / "shards" / ".build.lock").read_text() == stale  # nothing could remove them
+    assert (root / "manifests" / ".shards.json.lock").read_text() == stale
+
+
+def test_a_live_run_marker_on_read_only_storage_refuses_the_build(tmp_path, tmpfs, fault_inputs):
+    """A marker whose run is alive (this test's own process) refuses a build that cannot write
+    there too: a build with write permission may be changing the output."""
+    root = tmpfs(tmp_path / "ro", "16m")
+    build_corpus(fault_config(root, fault_inputs))
+    me = Path("/proc/self/stat").read_text()
+    marker = root / "manifests" / ".shards.json.lock"
+    marker.write_text(_marker_of(os.getpid(), me[me.rindex(")") + 2 :].split()[19]))
+    remount(root, "ro")
+    with pytest.raises(
+        BuildConflict, match=rf"writing the manifest {root / 'manifests' / 'shards.json'} .*pid {os.getpid()}"
+    ):
+        build_corpus(fault_config(root, fault_inputs))
 
 
 def test_a_finished_build_on_read_only_storage_through_the_cli(tmp_path, tmpfs, fault_inputs):

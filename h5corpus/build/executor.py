@@ -199,8 +199,8 @@ def _mp_context():
     import multiprocessing as mp
 
     # fork: workers inherit the loaded encoder and filters (no re-import, no pickling). Safe here:
-    # the main process holds no open HDF5 file when it forks, and its one thread besides the main
-    # one (the run marker's heartbeat) only sleeps and touches a file, holding no lock a child needs.
+    # the main process holds no open HDF5 file when it forks, and its threads besides the main
+    # one (the run markers' heartbeats) only sleep and touch a file, holding no lock a child needs.
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
