@@ -170,8 +170,9 @@ class BuildLock:
 
     @property
     def cancel_jobs(self) -> list[str]:
-        """Slurm jobs of replaced runs that would pend forever (the caller cancels them)."""
-        return [j for m in self.markers for j in m.cancel_jobs]
+        """Slurm jobs of replaced runs that would pend forever (the caller cancels them; a Slurm
+        run's two markers name the same jobs, listed once)."""
+        return list(dict.fromkeys(j for m in self.markers for j in m.cancel_jobs))
 
     def update(self, **fields: Any) -> None:
         """Rewrite every held marker with more fields (``kind="slurm", jobs=[...]``)."""

@@ -33,7 +33,8 @@ from typing import Any
 from ..storage.manifest import read_manifest
 from .buckets import lsh_params
 from .config import BuildConflict, BuildError
-from .encoders import HFEncoder, prove_same_ids
+from .encoders import HFEncoder
+from .proof import prove_fast_path
 from .readers import sample_texts
 from .report import BuildReport, report_from_manifest
 from .runner import PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS, _Run
@@ -129,10 +130,10 @@ class SlurmRun(_Run):
         if self.fast is None or self.encoder is not self.fast:
             return
         sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
-        diff = prove_same_ids(HFEncoder(self.t.tok), self.fast, sample)
-        if diff is not None:
-            self.note = f"fast path ({self.fast.name}) disabled: {diff}"
-            self.encoder = HFEncoder(self.t.tok)
+        chosen, note = prove_fast_path(HFEncoder(self.t.tok), self.fast, sample, names=self.cfg.fast_encoders)
+        if chosen is not self.fast:
+            self.note = "; ".join(filter(None, (self.note, note)))
+            self.encoder = chosen
 
     def run(self) -> BuildReport:
         self._prove()
