@@ -225,7 +225,9 @@ def _killed_at(point: str, settings: dict) -> None:
     assert p.returncode == -9, (point, p.returncode, p.stderr[-2000:])
 
 
-@pytest.mark.parametrize("point", ["finish-renamed:2", "finish-record:3", "manifest-after"])
+#: Points are counted per worker process: with the inputs' 4 tasks on 2 workers, some worker
+#: reaches each point twice whatever the scheduling (a third time only when it took 3 tasks).
+@pytest.mark.parametrize("point", ["finish-renamed:2", "finish-record:2", "manifest-after"])
 def test_a_resumed_build_never_deletes_user_files_that_look_like_shards(tmp_path, fault_inputs, reference, point):
     root = tmp_path / "k"
     planted = _plant_decoys(root / "shards", [d for d in DECOYS if d != WIDE])

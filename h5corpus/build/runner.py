@@ -105,7 +105,7 @@ def build_corpus(config: BuildConfig) -> BuildReport:
 
     Raises ValueError (bad settings, an output path of the wrong kind),
     :class:`~h5corpus.build.tokenizer.TokenizerError` / :class:`~h5corpus.build.sources.SourceError`
-    (spec cannot be resolved), :class:`BuildConflict` (lock held, output built otherwise),
+    (spec cannot be resolved), :class:`BuildConflict` (a live run marker, output built otherwise),
     :class:`BuildError` (bad input under ``on_error="fail"``) and
     :class:`~h5corpus.build.oserrors.BuildOSError` (the OS refused a write: disk full, read-only or
     unwritable output, I/O error). After the last two, completed work is kept, so fixing the cause
