@@ -1,12 +1,17 @@
 """``h5corpus`` command line: a thin layer over the library.
 
-Exit codes: 0 success, 1 the data is bad (corruption, a failed check, bad input), 2 usage error
-(missing file, bad option).
+Exit codes: 0 success; 1 the work could not be completed: the data is bad (corruption, a failed
+check, bad input) or the OS refused a write (disk full, read-only or unwritable output, I/O
+error), and what was completed is kept; 2 usage error (missing file, bad option, a path of the
+wrong kind: a folder where a file goes or a file where a folder goes). Every error is one line on
+stderr (``error: ...``) naming the path and what failed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -57,6 +62,37 @@ def check_local_manifest(manifest: Path) -> None:
             "mount the corpus (manifest and shards) on a local or network filesystem and pass that path",
             EXIT_USAGE,
         )
+
+
+def check_output_file(option: str, path: Path | None) -> None:
+    """Before any work: ``path`` must be a file that can be written (exit 2 for a folder or a path
+    below a file, 1 when the OS would refuse the write)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise fail(f"{option} {path} is a folder, not a file", EXIT_USAGE)
+    if path.exists() and not path.is_file():
+        raise fail(f"{option} {path} is not a regular file", EXIT_USAGE)
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise fail(f"{option} {path}: {folder} is not a folder", EXIT_USAGE)
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK) or not os.access(folder, os.W_OK | os.X_OK):
+        try:
+            ro = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+        except OSError:
+            ro = False
+        err = errno.EROFS if ro else errno.EACCES
+        raise fail(f"cannot write {option} {path}: {os.strerror(err)} [{errno.errorcode[err]}]", EXIT_BAD_DATA)
+
+
+def os_failure(what: str, e: OSError) -> typer.Exit:
+    """A failed system call the library did not name: one line with the path, exit 1."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    path = f" {e.filename}" if e.filename else ""
+    return fail(f"cannot {what}{path}: {e.strerror or e}" + (f" [{name}]" if name else ""), EXIT_BAD_DATA)
 
 
 def check_positive(option: str, value: int | None) -> None:
@@ -136,6 +172,8 @@ def inspect_cli(
             raise fail(
                 "--plot needs matplotlib: pip install 'h5corpus[plot]' (or pip install matplotlib)", EXIT_USAGE
             ) from None
+    for name, path in (("--output", output), ("--plot", plot)):
+        check_output_file(name, path)
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     if mode not in ("buffer", "bfd"):
@@ -153,12 +191,20 @@ def inspect_cli(
         )
     except (FormatError, ValueError) as e:
         raise fail(str(e), EXIT_BAD_DATA) from None
+    except OSError as e:
+        raise os_failure("inspect", e) from None
     data = json.dumps(rep.to_json(), indent=2, sort_keys=True)
-    if output:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(data + "\n")
-    if plot:
-        plot_report(rep, plot)
+    try:
+        if output:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(data + "\n")
+    except OSError as e:
+        raise os_failure("write --output", e if e.filename else OSError(e.errno, e.strerror, str(output))) from None
+    try:
+        if plot:
+            plot_report(rep, plot)
+    except OSError as e:
+        raise os_failure("write --plot", e if e.filename else OSError(e.errno, e.strerror, str(plot))) from None
     typer.echo(data if as_json else format_report(rep))
     raise typer.Exit(EXIT_OK if rep.ok else EXIT_BAD_DATA)
 
@@ -300,18 +346,33 @@ def build_cli(
 ) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
-    Exit 1 on bad input, 2 on usage errors.
+    Exit 1 when the build could not be completed (bad input, a full disk, read-only output; what it
+    completed is kept), 2 on usage errors.
 
-    CREATES: the shard files, the manifest, --explain-drops FILE and --perplexity-scores FILE when given, and (while running)
-    shards/.build/ and shards/.build.lock.
+    CREATES: the shard files, the manifest, --explain-drops FILE and --perplexity-scores FILE when given,
+    and while running the run markers shards/.build.lock and .<manifest>.lock beside the manifest and
+    shards/.build/.
     """
     from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
+    from .build.oserrors import BuildOSError
     from .build.sources import SourceError
     from .build.tokenizer import TokenizerError
     from .storage.format import FormatError
 
     srcs = list(sources or ["stdlib"])
-    check_positive("--task-bytes", task_bytes)
+    for i, src in enumerate(srcs):
+        check_path_arg(f"SOURCE {i + 1}", Path(src))
+    for name, path in (("--shards-dir", shards_dir), ("--manifest", manifest), ("--explain-drops", explain_drops)):
+        check_path_arg(name, path)
+    if tokenizer is not None:
+        check_path_arg("--tokenizer", Path(tokenizer))
+    for name, value in (
+        ("--workers", workers),
+        ("--shard-tokens", shard_tokens),
+        ("--max-document-tokens", max_document_tokens),
+        ("--task-bytes", task_bytes),
+    ):
+        check_positive(name, value)
     executor_cfg = _executor_options(
         executor,
         ray_address=ray_address,
@@ -373,10 +434,14 @@ def build_cli(
         raise fail(
             f"{e}\n(completed work is kept: fix the input and re-run the same command to resume)", EXIT_BAD_DATA
         ) from None
+    except BuildOSError as e:
+        raise fail(f"{e}; {e.hint}", EXIT_BAD_DATA) from None
     except FormatError as e:
         raise fail(str(e), EXIT_BAD_DATA) from None
     except (BuildConflict, TokenizerError, SourceError, ValueError) as e:
         raise fail(str(e), EXIT_USAGE) from None
+    except OSError as e:
+        raise os_failure("build", e) from None
     except KeyboardInterrupt:
         raise fail("interrupted; re-run the same command to resume", 130) from None
     code = EXIT_OK

@@ -188,11 +188,13 @@ def read_built(manifest: Path) -> dict[str, list[tuple[bytes, np.ndarray, int]]]
 
 
 def tree(root: Path) -> dict[str, str]:
-    """sha256 of every file under root (relative paths), lock file excluded (it holds a pid)."""
+    """sha256 of every file under root (relative paths), the build's run markers excluded (a killed
+    build leaves its own, holding its pid): ``.build.lock`` of a shards folder and
+    ``.<manifest>.lock`` beside a manifest."""
     return {
         p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != ".build.lock"
+        if p.is_file() and not (p.name.startswith(".") and p.name.endswith(".lock"))
     }
 
 

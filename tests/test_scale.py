@@ -344,6 +344,7 @@ def test_stage_commands_build_what_the_local_executor_builds(tmp_path):
     state = tmp_path / "s" / "shards" / ".build"
     assert "build-stage read --state" in dry.stdout and f"{state}/slurm/read.sbatch" in dry.stdout
     assert not (tmp_path / "s" / "shards" / ".build.lock").exists()  # a dry run leaves no run marker
+    assert not (tmp_path / "s" / "manifests" / ".shards.json.lock").exists()
     status = json.loads(_cli("build-stage", "status", "--state", str(state), cwd=tmp_path).stdout)
     tasks = status["tasks"]
     assert tasks >= 3 and status["read"] == list(range(tasks)) and status["buckets"] == 3

@@ -177,6 +177,7 @@ def test_slurm_build_equals_the_local_build(slurm_cluster, refs, tmp_path, name,
     assert {j.state for j in read_elements} == {"COMPLETED"}
     assert tree(out) == refs.tree(name)
     assert not (out / "shards" / ".build.lock").exists()  # the commit job ended the run
+    assert not (out / "manifests" / ".shards.json.lock").exists()  # the manifest's marker too
 
 
 @pytest.mark.slurm
@@ -234,5 +235,7 @@ def test_slurm_wait_fails_naming_the_failed_element_and_its_log(slurm_cluster, t
     assert not left
     marker = json.loads((out / "shards" / ".build.lock").read_text())
     assert marker["kind"] == "slurm"
+    manifest_marker = json.loads((out / "manifests" / ".shards.json.lock").read_text())
+    assert manifest_marker["kind"] == "slurm" and manifest_marker["jobs"] == marker["jobs"]
     for other in marker["jobs"]:  # nothing of this run waits in the queue
         assert all(j.state not in ("PENDING",) for j in slurm_cluster.jobs(other))

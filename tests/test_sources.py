@@ -219,6 +219,25 @@ def test_parquet_nulls_and_missing_columns_are_bad_rows(tmp_path):
     )
 
 
+@pytest.mark.parametrize("value_type", ["string", "large_string"])
+@pytest.mark.parametrize("arrow_schema", [True, False], ids=["arrow-schema", "parquet-only"])
+def test_dictionary_encoded_string_columns_read_as_their_strings(tmp_path, texts, value_type, arrow_schema):
+    """A dictionary-encoded text column (as pandas categoricals and some writers produce) gives the
+    same documents as the plain column, and a null is still a bad row named by its row."""
+    values = [texts[i % 7] for i in range(40)] + [None] + texts[:5]
+    col = pa.array(values, type=getattr(pa, value_type)()).dictionary_encode()
+    d = tmp_path / "dict.parquet"
+    pq.write_table(pa.table({"text": col}), d, row_group_size=9, store_schema=arrow_schema)
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"text": pa.array(values)}), plain, row_group_size=9)
+    if arrow_schema:
+        assert pa.types.is_dictionary(pq.ParquetFile(d).schema_arrow.field("text").type)
+    recs = read_all([str(d)], task_bytes=300)
+    assert recs[:40] + recs[41:] == [v for v in values if v is not None]
+    assert isinstance(recs[40], BadRecord) and recs[40].where == f"{d} row 40" and recs[40].code == "not_string"
+    assert [r for r in read_all([str(plain)], task_bytes=300) if isinstance(r, str)] == recs[:40] + recs[41:]
+
+
 def test_a_million_character_document_streams_whole(tmp_path, stdlib_corpus_texts):
     big = "".join(stdlib_corpus_texts)[:1_200_000]
     assert len(big) == 1_200_000
@@ -354,3 +373,141 @@ def test_fast_json_parsing_matches_on_the_whole_dev_corpus(monkeypatch, dev_dir)
     """The same equality on the 10.6k real documents of the dev corpus (every script it holds)."""
     fast, slow = _records_both_ways(monkeypatch, [str(dev_dir)])
     assert len(fast) > 10_000 and fast == slow
+
+
+# -- truncated and corrupt compressed streams, the UTF-8 BOM ---------------------------------------------
+def _jsonl_lines(texts) -> list[bytes]:
+    return [(json.dumps({"text": t}, ensure_ascii=False) + "\n").encode() for t in texts]
+
+
+def _assert_cut(recs: list, texts: list[str], p: Path, complete: int) -> None:
+    """The complete lines' records, in order, then one fatal truncation record naming the next line."""
+    assert recs[:-1] == texts[:complete]
+    bad = recs[-1]
+    assert isinstance(bad, BadRecord) and bad.fatal and bad.code == "truncated", bad
+    assert bad.where == f"{p}:{complete + 1}" and bad.reason.startswith("truncated: "), bad
+
+
+def _zstd_blocks(lines: list[bytes], every: int, checksum: bool = True) -> tuple[bytes, list[int]]:
+    """One zstd frame whose blocks end every ``every`` lines; returns it and the block boundaries."""
+    co = zstandard.ZstdCompressor(level=3, write_checksum=checksum).compressobj()
+    out, bounds = b"", []
+    for i in range(0, len(lines), every):
+        out += co.compress(b"".join(lines[i : i + every])) + co.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        bounds.append(len(out))
+    return out + co.flush(), bounds
+
+
+def _complete_lines(decoded: bytes) -> int:
+    return decoded.count(b"\n")
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_zstd_stream_cut_anywhere_is_truncation_after_its_complete_lines(tmp_path, texts, checksum):
+    """Cut at every block boundary (each one a line end), inside blocks, inside the last block and
+    checksum, inside the frame header: the records are the complete lines in what can be decoded
+    (zstd's decompressobj, another API, is the oracle), then one truncation record naming the next
+    line. The whole file reads whole, with no bad record."""
+    many = texts * 3
+    data, bounds = _zstd_blocks(_jsonl_lines(many), 7, checksum)
+    cuts = set(bounds) | {b + 11 for b in bounds[:-1]} | {len(data) - 1, len(data) - 3, 2, 5, 9}
+    p = tmp_path / "c.jsonl.zst"
+    for cut in sorted(c for c in cuts if 0 < c < len(data)):
+        p.write_bytes(data[:cut])
+        decoded = zstandard.ZstdDecompressor().decompressobj().decompress(data[:cut])
+        _assert_cut(read_all([str(p)]), many, p, _complete_lines(decoded))
+    p.write_bytes(data)
+    assert read_all([str(p)]) == many
+
+
+def test_a_gzip_stream_cut_anywhere_keeps_every_complete_line(tmp_path, texts):
+    """Cuts all through the stream, in the header and in the 8-byte trailer: every complete line in
+    what zlib can decode is a record (none of a 1 MiB read block is lost), then one truncation
+    record naming the next line."""
+    many = texts * 12  # well over 1 MiB of JSON
+    body = b"".join(_jsonl_lines(many))
+    assert len(body) > 2 << 20
+    data = gzip.compress(body)
+    cuts = {len(data) * k // 23 for k in range(1, 23)} | {len(data) - k for k in range(1, 9)} | {5, 11}
+    p = tmp_path / "c.jsonl.gz"
+    import zlib
+
+    for cut in sorted(cuts):
+        p.write_bytes(data[:cut])
+        decoded = zlib.decompressobj(wbits=31).decompress(data[:cut])
+        _assert_cut(read_all([str(p)]), many, p, _complete_lines(decoded))
+
+
+def test_whole_multi_frame_and_multi_member_streams_read_whole(tmp_path, texts):
+    """zstd: several frames, an empty frame, skippable frames (before, between, after); gzip: several
+    members and zero padding; empty files: all records, no bad record."""
+    import struct
+
+    lines = _jsonl_lines(texts)
+    half = len(lines) // 2
+    c = zstandard.ZstdCompressor(level=3)
+    skip = struct.pack("<II", 0x184D2A53, 5) + b"12345"
+    zst = skip + c.compress(b"".join(lines[:half])) + c.compress(b"") + skip + c.compress(b"".join(lines[half:])) + skip
+    (tmp_path / "m.jsonl.zst").write_bytes(zst)
+    gz = gzip.compress(b"".join(lines[:half])) + gzip.compress(b"".join(lines[half:])) + b"\0" * 16
+    (tmp_path / "m.jsonl.gz").write_bytes(gz)
+    for name in ("m.jsonl.zst", "m.jsonl.gz"):
+        assert read_all([str(tmp_path / name)]) == texts, name
+    for name in ("e.jsonl.zst", "e.jsonl.gz"):
+        (tmp_path / name).write_bytes(b"")
+        assert read_all([str(tmp_path / name)]) == [], name
+
+
+@pytest.mark.parametrize("damage", ["zst-garbage", "zst-flip", "gz-garbage", "gz-flip", "gz-crc"])
+def test_corrupt_compressed_streams_are_unreadable_records_not_crashes(tmp_path, texts, damage):
+    """Trailing garbage, flipped bytes or a wrong CRC end in one fatal ``unreadable`` record, never an
+    exception out of the reader. After trailing garbage or a wrong CRC every record came first;
+    flipped bytes may decode to garbage before the decompressor notices (gzip's CRC covers the
+    whole member), which only the records up to the first bad one can be trusted for."""
+    body = b"".join(_jsonl_lines(texts * 4))
+    kind, how = damage.split("-")
+    data = bytearray(zstandard.ZstdCompressor(level=3).compress(body) if kind == "zst" else gzip.compress(body))
+    if how == "garbage":
+        data += b"this is not part of any stream"
+    elif how == "flip":
+        for k in range(len(data) // 2, len(data) // 2 + 64):
+            data[k] ^= 0x5A
+    else:
+        data[-6] ^= 0x01  # inside the CRC32 of the trailer
+    p = tmp_path / f"x.jsonl.{'zst' if kind == 'zst' else 'gz'}"
+    p.write_bytes(bytes(data))
+    recs = read_all([str(p)])
+    bad = recs[-1]
+    assert isinstance(bad, BadRecord) and bad.fatal and bad.code == "unreadable", bad
+    if how == "flip":
+        good = next(i for i, r in enumerate(recs) if isinstance(r, BadRecord))
+        assert recs[:good] == (texts * 4)[:good]
+    else:
+        assert recs[:-1] == texts * 4
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4096, 1 << 20])
+def test_a_utf8_bom_at_the_start_of_a_jsonl_file_is_not_data(tmp_path, texts, monkeypatch, block):
+    """A BOM at the very start of a .jsonl/.jsonl.gz/.jsonl.zst is skipped (any read block size,
+    byte-range tasks too); a BOM at the start of a later line is data: that line is malformed JSON
+    at its own line number."""
+    import h5corpus.build.readers as src
+
+    monkeypatch.setattr(src, "_JSONL_BLOCK", block)
+    bom = b"\xef\xbb\xbf"
+    body = b"".join(_jsonl_lines(texts[:20]))
+    (tmp_path / "a.jsonl").write_bytes(bom + body)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(bom + body))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(bom + body))
+    for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst"):
+        assert read_all([str(tmp_path / name)]) == texts[:20], name
+    assert read_all([str(tmp_path / "a.jsonl")], task_bytes=3_000) == texts[:20]
+    lines = _jsonl_lines(texts[:5])
+    (tmp_path / "mid.jsonl").write_bytes(lines[0] + bom + lines[1] + b"".join(lines[2:]))
+    recs = read_all([str(tmp_path / "mid.jsonl")])
+    assert recs[0] == texts[0] and recs[2:] == texts[2:5]
+    assert isinstance(recs[1], BadRecord) and recs[1].where == f"{tmp_path / 'mid.jsonl'}:2"
+    assert recs[1].code == "malformed_json"
+    for only in (bom, bom + b"\n", bom + b"  \n\n"):
+        (tmp_path / "o.jsonl").write_bytes(only)
+        assert read_all([str(tmp_path / "o.jsonl")]) == []

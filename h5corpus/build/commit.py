@@ -3,8 +3,8 @@
 :func:`commit` gathers the finish records of the tasks that are part of the corpus (shards in split,
 then task, then sequence order: the corpus's global token order), adds up what the read records
 counted, publishes the ``--explain-drops`` file, fsyncs the shards' folders, writes the manifest,
-and removes what nothing lists any more (shards of tasks read past a budget, an earlier partition's
-files) and the state folder.
+and removes the shard files it made that nothing lists any more (shards of tasks read past a
+budget, an earlier partition's files; :func:`remove_unlisted`) and the state folder.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from ..storage.manifest import Manifest, write_manifest
 from ..storage.writer import fsync_dir
 from .config import MAX_LISTED
 from .explain import ExplainFile
+from .oserrors import os_step
 from .plan import StageContext
-from .shards import our_shard_files
+from .shards import build_file_task, our_shard_files
 from .state import FinishRecord, ReadRecord, TaskDecision
 
 
@@ -110,23 +111,35 @@ def commit(
         shards_dir=Path(os.path.relpath(shards_dir, manifest_path.parent)).as_posix(),
     )
     if explain is not None:
-        explain.publish()
+        with os_step("write the drop list", explain.path):
+            explain.publish()
     if plan.perplexity_scores is not None:
         from .scores import write_scores
 
         if decisions is None:
             raise ValueError("commit: the --perplexity-scores file needs the tasks' decisions")
-        write_scores(plan.perplexity_scores, ctx.state, reads, decisions)
+        with os_step("write the perplexity scores", Path(plan.perplexity_scores)):
+            write_scores(plan.perplexity_scores, ctx.state, reads, decisions)
     # Every listed shard durable before the manifest that lists it: the data was fsynced when the
     # shard was written (read stage, or the finish stage's copy); the renames into place, by their folders.
     for d in dict.fromkeys((shards_dir / s.path).parent for rec in reads for s in finishes[rec.index].shards):
-        fsync_dir(d)
+        with os_step("sync the folder", d):
+            fsync_dir(d)
     ctx.step("manifest-before")
-    write_manifest(manifest_path, m)
+    with os_step("write the manifest", manifest_path):
+        write_manifest(manifest_path, m)
     ctx.step("manifest-after")
-    listed = {m.shard_path(e) for e in entries}
-    for p in our_shard_files(shards_dir):
-        if p.absolute() not in listed:
-            p.unlink(missing_ok=True)  # from tasks read past a budget, or an earlier partition
+    remove_unlisted(ctx, {m.shard_path(e) for e in entries})
     ctx.state.remove()
     return m
+
+
+def remove_unlisted(ctx: StageContext, listed: set[Path]) -> None:
+    """Delete the shard files this build made that the manifest does not list (tasks read past a
+    budget, an earlier partition of changed inputs): files named exactly like the build's shards
+    (or their ``.partial``) of a task that has a record in the state folder. Nothing else."""
+    recorded = ctx.state.recorded_tasks()
+    for p in our_shard_files(ctx.shards_dir):
+        if p.absolute() not in listed and build_file_task(p) in recorded:
+            with os_step("delete", p):
+                p.unlink(missing_ok=True)

@@ -11,8 +11,8 @@ processes or on other nodes can run it from the state folder
 forked workers that inherit the context (encoder and filters loaded once), die with the main
 process (``PR_SET_PDEATHSIG`` on Linux), close their copy of the build lock, share progress
 counters, and turn the stages' named steps into test crash points (:data:`CRASH_ENV`).
-:class:`BuildLock` is the lock a build holds on its shards folder: a run marker
-(:mod:`~h5corpus.build.runmarker`), which works on NFS and Lustre where ``flock`` does not.
+:class:`BuildLock` is what a build holds on its shards folder and its manifest: run markers
+(:mod:`~h5corpus.build.runmarker`), which work on NFS and Lustre where ``flock`` does not.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
 from .config import BuildError
+from .oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error
 from .plan import StageContext
 from .runmarker import RunMarker
 from .stages import run_stage
+from .state import LOCK_FILE, manifest_lock_path
 from .tasks import StageCall
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
@@ -112,39 +115,105 @@ class LocalEvents:
 
 
 class BuildLock:
-    """The run marker ``<shards_dir>/.build.lock`` for the life of a build (host, pid, start time; a
-    second build refuses while the first is alive, and replaces a stale one). ``fd`` is None: there
-    is no descriptor for forked workers to close."""
+    """The run markers a build holds for its whole life, so that no two builds write one shards
+    folder or one manifest at once: ``<shards_dir>/.build.lock`` and ``.<manifest name>.lock``
+    beside the manifest (:func:`~h5corpus.build.state.manifest_lock_path`), taken in that order.
+    Each holds host, pid and start time, for the message a second build prints; a second build
+    refuses while the first is alive and replaces a stale marker. They are removed when the build
+    ends (a Slurm build hands them over to its jobs: :meth:`update`, :meth:`hand_over`).
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd: int | None = None
-        self.marker = RunMarker(path, f"into {path.parent}")
+    Where a folder cannot be written (read-only file system, no permission), no marker can be
+    created there: a live marker already there still refuses the build, else :attr:`writable` is
+    False with :attr:`refusal` saying why, and such a build may only find its output up to date.
+    :attr:`fds` is empty: a marker holds no descriptor for forked workers to close.
+    """
+
+    def __init__(self, shards_dir: Path, manifest: Path) -> None:
+        shards_dir, manifest = Path(shards_dir), Path(manifest)
+        wanted = [
+            (shards_dir / LOCK_FILE, f"into {shards_dir}"),
+            (manifest_lock_path(manifest), f"the manifest {manifest}"),
+        ]
+        seen: set[Path] = set()
+        self.markers: list[RunMarker] = []
+        for path, what in wanted:
+            key = path.absolute().resolve()
+            if key not in seen:
+                seen.add(key)
+                self.markers.append(RunMarker(path, what))
+        self.held: list[RunMarker] = []
+        self.fds: tuple[int, ...] = ()
+        self.writable = True
+        self.refusal: BuildOSError | None = None
 
     def __enter__(self) -> BuildLock:
-        self.marker.acquire()
+        try:
+            for marker in self.markers:
+                self._take(marker)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
+    def _take(self, marker: RunMarker) -> None:
+        try:
+            marker.acquire()
+        except OSError as e:
+            failed = as_build_os_error(e, "create the run marker", marker.path)
+            if failed is None or e.errno not in NOT_WRITABLE:
+                raise failed or e from None
+            marker.check_not_alive()  # a live build there (one that may write) still refuses
+            self.writable = False
+            self.refusal = self.refusal or _refusal_of(failed, marker.path.parent)
+            return
+        self.held.append(marker)
+
+    @property
+    def cancel_jobs(self) -> list[str]:
+        """Slurm jobs of replaced runs that would pend forever (the caller cancels them; a Slurm
+        run's two markers name the same jobs, listed once)."""
+        return list(dict.fromkeys(j for m in self.markers for j in m.cancel_jobs))
+
+    def update(self, **fields: Any) -> None:
+        """Rewrite every held marker with more fields (``kind="slurm", jobs=[...]``)."""
+        for marker in self.held:
+            marker.update(**fields)
+
+    def hand_over(self) -> None:
+        """Leave the markers in place: the build's jobs hold the output now."""
+        for marker in self.held:
+            marker.hand_over()
+        self.held = []
+
     def __exit__(self, *exc: Any) -> None:
-        self.marker.release()
+        for marker in reversed(self.held):
+            marker.release()
+        self.held = []
+
+
+def _refusal_of(failed: BuildOSError, folder: Path) -> BuildOSError:
+    """``failed`` (a marker that could not be created) as the refusal to write into ``folder``."""
+    return BuildOSError("write into", folder, failed.errno, failed.strerror or "")
 
 
 def _mp_context():
     import multiprocessing as mp
 
     # fork: workers inherit the loaded encoder and filters (no re-import, no pickling). Safe here:
-    # the main process holds no open HDF5 file when it forks, and its one thread besides the main
-    # one (the run marker's heartbeat) only sleeps and touches a file, holding no lock a child needs.
+    # the main process holds no open HDF5 file when it forks, and its threads besides the main
+    # one (the run markers' heartbeats) only sleep and touch a file, holding no lock a child needs.
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
-def _worker_main(ctx: StageContext, conn: Connection, counters: Any, lock_fd: int | None, parent_pid: int) -> None:
+def _worker_main(
+    ctx: StageContext, conn: Connection, counters: Any, lock_fds: tuple[int, ...], parent_pid: int
+) -> None:
     """A local worker: run the calls that arrive on ``conn`` until told to stop (None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    if lock_fd is not None:
+    for fd in lock_fds:
         try:
-            os.close(lock_fd)  # the lock belongs to the main process alone
+            os.close(fd)  # the locks belong to the main process alone
         except OSError:
             pass
     if sys.platform.startswith("linux"):
@@ -183,9 +252,9 @@ def _picklable(e: BaseException) -> BaseException:
 class LocalExecutor:
     """``workers`` forked processes on this machine, each running one call at a time."""
 
-    def __init__(self, workers: int, *, lock_fd: int | None = None, count_progress: bool = False) -> None:
+    def __init__(self, workers: int, *, lock_fds: Sequence[int] = (), count_progress: bool = False) -> None:
         self.workers = int(workers)
-        self.lock_fd = lock_fd
+        self.lock_fds = tuple(lock_fds)
         self.counters = _mp_context().Array("q", 2) if count_progress else None
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
@@ -201,7 +270,7 @@ class LocalExecutor:
         for _ in range(self.workers):
             mine, theirs = mp.Pipe()
             p = mp.Process(
-                target=_worker_main, args=(ctx, theirs, self.counters, self.lock_fd, os.getpid()), daemon=True
+                target=_worker_main, args=(ctx, theirs, self.counters, self.lock_fds, os.getpid()), daemon=True
             )
             p.start()
             theirs.close()

@@ -8,8 +8,8 @@ record came from (``--explain-drops``); :func:`sample_texts` takes the fast-path
 
 from __future__ import annotations
 
-import io
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +61,150 @@ def _utf8(text: str) -> bytes | None:
 
 #: Bytes read at a time from a JSONL stream (lines are split out of each block).
 _JSONL_BLOCK = 1 << 20
+
+
+#: The UTF-8 byte order mark. Skipped at the very start of a JSONL file (RFC 8259 lets a parser
+#: ignore it there); anywhere else it is data, and not JSON whitespace, so a line that starts with
+#: one is malformed JSON.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+class _Truncated(Exception):
+    """A compressed stream ended before its end marker (``str``: what is missing, or empty)."""
+
+
+class _StreamError(Exception):
+    """A compressed file holds something that is not part of its stream."""
+
+
+class _JsonlStream:
+    """A JSONL file's bytes in blocks. ``read(n)`` gives the next bytes, ``b""`` at the end; a
+    compressed stream is read with ``read1``, so everything decompressed before the stream breaks
+    off is delivered before the error. Once ``read`` gave ``b""``, :meth:`check_end` raises
+    :class:`_Truncated` when the file was cut short (gzip's reader raises ``EOFError`` itself;
+    zstd's ends silently, so its frames are walked: :func:`zstd_end_problem`)."""
+
+    def __init__(self, fh: Any, read: Any, kind: str, path: str, errors: tuple[type[Exception], ...] = ()) -> None:
+        self.fh, self.read, self.kind, self.path = fh, read, kind, path
+        self.errors = errors
+        """What the decompressor raises on corrupt data (besides OSError/ValueError)."""
+
+    @classmethod
+    def open(cls, f: SourceFile) -> _JsonlStream:
+        if f.kind == "jsonl":
+            fh = open(f.path, "rb")
+            return cls(fh, fh.read, "jsonl", f.path)
+        if f.kind == "jsonl.gz":
+            import gzip
+            import zlib
+
+            gz = gzip.open(f.path, "rb")
+            return cls(gz, gz.read1, "gzip", f.path, (zlib.error,))
+        if f.kind == "jsonl.zst":
+            import zstandard
+
+            raw = open(f.path, "rb")
+            try:
+                zr = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True, read_across_frames=True)
+            except Exception:
+                raw.close()
+                raise
+            return cls(zr, zr.read1, "zstd", f.path, (zstandard.ZstdError,))
+        raise ValueError(f.kind)
+
+    def check_end(self) -> None:
+        if self.kind == "zstd":
+            zstd_end_problem(self.path)
+
+    def __enter__(self) -> _JsonlStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.fh.close()
+
+
+def _read_past_bom(read: Any) -> tuple[bytes, int]:
+    """The first block of a file without a leading UTF-8 BOM, and the bytes skipped (0 or 3)."""
+    block = read(_JSONL_BLOCK)
+    while block and len(block) < len(UTF8_BOM) and UTF8_BOM.startswith(block):
+        more = read(_JSONL_BLOCK)
+        if not more:
+            break
+        block += more
+    if block.startswith(UTF8_BOM):
+        return block[len(UTF8_BOM) :] or read(_JSONL_BLOCK), len(UTF8_BOM)
+    return block, 0
+
+
+def _truncation(stream: _JsonlStream, e: BaseException, last_line: int, inside: bool) -> str:
+    """The reason of a truncation record: where the stream ends, the last complete line, what is missing."""
+    missing = f": {e}" if isinstance(e, _Truncated) and str(e) else ", before its end-of-stream marker"
+    if inside:
+        done = f"the last complete line is {last_line:,}" if last_line else "no line is complete"
+        return f"truncated: the {stream.kind} stream ends inside this line{missing} ({done})"
+    if last_line:
+        return f"truncated: the {stream.kind} stream ends after line {last_line:,} (the last complete line){missing}"
+    return f"truncated: the {stream.kind} stream ends before its first line{missing}"
+
+
+#: zstd frame magic numbers (RFC 8878): a frame, and the 16 skippable-frame magics (low 4 bits free).
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_SKIPPABLE = 0x184D2A50
+
+
+def zstd_end_problem(path: str) -> None:
+    """Walk the frames of a ``.zst`` file by their headers (RFC 8878: frame header, then blocks
+    with 3-byte headers up to the one flagged last, then the optional 4-byte checksum; skippable
+    frames by their size). Raises :class:`_Truncated` when the file ends inside a frame and
+    :class:`_StreamError` when bytes after a frame are not one. The decompressor has checked
+    every block's content (and the checksum); what it cannot tell is whether the data stopped at a
+    block boundary. Cost: one 3-byte read per block (a block holds up to 128 KiB)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        pos = 0
+        while pos < size:
+            fh.seek(pos)
+            head = fh.read(4)
+            if len(head) < 4:
+                raise _Truncated(f"the frame at byte {pos:,} has no complete header")
+            magic = int.from_bytes(head, "little")
+            if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
+                n = fh.read(4)
+                end = pos + 8 + int.from_bytes(n, "little")
+                if len(n) < 4 or end > size:
+                    raise _Truncated(f"the skippable frame at byte {pos:,} is cut short")
+                pos = end
+                continue
+            if magic != _ZSTD_MAGIC:
+                raise _StreamError(f"the bytes at offset {pos:,} are not a zstd frame")
+            pos = _zstd_frame_end(fh, pos, size)
+
+
+def _zstd_frame_end(fh: Any, start: int, size: int) -> int:
+    """Offset after the zstd frame at ``start`` (its magic just read); raises :class:`_Truncated`."""
+    d = fh.read(1)
+    if not d:
+        raise _Truncated(f"the frame at byte {start:,} has no complete header")
+    fhd = d[0]
+    single = (fhd >> 5) & 1
+    header = 1 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
+    pos = start + 4 + header
+    while True:
+        fh.seek(pos)
+        bh = fh.read(3)
+        if len(bh) < 3:
+            raise _Truncated(f"the frame at byte {start:,} has no last block")
+        v = int.from_bytes(bh, "little")
+        pos += 3 + (1 if (v >> 1) & 3 == 1 else v >> 3)  # an RLE block stores one byte
+        if pos > size:
+            raise _Truncated(f"a block of the frame at byte {start:,} is cut short")
+        if v & 1:
+            break
+    if (fhd >> 2) & 1:  # content checksum
+        pos += 4
+        if pos > size:
+            raise _Truncated(f"the frame at byte {start:,} has no complete checksum")
+    return pos
 
 
 class TaskReader:
@@ -165,12 +309,15 @@ class TaskReader:
             return f"{f.name}:{base[0] + lineno - 1}"
 
         try:
-            fh = self._open_stream(f)
+            stream = _JsonlStream.open(f)
         except OSError as e:
             yield BadRecord(f.name, f"cannot open ({e.strerror or e})", "unreadable", fatal=True)
             return
-        with fh:
+        pending: list[bytes] = []  # pieces of a line that continues in the next block
+        with stream:
+            read = stream.read
             try:
+                fh = stream.fh
                 if t.kind == "jsonl" and t.start > 0:
                     fh.seek(t.start - 1)
                     if fh.read(1) != b"\n":
@@ -179,15 +326,19 @@ class TaskReader:
                 stop = t.stop if t.kind == "jsonl" else -1
                 # Read in blocks and split them into lines (a line belongs to the task when it starts
                 # before ``stop``); far fewer calls than readline() per record.
-                pending: list[bytes] = []  # pieces of a line that continues in the next block
+                if pos == 0:
+                    block, pos = _read_past_bom(read)  # pos: bytes of the file, the BOM included
+                else:
+                    block = read(_JSONL_BLOCK)
                 eof = False
                 while not eof:
-                    block = fh.read(_JSONL_BLOCK)
                     if not block:
+                        stream.check_end()
                         eof = True
                         lines = [b"".join(pending)] if pending else []
                     elif b"\n" not in block:
                         pending.append(block)  # joined once, when the line ends: linear in its length
+                        block = read(_JSONL_BLOCK)
                         continue
                     else:
                         if pending:
@@ -204,30 +355,13 @@ class TaskReader:
                         if not line or line.isspace():
                             continue
                         yield self._jsonl_record(line, where)
-            except (OSError, EOFError, ValueError) as e:  # corrupt/truncated compressed stream, I/O error
+                    block = read(_JSONL_BLOCK)
+            except (_Truncated, EOFError) as e:  # gzip's reader raises EOFError
+                lineno += 1
+                yield BadRecord(where(), _truncation(stream, e, lineno - 1, bool(pending)), "truncated", fatal=True)
+            except (OSError, ValueError, _StreamError, *stream.errors) as e:  # a corrupt stream, an I/O error
                 lineno += 1
                 yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
-
-    @staticmethod
-    def _open_stream(f: SourceFile):
-        if f.kind == "jsonl":
-            return open(f.path, "rb")
-        if f.kind == "jsonl.gz":
-            import gzip
-
-            return gzip.open(f.path, "rb")
-        if f.kind == "jsonl.zst":
-            import zstandard
-
-            raw = open(f.path, "rb")
-            try:
-                return io.BufferedReader(
-                    zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), buffer_size=1 << 20
-                )
-            except Exception:
-                raw.close()
-                raise
-        raise ValueError(f.kind)
 
     # parquet ------------------------------------------------------------------------------------
     def _parquet(self) -> Iterator[Doc | BadRecord]:

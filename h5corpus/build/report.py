@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..storage.format import FormatError
 from ..storage.manifest import Manifest
 
 SPLIT_KEYS = (
@@ -163,8 +164,56 @@ class BuildReport:
         return d
 
 
+_COUNT = {"type": "integer", "minimum": 0}
+_COUNTS = {"type": "object", "additionalProperties": {"type": "integer"}}
+
+#: JSON Schema of the parts of a manifest only the build writes and reads back (``build``,
+#: ``filters``, the build's figures in ``splits``); storage's schema checks the rest.
+BUILD_SECTIONS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "build": {
+            "type": "object",
+            "properties": {
+                "fingerprint": {"type": "string"},
+                "settings": {"type": "object"},
+                "tasks": _COUNT,
+                "tasks_read": _COUNT,
+                "skip_reasons": _COUNTS,
+                "skipped_records": {"type": "array", "items": {"type": "string"}},
+                "skipped_records_total": _COUNT,
+            },
+        },
+        "filters": {"type": "object", "properties": {"counters": _COUNTS}},
+        "splits": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "properties": {**{k: _COUNT for k in SPLIT_KEYS}, "dropped": _COUNTS},
+            },
+        },
+    },
+}
+
+
+def check_build_sections(m: Manifest) -> dict[str, Any]:
+    """The manifest's ``build`` section (``{}`` when absent), after checking the build's sections
+    against :data:`BUILD_SECTIONS_SCHEMA`; :class:`FormatError` naming the manifest and the field."""
+    import jsonschema
+
+    cls = jsonschema.Draft202012Validator
+    strict_int = cls.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    validator = jsonschema.validators.extend(cls, type_checker=strict_int)(BUILD_SECTIONS_SCHEMA)
+    doc = {"build": m.extra.get("build", {}), "filters": m.extra.get("filters", {}), "splits": m.splits}
+    err = next(iter(sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))), None)
+    if err is not None:
+        name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path).lstrip(".")
+        raise FormatError(f"{m.path}: manifest field {name}: {err.message}")
+    return m.extra.get("build") or {}
+
+
 def report_from_manifest(m: Manifest, shards_dir: str, elapsed: float) -> BuildReport:
-    b = m.extra.get("build") or {}
+    b = check_build_sections(m)
     return BuildReport(
         manifest=str(m.path),
         shards_dir=str(shards_dir),

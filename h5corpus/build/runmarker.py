@@ -166,26 +166,37 @@ class RunMarker:
             raw = self._read_raw()
             if raw is None:
                 continue  # removed meanwhile: try again
-            live, why = self._alive(raw)
-            if live:
-                raise BuildConflict(
-                    f"another h5corpus build is writing {self.what} (run marker {self.path}: {why}); "
-                    f"wait for it to finish, or stop it first (if it is not running, delete {self.path})"
-                )
+            self._refuse_if_alive(raw)
             self._remove_stale(raw)
         raise BuildConflict(f"{self.path}: could not take the run marker (another build keeps replacing it)")
 
+    def check_not_alive(self) -> None:
+        """Raise :class:`~h5corpus.build.config.BuildConflict` when a live run holds the marker (what
+        a build that cannot create one, on read-only storage, still checks)."""
+        raw = self._read_raw()
+        if raw is not None:
+            self._refuse_if_alive(raw)
+
+    def _refuse_if_alive(self, raw: bytes) -> None:
+        live, why = self._alive(raw)
+        if live:
+            raise BuildConflict(
+                f"another h5corpus build is writing {self.what} (run marker {self.path}: {why}); "
+                f"wait for it to finish, or stop it first (if it is not running, delete {self.path})"
+            )
+
     def _link(self, content: dict[str, Any]) -> bool:
         tmp = self.path.with_name(f"{self.path.name}.{content['token']}")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(content, fh, sort_keys=True)
         try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(content, fh, sort_keys=True)
             os.link(tmp, self.path)
             return True
         except FileExistsError:
             return False
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only folder refuses even this
+                tmp.unlink(missing_ok=True)
 
     def _read_raw(self) -> bytes | None:
         try:

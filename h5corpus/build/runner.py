@@ -27,13 +27,13 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..storage.format import PARTIAL_SUFFIX, TokenizerIdentity
+from ..storage.format import TokenizerIdentity
 from ..storage.manifest import read_manifest
 from .commit import add_up, commit
 from .config import (
@@ -49,13 +49,14 @@ from .decide import DecideInput, Decider, task_scores, worst_masks
 from .encoders import Encoder, HFEncoder, fast_encoder
 from .executor import BuildLock, LocalExecutor
 from .explain import ExplainFile
+from .oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from .plan import BuildPlan, StageContext, filters_spec, read_plan_run
 from .proof import prove_fast_path
 from .readers import newlines_before, sample_texts
-from .report import BuildReport, report_from_manifest
+from .report import BuildReport, check_build_sections, report_from_manifest
 from .shards import our_shard_files
 from .sources import Task, plan_tasks, resolve_sources
-from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision
+from .state import FinishRecord, ReadRecord, StateDir, TaskDecision
 from .tasks import StageCall
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -105,17 +106,23 @@ class _Target:
 def build_corpus(config: BuildConfig) -> BuildReport:
     """Build (or resume, or confirm up to date) the corpus ``config`` describes.
 
-    Raises ValueError (bad settings), :class:`~h5corpus.build.tokenizer.TokenizerError` /
-    :class:`~h5corpus.build.sources.SourceError` (spec cannot be resolved), :class:`BuildConflict`
-    (lock held, output built otherwise) and :class:`BuildError` (bad input under
-    ``on_error="fail"``; completed work is kept, so fixing the input and re-running resumes).
+    Raises ValueError (bad settings, an output path of the wrong kind),
+    :class:`~h5corpus.build.tokenizer.TokenizerError` / :class:`~h5corpus.build.sources.SourceError`
+    (spec cannot be resolved), :class:`BuildConflict` (a live run marker, output built otherwise),
+    :class:`BuildError` (bad input under ``on_error="fail"``) and
+    :class:`~h5corpus.build.oserrors.BuildOSError` (the OS refused a write: disk full, read-only or
+    unwritable output, I/O error). After the last two, completed work is kept, so fixing the cause
+    and re-running resumes. On output that cannot be written, a build that is up to date still
+    reports so (and writes nothing); anything else raises BuildOSError before any work.
     """
     t_start = time.perf_counter()
     cfg = config
     cfg.check()
+    shards_dir = Path(cfg.shards_dir).absolute()
+    manifest_path = Path(cfg.manifest).absolute()
+    check_output_kinds(shards_dir, manifest_path, None if cfg.explain_drops is None else Path(cfg.explain_drops))
     tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, cache_dir=cfg.hf_cache_dir)
     inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
-    shards_dir = Path(cfg.shards_dir).absolute()
     settings = cfg.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
     run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": [i.spec for i in inputs]}
@@ -123,32 +130,66 @@ def build_corpus(config: BuildConfig) -> BuildReport:
         cfg=cfg,
         tok=tok,
         shards_dir=shards_dir,
-        manifest_path=Path(cfg.manifest).absolute(),
+        manifest_path=manifest_path,
         state=StateDir.of(shards_dir),
         settings=settings,
         sources=sources,
         run_id=run_id,
         fingerprint=hashlib.sha256(_canonical({"run": run_id, "sources": sources})).hexdigest(),
     )
-    with BuildLock(shards_dir / LOCK_FILE) as lock:
-        if cfg.overwrite:
-            target.manifest_path.unlink(missing_ok=True)
-            target.state.remove()
-            for p in our_shard_files(shards_dir):
-                p.unlink(missing_ok=True)
-        resumed = _resumable(target)
-        if not resumed:
-            done = _check_fresh_output(target, t_start)
-            if done is not None:
-                return done
-        target.state.create()
-        for p in our_shard_files(shards_dir):
-            if p.name.endswith(PARTIAL_SUFFIX):
-                p.unlink(missing_ok=True)
-        tasks = plan_tasks(inputs, task_bytes=int(cfg.task_bytes))
-        from .scaled import make_run  # the executor and the decide stage's form (it imports _Run)
+    try:
+        with BuildLock(shards_dir, manifest_path) as lock:
+            if not lock.writable:
+                assert lock.refusal is not None
+                return _read_only(target, lock.refusal, t_start)
+            return _build(target, inputs, lock, t_start)
+    except (OSError, RuntimeError) as e:  # a failed call no step above named: say what is known
+        raise as_build_os_error(e, "build into", shards_dir) or e from None
 
-        return make_run(target, tasks, resumed, lock, t_start).run()
+
+def _build(target: _Target, inputs: list[Any], lock: BuildLock, t_start: float) -> BuildReport:
+    """The build proper, under its locks, on writable output."""
+    cfg, shards_dir = target.cfg, target.shards_dir
+    if cfg.explain_drops is not None:
+        check_writable("write the drop list", Path(cfg.explain_drops))
+    if cfg.overwrite:
+        with os_step("delete", target.manifest_path):
+            target.manifest_path.unlink(missing_ok=True)
+        target.state.remove()
+        for p in our_shard_files(shards_dir):
+            with os_step("delete", p):
+                p.unlink(missing_ok=True)
+    resumed = _resumable(target)
+    if not resumed:
+        done = _check_fresh_output(target, t_start)
+        if done is not None:
+            return done
+        shutil.rmtree(target.state.root, ignore_errors=True)  # a state folder without its plan cannot be trusted
+    with os_step("create the state folder", target.state.root):
+        target.state.create()
+    tasks = plan_tasks(inputs, task_bytes=int(cfg.task_bytes))
+    from .scaled import make_run  # the executor and the decide stage's form (it imports _Run)
+
+    return make_run(target, tasks, resumed, lock, t_start).run()
+
+
+def _read_only(target: _Target, refused: BuildOSError, t_start: float) -> BuildReport:
+    """On output that cannot be written: the report of an up-to-date build, written nowhere; else
+    ``refused`` (or the conflict that a writable build would have met)."""
+    if target.cfg.overwrite:
+        raise refused
+    if _resumable(target):
+        raise BuildOSError(
+            refused.op,
+            refused.filename,
+            refused.errno,
+            refused.strerror,
+            f"; {target.state.root} holds an interrupted build that can only be finished there",
+        )
+    done = _check_fresh_output(target, t_start)
+    if done is None:
+        raise refused
+    return done
 
 
 def _resumable(t: _Target) -> bool:
@@ -170,15 +211,14 @@ def _resumable(t: _Target) -> bool:
 
 
 def _check_fresh_output(t: _Target, t_start: float) -> BuildReport | None:
-    """Before a fresh build: the report of an up-to-date manifest (nothing to do), or None after
-    clearing a state folder without a plan; raises :class:`BuildConflict` for an output built
-    otherwise or stray shard files."""
+    """Before a fresh build: the report of an up-to-date manifest (nothing to do), or None; raises
+    :class:`BuildConflict` for an output built otherwise or stray shard files. Writes nothing."""
     cfg, manifest_path = t.cfg, t.manifest_path
     if manifest_path.exists():
         m = read_manifest(manifest_path)
         if not m.tokenizer.same_ids(t.tok.identity):
             raise _tokenizer_conflict(manifest_path, m.tokenizer, t.tok.identity)
-        b = m.extra.get("build") or {}
+        b = check_build_sections(m)
         if b.get("fingerprint") != t.fingerprint:
             raise BuildConflict(
                 f"{manifest_path} exists and was built from other inputs or settings "
@@ -197,13 +237,12 @@ def _check_fresh_output(t: _Target, t_start: float) -> BuildReport | None:
                 "documents are read: pass --overwrite to rebuild with --explain-drops"
             )
         return report_from_manifest(m, str(t.shards_dir), time.perf_counter() - t_start)
-    stray = [p for p in our_shard_files(t.shards_dir) if not p.name.endswith(PARTIAL_SUFFIX)]
+    stray = our_shard_files(t.shards_dir)
     if stray:
         raise BuildConflict(
             f"{t.shards_dir} already holds {len(stray)} shard files ({stray[0].name}, ...) that no manifest or "
             "interrupted build here accounts for; pass --overwrite to delete them, or choose another --shards-dir"
         )
-    shutil.rmtree(t.state.root, ignore_errors=True)  # a state folder without its plan cannot be trusted
     return None
 
 
@@ -211,7 +250,9 @@ class _Run:
     """One run of the stages: the read records, decisions and finish records so far, the work
     in flight, and the event loop that moves tasks from one stage to the next."""
 
-    def __init__(self, target: _Target, tasks: list[Task], resumed: bool, lock_fd: int | None, t_start: float) -> None:
+    def __init__(
+        self, target: _Target, tasks: list[Task], resumed: bool, lock_fds: Sequence[int], t_start: float
+    ) -> None:
         cfg = target.cfg
         self.t, self.cfg, self.tasks, self.t_start = target, cfg, tasks, t_start
         self.n = len(tasks)
@@ -253,7 +294,7 @@ class _Run:
         self.next_decide = 0
         self.cut: int | None = None
         """Last task that is part of the corpus (known once budgets are filled or all are decided)."""
-        self.executor = LocalExecutor(self.workers, lock_fd=lock_fd, count_progress=cfg.progress)
+        self.executor = LocalExecutor(self.workers, lock_fds=lock_fds, count_progress=cfg.progress)
         self.events = self.executor.driver_events()
         self.report = BuildReport(
             manifest=str(target.manifest_path),
@@ -294,7 +335,8 @@ class _Run:
         """Persist the plan for ``encoder`` and start the executor's workers with its context."""
         self.encoder = encoder
         self.plan = plan or self._plan(encoder)
-        self.plan.write(self.t.state, self.t.tok.json_text)
+        with os_step("write the build plan", self.t.state.plan):
+            self.plan.write(self.t.state, self.t.tok.json_text)
         self.ctx = StageContext(
             plan=self.plan, state=self.t.state, encoder=encoder, filters=self.cfg.filters, events=self.events
         )
@@ -386,7 +428,7 @@ class _Run:
             if res is None:
                 continue
             if res.error is not None:
-                raise res.error
+                raise self._stage_error(res.call, res.error)
             if res.call.stage == "read":
                 self._on_read(res.call.index, res.value)
             else:
@@ -415,6 +457,11 @@ class _Run:
         worst = worst_masks(scores, [~e & ~n for e, n in flags], self.decider.drop_worst_fraction)
         return {i: (*flags[i], worst[i]) for i in range(self.n)}
 
+    def _stage_error(self, call: StageCall, error: BaseException) -> BaseException:
+        """A stage's exception, as :class:`BuildOSError` naming the stage and task when the OS refused something."""
+        context = f" ({call.stage} stage of task {call.index}: {self.tasks[call.index].label})"
+        return as_build_os_error(error, "write into", self.t.shards_dir, context) or error
+
     def _decide_ready(self) -> None:
         rows: dict[int, tuple[np.ndarray, ...]] | None = None
         if self.decider.drop_worst_fraction is not None and self.next_decide < self.n:
@@ -430,7 +477,8 @@ class _Run:
             )
             self.decisions[i] = decision
             if self.explain is not None:
-                self.explain.write(lines)
+                with os_step("write the drop list", self.explain.path):
+                    self.explain.write(lines)
             self.finish_pending.add(i)
             self.executor.submit(StageCall("finish", i, decision))
             self.events.step("decided")
@@ -477,18 +525,20 @@ class _Run:
         assert self.cut is not None
         reads = [self.read[i] for i in range(self.cut + 1)]
         totals = add_up(reads, timed={r.index for r in reads if r.index not in self.earlier})
-        m = commit(
-            self.ctx,
-            manifest_path=self.t.manifest_path,
-            splits=self.decider.finish(),
-            reads=reads,
-            finishes=self.finishes,
-            totals=totals,
-            sources=self.t.sources,
-            explain=self.explain,
-            decisions=self.decisions,
-        )
-        self.executor.join()
+        try:
+            m = commit(
+                self.ctx,
+                manifest_path=self.t.manifest_path,
+                splits=self.decider.finish(),
+                reads=reads,
+                finishes=self.finishes,
+                totals=totals,
+                sources=self.t.sources,
+                explain=self.explain,
+                decisions=self.decisions,
+            )
+        finally:
+            self.executor.join()
         r = self.report
         r.tasks_read = len(reads)
         r.splits = m.splits

@@ -70,9 +70,9 @@ def make_run(target: Any, tasks: list, resumed: bool, lock: Any, t_start: float)
 
         return SlurmRun(target, tasks, resumed, lock, t_start, buckets=buckets)
     if buckets:
-        run: _Run = BucketedRun(target, tasks, resumed, lock.fd, t_start, buckets=buckets)
+        run: _Run = BucketedRun(target, tasks, resumed, lock.fds, t_start, buckets=buckets)
     else:
-        run = _Run(target, tasks, resumed, lock.fd, t_start)
+        run = _Run(target, tasks, resumed, lock.fds, t_start)
     run.report.executor, run.report.decide_buckets = cfg.executor, buckets
     if cfg.executor == "ray":
         from .ray_executor import RayExecutor

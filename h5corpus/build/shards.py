@@ -94,33 +94,65 @@ def candidate_number(name: str) -> int:
     return parse_sortable_number(Path(name).stem.rsplit("-", 1)[1], SEQUENCE_DIGITS)
 
 
+def parse_build_file(name: str) -> tuple[str, int, int, bool] | None:
+    """``(split, task, n, partial)`` when ``name`` is exactly a name the build writes: a final shard
+    name as :func:`shard_file_name` spells it, or that name plus ``.partial`` (a shard being written);
+    else None. ``train-00000-000.h5.sha256``, ``train-00000-draft.h5``, ``train-0000-000.h5``,
+    ``train-000000-000.h5`` and ``train-a012345-000.h5`` are not the build's;
+    ``train-a123456-a1234.h5`` is."""
+    partial = name.endswith(PARTIAL_SUFFIX)
+    base = name[: -len(PARTIAL_SUFFIX)] if partial else name
+    parsed = parse_shard_file_name(base)
+    if parsed is None or shard_file_name(*parsed) != base:
+        return None
+    split, task, n = parsed
+    return split, task, n, partial
+
+
+def build_file_task(p: Path) -> int | None:
+    """The task index of a file the build writes (:func:`parse_build_file`) that lies in the folder
+    of its split; else None."""
+    parsed = parse_build_file(p.name)
+    if parsed is None or p.parent.name != parsed[0]:
+        return None
+    return parsed[1]
+
+
 def is_final_shard(p: Path) -> bool:
-    """True for a file named like a final shard, in the folder of its split."""
-    parsed = parse_shard_file_name(p.name)
-    return parsed is not None and p.parent.name == parsed[0]
+    """True for a file named exactly like a final shard, in the folder of its split."""
+    parsed = parse_build_file(p.name)
+    return parsed is not None and not parsed[3] and p.parent.name == parsed[0]
 
 
-def task_shard_files(shards_dir: Path, index: int) -> list[Path]:
-    """Final shard files of task ``index`` on disk (partial ones included)."""
-    out = []
-    for split in fmt.SPLITS:
-        d = shards_dir / split
-        if d.is_dir():
-            out.extend(sorted(d.glob(f"{split}-{sortable_number(index, TASK_DIGITS)}-*.h5*")))
-    return out
-
-
-def our_shard_files(shards_dir: Path) -> list[Path]:
-    """Every file in ``<shards_dir>/<split>/`` named like a build's shard, or a partial one."""
+def our_shard_files(shards_dir: Path, task: int | None = None) -> list[Path]:
+    """The files in ``<shards_dir>/<split>/`` (of task ``task``, or of every task) named exactly like
+    the build's shards or their ``.partial`` files: the only files the build ever deletes there
+    (docs/BUILD.md, "What the build deletes"). Folders are never listed."""
     out: list[Path] = []
     for split in fmt.SPLITS:
         d = shards_dir / split
-        if d.is_dir():
-            out.extend(p for p in sorted(d.iterdir()) if is_final_shard(p) or p.name.endswith(".h5" + PARTIAL_SUFFIX))
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            t = build_file_task(p)
+            if t is not None and (task is None or t == task) and not p.is_dir():
+                out.append(p)
     return out
 
 
+def task_shard_files(shards_dir: Path, index: int) -> list[Path]:
+    """Final shard files of task ``index`` on disk, and their ``.partial`` files (the names its
+    finish stage writes, cleared before it writes them)."""
+    return our_shard_files(shards_dir, index)
+
+
 # -- writing a task's shards --------------------------------------------------------------------
+#: Writers whose HDF5 file failed to close (a full disk), kept for the life of the process: freeing
+#: the h5py objects of such a file crashes HDF5 (a segfault in the worker, after it reported the
+#: error). A worker process ends with ``os._exit``, so they are never freed.
+_UNCLOSABLE: list[ShardWriter] = []
+
+
 class Syncer:
     """fsync files on one background thread (fsync and the tokenizer both release the GIL, so the
     disk flush of one shard overlaps the encoding of the next). ``wait()`` returns once every
@@ -212,9 +244,15 @@ class ShardSequence:
         return self.infos
 
     def abort(self) -> None:
+        """Drop the shard being written (its partial file is deleted). Runs while another error
+        propagates, so it does not raise one of its own: a writer whose file HDF5 could not close
+        (the disk filled up under it) is kept in :data:`_UNCLOSABLE` instead."""
         if self.w is not None:
-            self.w.abort()
-            self.w = None
+            w, self.w = self.w, None
+            try:
+                w.abort()
+            except Exception:
+                _UNCLOSABLE.append(w)
 
 
 def shards_intact(

@@ -114,7 +114,7 @@ class SlurmRun(_Run):
     """Plan, write the scripts, submit the chain (and follow it with ``wait``)."""
 
     def __init__(self, target: Any, tasks: list, resumed: bool, lock: Any, t_start: float, *, buckets: int) -> None:
-        super().__init__(target, tasks, resumed, lock.fd, t_start)
+        super().__init__(target, tasks, resumed, lock.fds, t_start)
         self.lock = lock
         self.buckets = int(buckets)
         self.opts = target.cfg.slurm
@@ -156,8 +156,8 @@ class SlurmRun(_Run):
         self.report.slurm = {"scripts": {k: str(v) for k, v in scripts.items()}, "logs": str(self.folder / "logs")}
         chain = [jobs[stage] for stage, _ in CHAIN if stage in jobs]
         flat = [j for ids in chain for j in ids]
-        self.lock.marker.update(kind="slurm", jobs=flat, chain=chain, state=str(self.t.state.root))
-        self.lock.marker.hand_over()
+        self.lock.update(kind="slurm", jobs=flat, chain=chain, state=str(self.t.state.root))
+        self.lock.hand_over()
         if not self.opts.wait:
             return self.report
         return self._follow(jobs, todo)
@@ -245,7 +245,7 @@ class SlurmRun(_Run):
         return jobs
 
     def _cancel_forever_pending(self) -> None:
-        never = self.lock.marker.cancel_jobs
+        never = self.lock.cancel_jobs
         if never:
             _run_slurm(["scancel", *never], "cancelling the jobs of the earlier run that would never start")
 

@@ -3,8 +3,8 @@
 A SOURCE is one of
 
 * a file: ``.jsonl`` (also ``.jsonl.gz`` / ``.jsonl.zst``; one JSON object per line, text in
-  ``text_field``), ``.parquet`` (a string column ``text_field``), ``.txt`` (the whole file is one
-  document);
+  ``text_field``), ``.parquet`` (a string column ``text_field``, plain or dictionary-encoded),
+  ``.txt`` (the whole file is one document);
 * a folder (every supported file below it, recursively, sorted by relative path; other files and
   dot-files are ignored);
 * a glob (``data/**/*.jsonl``; sorted; every match must be a supported file);

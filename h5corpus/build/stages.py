@@ -39,7 +39,7 @@ from .explain import ExplainFile
 from .merge import load_decision, load_summary, merge_buckets, merge_inputs, summary_path
 from .plan import StageContext
 from .runmarker import remove_marker_of
-from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision
+from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision, manifest_lock_path
 from .tasks import StageCall, finish_task, read_task
 from .tasks import run_stage as run_read_or_finish
 
@@ -253,9 +253,8 @@ def stage_commit(state_dir: str | Path) -> Manifest:
         decisions=_decisions(ctx, reads) if plan.perplexity_scores is not None else None,
     )
     state_root = str(ctx.state.root)
-    remove_marker_of(
-        Path(plan.shards_dir) / LOCK_FILE, lambda mk: mk.get("kind") == "slurm" and mk.get("state") == state_root
-    )
+    for marker in (Path(plan.shards_dir) / LOCK_FILE, manifest_lock_path(Path(plan.manifest))):
+        remove_marker_of(marker, lambda mk: mk.get("kind") == "slurm" and mk.get("state") == state_root)
     return m
 
 

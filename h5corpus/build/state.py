@@ -53,6 +53,13 @@ DOC_DTYPE = np.dtype([("id", "V32"), ("tokens", "<i8"), ("chars", "<i8"), ("spli
 if truncated), characters of the text, split index (0 train, 1 validation), FLAG_* bits."""
 
 
+def manifest_lock_path(manifest: Path) -> Path:
+    """The lock file of a manifest: ``.<name>.lock`` beside it (symbolic links resolved, so every
+    path to one manifest names one lock file)."""
+    p = Path(manifest).absolute().resolve()
+    return p.with_name(f".{p.name}.lock")
+
+
 class RecordError(ValueError):
     """A state record is of another version or lacks a field (the stage is then redone)."""
 
@@ -231,12 +238,16 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
 def write_state_file(path: Path, data: bytes, *, durable: bool = False) -> None:
     """Atomic (temp file + rename); not fsynced unless ``durable`` (see the module docstring)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temporary file behind
+        raise
     if durable:
         fsync_dir(path.parent)
 
@@ -297,6 +308,16 @@ class StateDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def recorded_tasks(self) -> set[int]:
+        """Indices of the tasks that have a read or finish record file here, of this plan or of an
+        earlier one (valid or not): the tasks whose shard files this build may have made."""
+        out: set[int] = set()
+        for sub in ("read", "finish"):
+            d = self.root / sub
+            if d.is_dir():
+                out.update(int(p.stem) for p in d.glob("*.json") if p.stem.isdigit())
+        return out
 
     # -- read records ---------------------------------------------------------------------------
     def load_read_record(self, index: int, task_key: str) -> ReadRecord | None:
