@@ -396,7 +396,7 @@ class _TaskRead:
         fresh = set(ids)
         if len(fresh) == len(ids) and seen.isdisjoint(fresh) and all(texts):  # the common case, in C
             seen |= fresh
-            if self.out.sigs is not None or self.out.langs is not None or self.explain:
+            if self._wants_extras():
                 self._kept_extras(b, range(len(ids)), ids)
             self.queue.extend(texts, ids, list(map(len, texts)), splits.tolist())
             return
@@ -414,9 +414,14 @@ class _TaskRead:
             self._dropped(b, ids, splits, dropped)
         if len(kept) < len(ids):
             texts, ids, splits = [texts[i] for i in kept], [ids[i] for i in kept], splits[kept]
-        if self.out.sigs is not None or self.out.langs is not None or self.out.perplexities is not None or self.explain:
+        if self._wants_extras():
             self._kept_extras(b, kept, ids)
         self.queue.extend(texts, ids, [len(t) for t in texts], splits.tolist())
+
+    def _wants_extras(self) -> bool:
+        """True when kept documents carry per-document extras (signature, language, score, explain row)."""
+        out = self.out
+        return out.sigs is not None or out.langs is not None or out.perplexities is not None or bool(self.explain)
 
     def _dropped(self, b: _Batch, ids: list[bytes], splits: np.ndarray, dropped: list[tuple[int, str]]) -> None:
         for i, why in dropped:

@@ -250,11 +250,7 @@ class Mixture:
         tabs = [s.corpus.run_table() if hasattr(s.corpus, "run_table") else None for s in self.sources]
         tab = None
         if all(t is not None for t in tabs):
-            runs = [r for t in tabs for r in t.runs]  # type: ignore[union-attr]
-            bases = self.token_bases[:-1]
-            starts = np.concatenate([t.starts + b for t, b in zip(tabs, bases)])  # type: ignore[union-attr]
-            ends = np.concatenate([t.ends + b for t, b in zip(tabs, bases)])  # type: ignore[union-attr]
-            tab = RunTable(runs, starts, ends)
+            tab = RunTable.concatenate(tabs, self.token_bases[:-1])  # type: ignore[arg-type]
         self._rtab = (key, tab)
         return tab
 

@@ -233,6 +233,28 @@ class RunTable:
         self._ready = self._ready.astype(bool)
         self._pending = int(self._ready.size - np.count_nonzero(self._ready))
 
+    @classmethod
+    def concatenate(cls, tables: list[RunTable], token_bases: np.ndarray) -> RunTable:
+        """One table over several splits' token streams laid end to end (a mixture): table ``i``'s
+        positions shifted by ``token_bases[i]`` tokens. Chunks keep their verification state and
+        are verified through their own readers."""
+        out = cls.__new__(cls)
+        bases = np.asarray(token_bases, dtype=np.int64)
+        out.runs = [r for t in tables for r in t.runs]
+        out.starts = np.concatenate([t.starts + b for t, b in zip(tables, bases)] or [np.zeros(0, np.int64)])
+        out.ends = np.concatenate([t.ends + b for t, b in zip(tables, bases)] or [np.zeros(0, np.int64)])
+        out._readers = [r for t in tables for r in t._readers]
+        first_reader = np.cumsum([0] + [len(t._readers) for t in tables])
+        out._chunk_start = np.concatenate(
+            [t._chunk_start + b for t, b in zip(tables, bases)] or [np.zeros(0, np.int64)]
+        )
+        out._chunk_end = np.concatenate([t._chunk_end + b for t, b in zip(tables, bases)] or [np.zeros(0, np.int64)])
+        out._chunk_shard = [s + int(f) for t, f in zip(tables, first_reader) for s in t._chunk_shard]
+        out._chunk_local = [c for t in tables for c in t._chunk_local]
+        out._ready = np.concatenate([t._ready for t in tables] or [np.zeros(0, bool)])
+        out._pending = int(out._ready.size - np.count_nonzero(out._ready))
+        return out
+
     def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For global token positions ``pos`` (int64): the run holding each, its offset in that
         run (tokens), and the tokens from it to the run's end, or, while some chunks are not
