@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -832,3 +833,29 @@ def reseal_chunk_checksums(shard: Path) -> None:
         C = f[fmt.TOKENS].chunks[0]
         sums = [xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)]
         f[fmt.CHUNK_CHECKSUMS][:] = np.array(sums, dtype="<u8")
+
+
+#: A build (``python -c`` with its BuildConfig JSON as argv[1]) whose filter waits for the file
+#: argv[2] before every document: a build held mid-read, to race another build against it.
+WAITING_BUILD_SCRIPT = (
+    "import json, os, sys, time\n"
+    "from h5corpus.build import BuildConfig, build_corpus\n"
+    "class WaitForGo:\n"
+    "    def process(self, text):\n"
+    "        while not os.path.exists(sys.argv[2]):\n"
+    "            time.sleep(0.02)\n"
+    "        return text, None\n"
+    "    def counters(self):\n"
+    "        return {}\n"
+    "r = build_corpus(BuildConfig(**json.loads(sys.argv[1]), filters=WaitForGo()))\n"
+    "print(json.dumps(r.to_json()))\n"
+)
+
+
+def readme_python_block(section: str) -> str:
+    """The one python block of the README section titled ``section`` (``## <section>``)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    assert len(blocks) == 1, f"the README's {section!r} section holds one python block"
+    return blocks[0]

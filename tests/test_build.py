@@ -39,6 +39,7 @@ from h5corpus.storage import format as fmt
 from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.validate import validate_corpus
 from tests.helpers import (
+    WAITING_BUILD_SCRIPT,
     read_built,
     read_stage_files,
     run_read_stage,
@@ -336,21 +337,6 @@ def test_second_concurrent_build_fails_clearly(tmp_path, core_sources):
     assert build_corpus(config(root, core_sources[:1])).documents > 0
 
 
-_WAITING_BUILD = (
-    "import json, os, sys, time\n"
-    "from h5corpus.build import BuildConfig, build_corpus\n"
-    "class WaitForGo:\n"
-    "    def process(self, text):\n"
-    "        while not os.path.exists(sys.argv[2]):\n"
-    "            time.sleep(0.02)\n"
-    "        return text, None\n"
-    "    def counters(self):\n"
-    "        return {}\n"
-    "r = build_corpus(BuildConfig(**json.loads(sys.argv[1]), filters=WaitForGo()))\n"
-    "print(json.dumps(r.to_json()))\n"
-)
-
-
 def test_running_build_holds_the_lock_against_a_second_cli_build(tmp_path, core_sources):
     """A real concurrent build: the first (held inside its filters until a go-file appears) holds
     the run marker (its pid in it); a second CLI build into the same output exits 2 with a clear
@@ -365,7 +351,7 @@ def test_running_build_holds_the_lock_against_a_second_cli_build(tmp_path, core_
         "manifest": str(tmp_path / "manifests" / "shards.json"),
     }
     first = subprocess.Popen(
-        [sys.executable, "-c", _WAITING_BUILD, json.dumps(cfg), str(go)],
+        [sys.executable, "-c", WAITING_BUILD_SCRIPT, json.dumps(cfg), str(go)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

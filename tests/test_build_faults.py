@@ -37,7 +37,7 @@ from h5corpus.build.oserrors import BuildOSError
 from h5corpus.storage import format as fmt
 from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.validate import validate_corpus
-from tests.helpers import read_built, subprocess_env, tree, write_jsonl
+from tests.helpers import WAITING_BUILD_SCRIPT, read_built, subprocess_env, tree, write_jsonl
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
 
@@ -591,21 +591,6 @@ def test_a_second_build_into_another_shards_folder_but_the_same_manifest_is_refu
     assert build_corpus(cfg).documents > 0
 
 
-_WAITING_BUILD = (
-    "import json, os, sys, time\n"
-    "from h5corpus.build import BuildConfig, build_corpus\n"
-    "class WaitForGo:\n"
-    "    def process(self, text):\n"
-    "        while not os.path.exists(sys.argv[2]):\n"
-    "            time.sleep(0.02)\n"
-    "        return text, None\n"
-    "    def counters(self):\n"
-    "        return {}\n"
-    "r = build_corpus(BuildConfig(**json.loads(sys.argv[1]), filters=WaitForGo()))\n"
-    "print(json.dumps(r.to_json()))\n"
-)
-
-
 def test_two_concurrent_builds_on_one_manifest_never_both_succeed(tmp_path, fault_inputs):
     """A real race: build A (held inside its filters) writes shards-a + the manifest; build B, into
     shards-b with the same manifest, exits 2 naming the manifest; A then finishes, and the manifest
@@ -620,7 +605,7 @@ def test_two_concurrent_builds_on_one_manifest_never_both_succeed(tmp_path, faul
         "manifest": str(manifest),
     }
     first = subprocess.Popen(
-        [sys.executable, "-c", _WAITING_BUILD, json.dumps(cfg), str(go)],
+        [sys.executable, "-c", WAITING_BUILD_SCRIPT, json.dumps(cfg), str(go)],
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -11,7 +11,6 @@ measurements: docs/READING.md, "Hugging Face transformers".
 from __future__ import annotations
 
 import copy
-import re
 import shutil
 from pathlib import Path
 
@@ -26,10 +25,10 @@ from h5corpus import BestFitDataset, SlidingWindowDataset, concat_batches, open_
 from h5corpus.loaders.batch import IGNORE_INDEX, make_batch
 from tests.helpers import (
     BYTE_IDENTITY,
-    REPO,
     byte_encode,
     paragraph_texts,
     per_document_logits,
+    readme_python_block,
     window_segments,
     write_corpus,
     write_jsonl,
@@ -437,12 +436,6 @@ def test_trainer_loss_is_packed_loss_of_the_accumulated_step(para_manifest, held
 
 
 # -- the README --------------------------------------------------------------------------------------
-def readme_hf_block() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Use with Hugging Face transformers", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, "the README's Hugging Face section holds one python block"
-    return blocks[0]
 
 
 def test_readme_hugging_face_snippet_runs(tmp_path, stdlib_corpus_texts, monkeypatch):
@@ -451,7 +444,7 @@ def test_readme_hugging_face_snippet_runs(tmp_path, stdlib_corpus_texts, monkeyp
     its loss is ``packed_loss`` of its logits."""
     import h5corpus
 
-    block = readme_hf_block()
+    block = readme_python_block("Use with Hugging Face transformers")
     assert len(block.strip().splitlines()) <= 6
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "docs.jsonl", paragraph_texts(stdlib_corpus_texts[:2], 20))  # ~2,800 tokens

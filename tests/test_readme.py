@@ -3,23 +3,13 @@ real varlen model as ``model`` (the one name the block leaves to the reader)."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import REPO, read_built, write_jsonl
+from tests.helpers import read_built, readme_python_block, write_jsonl
 
 VOCAB = 257  # the bytes tokenizer: 256 byte ids + EOS
-
-
-def readme_quick_tour_block() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Quick tour", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, "the README's quick tour holds one python block"
-    return blocks[0]
 
 
 class TinyVarlenLM(torch.nn.Module):
@@ -63,7 +53,7 @@ def test_readme_quick_tour_runs(tmp_path, stdlib_corpus_texts, monkeypatch):
     model = TinyVarlenLM()
     env = {"model": model}
     with torch.no_grad():
-        exec(compile(readme_quick_tour_block(), "README.md", "exec"), env)
+        exec(compile(readme_python_block("Quick tour"), "README.md", "exec"), env)
         calls, model.calls = model.calls, []
         assert len(calls) >= 3
         input_ids, position_ids, cu, logits = calls[0]
