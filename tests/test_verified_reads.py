@@ -24,7 +24,7 @@ from h5corpus.loaders.bestfit import BestFitDataset
 from h5corpus.loaders.window import SlidingWindowDataset
 from h5corpus.storage.format import ChunkChecksumError, FormatError
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
-from h5corpus.storage.reader import UnverifiedCorpusWarning, open_corpus
+from h5corpus.storage.reader import UnverifiedCorpusWarning, open_corpus, open_live
 from h5corpus.storage.validate import validate_corpus
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, oracle_stream, subprocess_env, write_v1_corpus
@@ -144,6 +144,38 @@ def test_intact_chunks_read_equal_to_an_h5py_read_and_corrupt_ones_keep_raising(
     c2 = open_corpus(manifest, "train", verify=False)  # the corruption is served when unverified
     assert not c2.verified and c2.integrity_note
     assert not np.array_equal(c2.tokens(k * C, (k + 1) * C), toks[k * C : (k + 1) * C])
+
+
+def test_a_followed_shard_that_finishes_is_verified_on_the_memory_map_path(tmp_path, stdlib_corpus_texts):
+    """open_live follows a shard while it is written; once the writer has finished, reads move to
+    the memory map, whose chunks are checked against the checksums stored in the finished file
+    (there is no manifest index to take them from): a flipped bit there raises, naming the chunk."""
+    texts = stdlib_corpus_texts[:30]
+    final = tmp_path / "train-00000.h5"
+    w = ShardWriter(final, split="train", tokenizer=BYTE_IDENTITY, chunk_tokens=C)
+    for t, a in zip(texts[:10], byte_encode(texts[:10])):
+        w.add_document(np.append(a, BYTE_IDENTITY.eos_id), doc_id(t))
+    c = open_live(w.path)
+    assert c.verified and not c.complete and c.read_paths() == ["h5py"]
+    for t, a in zip(texts[10:], byte_encode(texts[10:])):
+        w.add_document(np.append(a, BYTE_IDENTITY.eos_id), doc_id(t))
+    w.close()
+    c.refresh()
+    assert c.complete
+    with h5py.File(final, "r") as f:
+        want = f["tokens"][:]
+        k = -(-want.size // C) // 2
+        at = f["tokens"].id.get_chunk_info_by_coord((k * C,)).byte_offset + 3
+    with open(final, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([b ^ 0x10]))
+    assert c.read_paths() == ["mmap"]
+    np.testing.assert_array_equal(c.tokens(0, k * C), want[: k * C])
+    with pytest.raises(ChunkChecksumError) as e:
+        c.tokens(k * C + 1, k * C + 2)
+    assert e.value.chunk == k and e.value.path == str(final)
 
 
 @pytest.mark.parametrize("kind", ["raw", "gzip"])

@@ -43,7 +43,17 @@ import numpy as np
 from . import format as fmt
 from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
 from .manifest import Manifest, read_manifest
-from .readpaths import FORKS, READ_PATHS, H5Tokens, MmapTokens, ReadPath, RunTable, h5open, live_tokens
+from .readpaths import (
+    FORKS,
+    READ_PATHS,
+    H5Tokens,
+    MmapTokens,
+    ReadPath,
+    RunTable,
+    h5open,
+    live_tokens,
+    read_checksums,
+)
 
 
 class UnverifiedCorpusWarning(UserWarning):
@@ -107,6 +117,8 @@ class Corpus:
         self._readers: dict[int, MmapTokens | H5Tokens] = {}
         #: per finished shard: the identity of the file whose index this corpus holds
         self._file_ids: list[FileId | None] = []
+        #: per finished shard: its ``/chunk_xxh3`` when this corpus verifies (read with the index)
+        self._chunk_sums: list[np.ndarray | None] = []
         self._pid, self._forks = os.getpid(), FORKS[0]
         self._append_entries(manifest.shards_of(split))
         if self.version < 2:
@@ -148,6 +160,7 @@ class Corpus:
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
         self._file_ids = [None]
+        self._chunk_sums = [None]
         self._pid, self._forks = os.getpid(), FORKS[0]
         self.refresh()
         return self
@@ -160,8 +173,9 @@ class Corpus:
         t0, d0 = int(self.shard_token_starts[-1]), int(self.shard_doc_starts[-1])
         for e in entries:
             path = str(self.manifest.shard_path(e))
-            o, i, fl, ident = self._read_index(path, e)
+            o, i, fl, ident, sums = self._read_index(path, e)
             self._file_ids.append(ident)
+            self._chunk_sums.append(sums)
             offs.append(o[1:] + t0)
             ids.append(i)
             flags.append(fl)
@@ -179,10 +193,14 @@ class Corpus:
             self._doc_ids = np.concatenate([self._doc_ids] + ids)
             self._doc_flags = np.concatenate([self._doc_flags] + flags)
 
-    def _read_index(self, path: str, entry: ShardRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray, FileId]:
+    def _read_index(
+        self, path: str, entry: ShardRecord
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, FileId, np.ndarray | None]:
         """Check one finished shard against its manifest entry and the format contract, without
         reading a token: size, attributes, datasets (dtypes, byte order, shapes, chunks), the index
-        (monotonic, within bounds, one id and flag per document). Returns its index and file id."""
+        (monotonic, within bounds, one id and flag per document). Returns its index, file id and,
+        when this corpus verifies, its chunk checksums (read here, where the file is open already:
+        a reader opening the shard later would pay HDF5's dataset open again)."""
         before = _file_id(path)
         if before[2] != entry.bytes:
             raise FormatError(
@@ -205,8 +223,12 @@ class Corpus:
             except OSError as e:
                 raise FormatError(f"{path}: cannot read the index ({e}); run h5corpus validate") from None
             stored = f[fmt.TOKENS].shape[0]
+            sums = None
             if self.version >= 2:
-                problems += fmt.checksum_problems(f[fmt.CHUNK_CHECKSUMS].shape[0], stored, self.chunk_tokens)
+                sums_ds = f[fmt.CHUNK_CHECKSUMS]
+                problems += fmt.checksum_problems(sums_ds.shape[0], stored, self.chunk_tokens)
+                if self.verified and not problems:
+                    sums = _read_checksums(sums_ds, path)
         if stored != entry.tokens:
             problems.append(fmt.Problem("tokens", f"/tokens holds {stored:,} tokens, manifest says {entry.tokens:,}"))
         problems += fmt.check_index(o, ids, flags, num_tokens=stored, num_documents=entry.documents)
@@ -214,7 +236,7 @@ class Corpus:
             raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
         if _file_id(path) != before:
             raise FormatError(f"{path}: the shard changed while it was being opened (a build writing there?)")
-        return o, ids, flags, before
+        return o, ids, flags, before, sums
 
     def _check_unchanged(self, shard: int, st: os.stat_result | None = None) -> None:
         """Refuse to read a finished shard that is no longer the file whose index this corpus
@@ -351,7 +373,10 @@ class Corpus:
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
                     offsets, why = fmt.chunk_layout(ds, n, os.path.getsize(path))
-                sums = f[fmt.CHUNK_CHECKSUMS][()] if verify and offsets is not None else None
+                sums = None
+                if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
+                    sums = self._chunk_sums[shard]
+                    sums = read_checksums(f[fmt.CHUNK_CHECKSUMS]) if sums is None else sums
         except (OSError, KeyError) as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
@@ -675,6 +700,13 @@ class Corpus:
 
 FileId = tuple[int, int, int, int]
 """(device, inode, size in bytes, mtime in ns) of a shard file."""
+
+
+def _read_checksums(ds: h5py.Dataset, path: str) -> np.ndarray:
+    try:
+        return read_checksums(ds)
+    except (OSError, KeyError) as e:
+        raise FormatError(f"{path}: cannot read /{fmt.CHUNK_CHECKSUMS} ({e}); run h5corpus validate") from None
 
 
 def _stat_id(st: os.stat_result) -> FileId:

@@ -61,6 +61,15 @@ def h5open(path: str | os.PathLike[str], *, live: bool = False) -> h5py.File:
         return h5py.File(path, "r", libver=fmt.LIBVER, swmr=not live)
 
 
+def read_checksums(ds: h5py.Dataset) -> np.ndarray:
+    """(chunks,) uint64: a version 2 shard's open ``/chunk_xxh3`` dataset, read by one low-level
+    ``H5Dread`` (every process pays this once per shard it verifies; h5py's ``ds[()]`` costs
+    several times more for these few bytes, docs/READING.md "Verified reads")."""
+    sums = np.empty(ds.shape, dtype=fmt.CHECKSUM_DTYPE)
+    ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, sums)
+    return sums
+
+
 # -- per-process read paths for one shard's /tokens ----------------------------------------------
 
 
@@ -121,7 +130,7 @@ class MmapTokens:
             self.runs.append(tail)
             self.chunk_run.append(tail)
             self.chunk_pos.append(0)
-        self.checksums = None if checksums is None else [int(x) for x in checksums]
+        self.checksums = None if checksums is None else checksums.tolist()
         #: per chunk: 1 once it may be served in this process
         self.ready = bytearray(n_chunks) if checksums is not None else bytearray(b"\x01" * n_chunks)
         if decoded:
