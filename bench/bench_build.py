@@ -50,7 +50,7 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import shared_dir  # noqa: E402
+from tests.helpers import shared_dir, write_fineweb_parquet  # noqa: E402
 
 _HF_SCRIPT = r"""
 import json, sys, time
@@ -67,8 +67,6 @@ print(json.dumps({"tokens": n, "seconds": time.perf_counter() - t0}))
 def make_corpus(corpus: Path, copies: int, out: Path) -> tuple[Path, Path, list[str]]:
     """One JSONL and one FineWeb-schema parquet file of ``copies`` marked copies of ``corpus``."""
     import orjson
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     texts = []
     for k in range(copies):
@@ -79,22 +77,7 @@ def make_corpus(corpus: Path, copies: int, out: Path) -> tuple[Path, Path, list[
     with open(jsonl, "wb") as fh:
         for i, t in enumerate(texts):
             fh.write(orjson.dumps({"id": f"d{i}", "text": t}) + b"\n")
-    n = len(texts)
-    table = pa.table(
-        {
-            "text": texts,
-            "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
-            "dump": ["CC-MAIN-2024-10"] * n,
-            "url": [f"https://example.org/{i}" for i in range(n)],
-            "date": ["2024-02-20T00:00:00Z"] * n,
-            "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n,
-            "language": ["en"] * n,
-            "language_score": [0.9] * n,
-            "token_count": [len(t) // 4 for t in texts],
-        }
-    )
-    parquet = out / "corpus.parquet"
-    pq.write_table(table, parquet, row_group_size=2048)
+    parquet = write_fineweb_parquet(out / "corpus.parquet", texts, row_group_size=2048)
     return jsonl, parquet, texts
 
 

@@ -859,3 +859,41 @@ def readme_python_block(section: str) -> str:
     blocks = re.findall(r"```python\n(.*?)```", body, flags=re.S)
     assert len(blocks) == 1, f"the README's {section!r} section holds one python block"
     return blocks[0]
+
+
+def write_fineweb_parquet(path: Path, texts, row_group_size: int) -> Path:
+    """``texts`` as a parquet file with FineWeb's schema (synthetic metadata), ``row_group_size`` rows per group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("text", pa.string()),
+            ("id", pa.string()),
+            ("dump", pa.string()),
+            ("url", pa.string()),
+            ("date", pa.string()),
+            ("file_path", pa.string()),
+            ("language", pa.string()),
+            ("language_score", pa.float64()),
+            ("token_count", pa.int64()),
+        ]
+    )
+    n = len(texts)
+    table = pa.table(
+        {
+            "text": texts,
+            "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
+            "dump": ["CC-MAIN-2024-10"] * n,
+            "url": [f"https://example.org/{i}" for i in range(n)],
+            "date": ["2024-02-20T00:00:00Z"] * n,
+            "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n,
+            "language": ["en"] * n,
+            "language_score": [0.9] * n,
+            "token_count": [len(t) // 4 for t in texts],
+        },
+        schema=schema,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path

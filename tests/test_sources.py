@@ -13,21 +13,9 @@ import zstandard
 
 from h5corpus.build.readers import BadRecord, TaskReader
 from h5corpus.build.sources import SourceError, parse_hf_spec, plan_tasks, resolve_sources, stdlib_files
+from tests.helpers import write_fineweb_parquet
 
 FINEWEB_REV = "9bb295ddab0e05d785b879661af7260fed5140fc"
-FINEWEB_SCHEMA = pa.schema(
-    [
-        ("text", pa.string()),
-        ("id", pa.string()),
-        ("dump", pa.string()),
-        ("url", pa.string()),
-        ("date", pa.string()),
-        ("file_path", pa.string()),
-        ("language", pa.string()),
-        ("language_score", pa.float64()),
-        ("token_count", pa.int64()),
-    ]
-)
 
 
 def read_all(specs, *, task_bytes=1 << 30, text_field="text", **kw) -> list:
@@ -44,27 +32,6 @@ def write_jsonl(path: Path, texts, **extra) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
         for i, t in enumerate(texts):
             fh.write(json.dumps({"id": f"d{i}", "text": t, **extra}, ensure_ascii=False) + "\n")
-    return path
-
-
-def write_fineweb_parquet(path: Path, texts, row_group_size: int) -> Path:
-    n = len(texts)
-    table = pa.table(
-        {
-            "text": texts,
-            "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
-            "dump": ["CC-MAIN-2024-10"] * n,
-            "url": [f"https://example.org/{i}" for i in range(n)],
-            "date": ["2024-02-20T00:00:00Z"] * n,
-            "file_path": ["s3://commoncrawl/crawl-data/x.warc.gz"] * n,
-            "language": ["en"] * n,
-            "language_score": [0.9] * n,
-            "token_count": [len(t) // 4 for t in texts],
-        },
-        schema=FINEWEB_SCHEMA,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path, row_group_size=row_group_size)
     return path
 
 
