@@ -46,6 +46,7 @@ from tests.helpers import (
     subprocess_env,
     tree,
     without_timings,
+    write_fineweb_parquet,
     write_jsonl,
 )
 
@@ -544,32 +545,14 @@ def test_filters_plug_into_the_build_deterministically(tmp_path, core_sources):
 def test_hf_source_fineweb_schema_from_local_cache(tmp_path, stdlib_corpus_texts, monkeypatch):
     """An hf://datasets/...@REV/PATH source (FineWeb's schema, local cache) builds, and the manifest
     records the dataset and its pinned revision."""
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
+    pytest.importorskip("pyarrow")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rev = "9bb295ddab0e05d785b879661af7260fed5140fc"
     snap = tmp_path / "hub" / "datasets--HuggingFaceFW--fineweb" / "snapshots" / rev / "sample" / "10BT"
     snap.mkdir(parents=True)
     texts = stdlib_corpus_texts[:90]
     n = len(texts)
-    pq.write_table(
-        pa.table(
-            {
-                "text": texts,
-                "id": [f"<urn:uuid:{i}>" for i in range(n)],
-                "dump": ["CC-MAIN-2024-10"] * n,
-                "url": [f"https://example.org/{i}" for i in range(n)],
-                "date": ["2024-02-20T00:00:00Z"] * n,
-                "file_path": ["s3://x.warc.gz"] * n,
-                "language": ["en"] * n,
-                "language_score": [0.9] * n,
-                "token_count": [len(t) // 4 for t in texts],
-            }
-        ),
-        snap / "000_00000.parquet",
-        row_group_size=10,
-    )
+    write_fineweb_parquet(snap / "000_00000.parquet", texts, row_group_size=10)
     spec = f"hf://datasets/HuggingFaceFW/fineweb@{rev}/sample/10BT"
     rep = build_corpus(config(tmp_path / "o", [spec], hf_cache_dir=tmp_path / "hub", workers=2, task_bytes=100_000))
     assert rep.tasks > 1 and rep.documents == n

@@ -134,7 +134,7 @@ class BucketedRun(_Run):
         if res is None:
             return
         if res.error is not None:
-            raise res.error
+            raise self._stage_error(res.call, res.error)
         if res.call.stage == "read":
             self._on_read(res.call.index, res.value)
         elif res.call.stage == "bucket":
