@@ -297,6 +297,11 @@ def build_cli(
     max_perplexity: float | None = typer.Option(
         None, "--max-perplexity", help="Filters: drop documents whose perplexity is above X (needs --perplexity-model)."
     ),
+    perplexity_max_chars: int | None = typer.Option(
+        None,
+        "--perplexity-max-chars",
+        help="Score only the first N characters of each document (cheaper; needs --perplexity-model).",
+    ),
     drop_worst_fraction: float | None = typer.Option(
         None,
         "--drop-worst-fraction",
@@ -400,6 +405,7 @@ def build_cli(
             near_dedup_threshold=near_dedup_threshold,
             perplexity_model=perplexity_model,
             max_perplexity=max_perplexity,
+            perplexity_max_chars=perplexity_max_chars,
         )
     except (ValueError, ImportError) as e:
         raise fail(str(e), EXIT_USAGE) from None
@@ -582,6 +588,7 @@ def _build_filters(
     near_dedup_threshold: float | None,
     perplexity_model: Path | None = None,
     max_perplexity: float | None = None,
+    perplexity_max_chars: int | None = None,
 ):
     """The build's filter flags -> a DocumentFilter, or None when every stage is off (the build is
     then exactly the filter-free one). Raises ValueError for bad values (exit 2)."""
@@ -592,8 +599,9 @@ def _build_filters(
         raise ValueError("--lang: give ISO 639-1 codes, e.g. --lang en,de")
     if lang_threshold is not None and not codes:
         raise ValueError("--lang-threshold needs --lang")
-    if max_perplexity is not None and perplexity_model is None:
-        raise ValueError("--max-perplexity needs --perplexity-model")
+    for flag, value in (("--max-perplexity", max_perplexity), ("--perplexity-max-chars", perplexity_max_chars)):
+        if value is not None and perplexity_model is None:
+            raise ValueError(f"{flag} needs --perplexity-model")
     cfg = FilterConfig(
         clean=clean,
         fix_unicode=fix_unicode,
@@ -604,6 +612,7 @@ def _build_filters(
         near_dedup=near_dedup or near_dedup_threshold is not None,
         perplexity_model=None if perplexity_model is None else str(perplexity_model),
         max_perplexity=max_perplexity,
+        perplexity_max_chars=perplexity_max_chars,
     )
     if lang_threshold is not None:
         cfg.lang_threshold = lang_threshold

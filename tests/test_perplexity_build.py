@@ -193,6 +193,8 @@ def test_cli_flags_usage_errors_and_inspect(stdlib_case, tmp_path):
         (["--perplexity-scores", "s.tsv"], "needs a perplexity model"),
         (["--perplexity-model", str(tmp_path / "missing.npz")], "missing.npz"),
         (["--perplexity-model", str(model), "--max-perplexity", "0.5"], "must be >= 1"),
+        (["--perplexity-max-chars", "100"], "--perplexity-max-chars needs --perplexity-model"),
+        (["--perplexity-model", str(model), "--perplexity-max-chars", "0"], "perplexity_max_chars = 0: must be >= 1"),
     ]
     procs = [
         _cli(tmp_path, "build", *src, "-t", "bytes", "--shards-dir", f"bad{i}", *a) for i, (a, _) in enumerate(bad)
@@ -237,6 +239,32 @@ def test_cli_flags_usage_errors_and_inspect(stdlib_case, tmp_path):
     q = m["splits"]["train"]["perplexity"]["quantiles"]
     assert f"p50 {q['p50']:,.1f}" in insp.stdout and "scored documents" in insp.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_cli_perplexity_max_chars_scores_only_the_start_of_each_document(stdlib_case, tmp_path):
+    """A document that starts like the reference and ends in spam: scored on its first N characters
+    (the model on ``text[:N]``, computed here) it gets the prefix's perplexity, far below the whole
+    document's."""
+    root, model, files, texts, spam = stdlib_case
+    n = 400
+    mixed = [t[:n] + " " + s for t, s in zip(texts[:5], spam[:5])]
+    src = write_jsonl(tmp_path / "mixed.jsonl", mixed)
+    proc = _cli(
+        tmp_path, "build", str(src), "-t", "bytes", "--perplexity-model", str(model),
+        "--perplexity-max-chars", str(n), "--perplexity-scores", "scores.tsv", "--json",
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    settings = json.loads((tmp_path / "manifests" / "shards.json").read_text())["build"]["settings"]
+    assert settings["filters"]["perplexity_max_chars"] == n
+    lm = load_model(model)
+    want = {hashlib.sha256(t.encode()).hexdigest(): p for t, p in zip(mixed, lm.perplexities([t[:n] for t in mixed]))}
+    whole = lm.perplexities(mixed)
+    rows = _tsv((tmp_path / "scores.tsv").read_bytes())
+    assert len(rows) == len(mixed)
+    for row in rows:
+        assert float(row["perplexity"]) == pytest.approx(want[row["id"]], rel=1e-6)
+    assert np.all(np.array(sorted(want.values())) < np.array(sorted(whole)))
 
 
 def test_dev_corpus_near_dedup_then_worst_fraction_identical_for_1_and_2_workers_and_2_buckets(
