@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
 
 #: Rows per parquet read batch.
 PARQUET_BATCH_ROWS = 1024
+#: Rows per parquet read batch of :func:`sample_texts`, which takes a task's first few documents:
+#: pyarrow decodes the pages a batch needs, not the row group's whole column.
+SAMPLE_PARQUET_BATCH_ROWS = 64
 #: JSON lines are parsed leniently about raw control characters inside strings (unambiguous in
 #: line-delimited JSON); one decoder for all lines (``json.loads(..., strict=False)`` builds one per call).
 _JSON = json.JSONDecoder(strict=False)
@@ -147,6 +152,34 @@ def _truncation(stream: _JsonlStream, e: BaseException, last_line: int, inside: 
     return f"truncated: the {stream.kind} stream ends before its first line{missing}"
 
 
+class _LineNumbers:
+    """Where a JSONL task's lines are: :meth:`where` names line ``n`` (1-based, counted from the
+    task's first line) as ``file:line``, counting the lines before the task only when one is named."""
+
+    def __init__(self, reader: TaskReader, f: SourceFile) -> None:
+        self.reader, self.f = reader, f
+        self.first = 0
+        """Byte offset of the task's first line (set once the stream is positioned)."""
+        self._base: int | None = None
+
+    def where(self, n: int) -> str:
+        if self._base is None:
+            self._base = self.reader._line_base(self.f.path, self.first)
+        return f"{self.f.name}:{self._base + n - 1}"
+
+
+def _texts_of(lines: list[bytes], field: str) -> list[str] | None:
+    """The string ``field`` of every line when each one is a JSON object that has it (parsed by
+    orjson, whose result :meth:`TaskReader._jsonl_record` would take for each); else None."""
+    if _fast_loads is None:
+        return None
+    try:
+        texts = [_fast_loads(line)[field] for line in lines]
+    except (ValueError, KeyError, TypeError):  # a blank or malformed line, not an object, no field
+        return None
+    return texts if set(map(type, texts)) <= {str} else None
+
+
 #: zstd frame magic numbers (RFC 8878): a frame, and the 16 skippable-frame magics (low 4 bits free).
 _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_SKIPPABLE = 0x184D2A50
@@ -214,9 +247,11 @@ class TaskReader:
     Lines that are empty or whitespace only are not records (they are passed over silently).
     """
 
-    def __init__(self, task: Task, text_field: str = "text") -> None:
+    def __init__(self, task: Task, text_field: str = "text", *, parquet_batch_rows: int = 0) -> None:
         self.task = task
         self.text_field = text_field
+        self.parquet_batch_rows = parquet_batch_rows or PARQUET_BATCH_ROWS
+        """Rows per parquet read batch (a reader that needs only the first rows takes fewer)."""
 
     def __iter__(self) -> Iterator[Doc | BadRecord]:
         k = self.task.kind
@@ -297,17 +332,62 @@ class TaskReader:
         return v, data
 
     def _jsonl(self) -> Iterator[Doc | BadRecord]:
-        t = self.task
-        f = t.files[0]
-        base: list[int] = []
-        lineno = 0
-        first = 0  # byte offset of this task's first line (uncompressed jsonl)
+        at = _LineNumbers(self, self.task.files[0])
+        n = 0  # the line just parsed (``where`` names it)
 
         def where() -> str:
-            if not base:
-                base.append(self._line_base(f.path, first))
-            return f"{f.name}:{base[0] + lineno - 1}"
+            return at.where(n)
 
+        for block in self._jsonl_blocks(at):
+            if type(block) is BadRecord:
+                yield block
+                continue
+            first, lines = block  # type: ignore[misc]
+            for i, line in enumerate(lines):
+                if not line or line.isspace():
+                    continue
+                n = first + i + 1
+                yield self._jsonl_record(line, where)
+
+    def jsonl_chunks(self) -> Iterator[DocChunk | BadRecord]:
+        """A JSONL task's records, a block of lines at a time: runs of documents ``(texts, datas)``
+        and bad records, in line order. A block whose every line is an object with a string field
+        (the common case) costs no Python step per line beyond parsing it; any other block goes
+        line by line through the records of :meth:`_jsonl`."""
+        at = _LineNumbers(self, self.task.files[0])
+        for block in self._jsonl_blocks(at):
+            if type(block) is BadRecord:
+                yield block
+                continue
+            first, lines = block  # type: ignore[misc]
+            texts = _texts_of(lines, self.text_field)
+            if texts is not None:
+                if texts:
+                    yield texts, list(map(str.encode, texts))  # no lone surrogates: orjson rejects them
+                continue
+            run: list[str] = []
+            datas: list[bytes] = []
+            for i, line in enumerate(lines):
+                if not line or line.isspace():
+                    continue
+                rec = self._jsonl_record(line, lambda n=first + i + 1: at.where(n))
+                if type(rec) is tuple:
+                    run.append(rec[0])
+                    datas.append(rec[1])
+                    continue
+                if run:
+                    yield run, datas
+                    run, datas = [], []
+                yield rec  # type: ignore[misc]
+            if run:
+                yield run, datas
+
+    def _jsonl_blocks(self, at: _LineNumbers) -> Iterator[tuple[int, list[bytes]] | BadRecord]:
+        """The task's lines (empty and blank ones included), a block read at a time, as (lines
+        before them, lines); a fatal :class:`BadRecord` where the stream breaks off or cannot be read."""
+        t = self.task
+        f = t.files[0]
+        lineno = 0
         try:
             stream = _JsonlStream.open(f)
         except OSError as e:
@@ -322,7 +402,7 @@ class TaskReader:
                     fh.seek(t.start - 1)
                     if fh.read(1) != b"\n":
                         fh.readline()  # this line belongs to the previous range
-                pos = first = fh.tell() if t.kind == "jsonl" else 0
+                pos = at.first = fh.tell() if t.kind == "jsonl" else 0
                 stop = t.stop if t.kind == "jsonl" else -1
                 # Read in blocks and split them into lines (a line belongs to the task when it starts
                 # before ``stop``); far fewer calls than readline() per record.
@@ -347,21 +427,27 @@ class TaskReader:
                         lines = block.split(b"\n")
                         last = lines.pop()
                         pending = [last] if last else []
-                    for line in lines:
-                        if 0 <= stop <= pos:
-                            return
-                        pos += len(line) + 1
-                        lineno += 1
-                        if not line or line.isspace():
-                            continue
-                        yield self._jsonl_record(line, where)
+                    starts = list(accumulate(map(len, lines), lambda a, n: a + n + 1, initial=pos))
+                    pos = starts[-1]
+                    if stop >= 0 and pos > stop:  # the task's range ends in this block
+                        keep = bisect_left(starts, stop, 0, len(lines))
+                        if keep:
+                            yield lineno, lines[:keep]
+                        return
+                    if lines:
+                        yield lineno, lines
+                        lineno += len(lines)
                     block = read(_JSONL_BLOCK)
             except (_Truncated, EOFError) as e:  # gzip's reader raises EOFError
                 lineno += 1
-                yield BadRecord(where(), _truncation(stream, e, lineno - 1, bool(pending)), "truncated", fatal=True)
+                yield BadRecord(
+                    at.where(lineno), _truncation(stream, e, lineno - 1, bool(pending)), "truncated", fatal=True
+                )
             except (OSError, ValueError, _StreamError, *stream.errors) as e:  # a corrupt stream, an I/O error
                 lineno += 1
-                yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
+                yield BadRecord(
+                    at.where(lineno), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
+                )
 
     # parquet ------------------------------------------------------------------------------------
     def _parquet(self) -> Iterator[Doc | BadRecord]:
@@ -399,7 +485,7 @@ class TaskReader:
         try:
             # use_threads=False: the worker decodes on its own thread (workers are the parallelism)
             batches = pf.iter_batches(
-                batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld], use_threads=False
+                batch_size=self.parquet_batch_rows, row_groups=groups, columns=[fld], use_threads=False
             )
             for batch in batches:
                 col = batch.column(0)
@@ -585,7 +671,7 @@ def sample_texts(tasks: Sequence[Task], text_field: str, limit_chars: int, per_t
     total = 0
     for t in tasks:
         here = 0
-        for rec in TaskReader(t, text_field):
+        for rec in TaskReader(t, text_field, parquet_batch_rows=SAMPLE_PARQUET_BATCH_ROWS):
             if isinstance(rec, BadRecord) or not rec[0]:
                 continue
             text = rec[0]

@@ -102,6 +102,8 @@ class _Target:
     """The inputs' description (the manifest's ``source``)."""
     run_id: dict[str, Any]
     fingerprint: str
+    fast_loading: _Background | None = None
+    """The fast encoder being loaded (:func:`~h5corpus.build.encoders.fast_encoder` on a thread)."""
 
 
 def build_corpus(config: BuildConfig) -> BuildReport:
@@ -123,6 +125,10 @@ def build_corpus(config: BuildConfig) -> BuildReport:
     manifest_path = Path(cfg.manifest).absolute()
     check_output_kinds(shards_dir, manifest_path, None if cfg.explain_drops is None else Path(cfg.explain_drops))
     tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, cache_dir=cfg.hf_cache_dir)
+    # fastokens builds its tables without holding the GIL (about 0.5 s for GPT-2, docs/BUILD.md):
+    # the fast encoder loads on a thread from here on, while this one resolves the sources, plans
+    # the tasks and reads the proof's sample; it is taken (the thread joined) before a worker forks.
+    loading = _Background(fast_encoder, tok, cfg.fast_encoders) if cfg.fast_path else None
     inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
     settings = cfg.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
@@ -137,6 +143,7 @@ def build_corpus(config: BuildConfig) -> BuildReport:
         sources=sources,
         run_id=run_id,
         fingerprint=hashlib.sha256(_canonical({"run": run_id, "sources": sources})).hexdigest(),
+        fast_loading=loading,
     )
     try:
         with BuildLock(shards_dir, manifest_path) as lock:
@@ -263,10 +270,7 @@ class _Run:
         self.encoder: Encoder = HFEncoder(target.tok)
         self.fast: Encoder | None = None
         self.note = ""
-        # fastokens builds its tables without holding the GIL (about 0.5 s for GPT-2, docs/BUILD.md):
-        # the fast encoder loads on a thread while this one reads the proof's sample (run()), and is
-        # taken (the thread joined) before any worker forks.
-        self._loading = _Background(fast_encoder, target.tok, cfg.fast_encoders) if cfg.fast_path else None
+        self._loading = target.fast_loading  # taken in run(), once the proof's sample is read
         self.sample: list[str] | None = None
         self.read: dict[int, ReadRecord] = {}
         for t in tasks:

@@ -463,6 +463,9 @@ def _read_records(run: _TaskRead, reader: TaskReader, locate: Callable[[int], An
     if locate is None and reader.task.kind == "parquet":
         _read_chunks(run, reader.parquet_chunks())
         return
+    if locate is None and reader.task.kind in ("jsonl", "jsonl.gz", "jsonl.zst"):
+        _read_chunks(run, reader.jsonl_chunks())
+        return
     batch = _Batch()
     size = 0
     for k, rec in enumerate(reader):
