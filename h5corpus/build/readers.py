@@ -14,6 +14,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
@@ -168,13 +169,20 @@ class _LineNumbers:
         return f"{self.f.name}:{self._base + n - 1}"
 
 
+def _lines_starting_before(lines: list[bytes], start: int, stop: int) -> int:
+    """How many of ``lines`` (the first one starting at byte ``start``, each followed by a newline)
+    start before byte ``stop``."""
+    starts = list(accumulate((len(x) + 1 for x in lines), initial=start))
+    return bisect_left(starts, stop, 0, len(lines))
+
+
 def _texts_of(lines: list[bytes], field: str) -> list[str] | None:
     """The string ``field`` of every line when each one is a JSON object that has it (parsed by
     orjson, whose result :meth:`TaskReader._jsonl_record` would take for each); else None."""
     if _fast_loads is None:
         return None
     try:
-        texts = [_fast_loads(line)[field] for line in lines]
+        texts = list(map(itemgetter(field), map(_fast_loads, lines)))
     except (ValueError, KeyError, TypeError):  # a blank or malformed line, not an object, no field
         return None
     return texts if set(map(type, texts)) <= {str} else None
@@ -427,10 +435,9 @@ class TaskReader:
                         lines = block.split(b"\n")
                         last = lines.pop()
                         pending = [last] if last else []
-                    starts = list(accumulate(map(len, lines), lambda a, n: a + n + 1, initial=pos))
-                    pos = starts[-1]
+                    start, pos = pos, pos + sum(map(len, lines)) + len(lines)  # each line and its newline
                     if stop >= 0 and pos > stop:  # the task's range ends in this block
-                        keep = bisect_left(starts, stop, 0, len(lines))
+                        keep = _lines_starting_before(lines, start, stop)
                         if keep:
                             yield lineno, lines[:keep]
                         return
