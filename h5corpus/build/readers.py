@@ -1,15 +1,20 @@
 """Streaming a task's records: documents ``(text, utf8_bytes)`` or :class:`BadRecord`, in input order.
 
 :class:`TaskReader` reads one :class:`~h5corpus.build.sources.Task` (a byte range of a JSONL file, row
-groups of a parquet file, a compressed file, a run of ``.txt`` files). Memory holds one line, one
-parquet row batch, or one ``.txt`` document at a time. :class:`LocatingReader` also names where each
-record came from (``--explain-drops``); :func:`sample_texts` takes the fast-path proof's sample.
+groups of a parquet file, a compressed file, a run of ``.txt`` files). Memory holds one 1 MiB block
+of JSONL lines, one parquet row batch, or one ``.txt`` document at a time. :class:`LocatingReader`
+also names where each record came from (``--explain-drops``); :func:`sample_texts` takes the
+fast-path proof's sample.
+The read stage takes JSONL and parquet as runs of documents (:meth:`TaskReader.jsonl_chunks`,
+:meth:`TaskReader.parquet_chunks`), whose records equal the per-record reader's.
+
+The module runs past 600 lines because each format's per-record and run readers share their
+stream handling and are meant to be read side by side.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +23,9 @@ from operator import itemgetter
 from typing import Any
 
 from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
+from .zstdframes import StreamError as _StreamError
+from .zstdframes import Truncated as _Truncated
+from .zstdframes import zstd_end_problem
 
 #: Rows per parquet read batch.
 PARQUET_BATCH_ROWS = 1024
@@ -73,14 +81,6 @@ _JSONL_BLOCK = 1 << 20
 #: ignore it there); anywhere else it is data, and not JSON whitespace, so a line that starts with
 #: one is malformed JSON.
 UTF8_BOM = b"\xef\xbb\xbf"
-
-
-class _Truncated(Exception):
-    """A compressed stream ended before its end marker (``str``: what is missing, or empty)."""
-
-
-class _StreamError(Exception):
-    """A compressed file holds something that is not part of its stream."""
 
 
 class _JsonlStream:
@@ -186,66 +186,6 @@ def _texts_of(lines: list[bytes], field: str) -> list[str] | None:
     except (ValueError, KeyError, TypeError):  # a blank or malformed line, not an object, no field
         return None
     return texts if set(map(type, texts)) <= {str} else None
-
-
-#: zstd frame magic numbers (RFC 8878): a frame, and the 16 skippable-frame magics (low 4 bits free).
-_ZSTD_MAGIC = 0xFD2FB528
-_ZSTD_SKIPPABLE = 0x184D2A50
-
-
-def zstd_end_problem(path: str) -> None:
-    """Walk the frames of a ``.zst`` file by their headers (RFC 8878: frame header, then blocks
-    with 3-byte headers up to the one flagged last, then the optional 4-byte checksum; skippable
-    frames by their size). Raises :class:`_Truncated` when the file ends inside a frame and
-    :class:`_StreamError` when bytes after a frame are not one. The decompressor has checked
-    every block's content (and the checksum); what it cannot tell is whether the data stopped at a
-    block boundary. Cost: one 3-byte read per block (a block holds up to 128 KiB)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        pos = 0
-        while pos < size:
-            fh.seek(pos)
-            head = fh.read(4)
-            if len(head) < 4:
-                raise _Truncated(f"the frame at byte {pos:,} has no complete header")
-            magic = int.from_bytes(head, "little")
-            if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
-                n = fh.read(4)
-                end = pos + 8 + int.from_bytes(n, "little")
-                if len(n) < 4 or end > size:
-                    raise _Truncated(f"the skippable frame at byte {pos:,} is cut short")
-                pos = end
-                continue
-            if magic != _ZSTD_MAGIC:
-                raise _StreamError(f"the bytes at offset {pos:,} are not a zstd frame")
-            pos = _zstd_frame_end(fh, pos, size)
-
-
-def _zstd_frame_end(fh: Any, start: int, size: int) -> int:
-    """Offset after the zstd frame at ``start`` (its magic just read); raises :class:`_Truncated`."""
-    d = fh.read(1)
-    if not d:
-        raise _Truncated(f"the frame at byte {start:,} has no complete header")
-    fhd = d[0]
-    single = (fhd >> 5) & 1
-    header = 1 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
-    pos = start + 4 + header
-    while True:
-        fh.seek(pos)
-        bh = fh.read(3)
-        if len(bh) < 3:
-            raise _Truncated(f"the frame at byte {start:,} has no last block")
-        v = int.from_bytes(bh, "little")
-        pos += 3 + (1 if (v >> 1) & 3 == 1 else v >> 3)  # an RLE block stores one byte
-        if pos > size:
-            raise _Truncated(f"a block of the frame at byte {start:,} is cut short")
-        if v & 1:
-            break
-    if (fhd >> 2) & 1:  # content checksum
-        pos += 4
-        if pos > size:
-            raise _Truncated(f"the frame at byte {start:,} has no complete checksum")
-    return pos
 
 
 class TaskReader:
