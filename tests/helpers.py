@@ -105,6 +105,26 @@ def byte_encode(texts: Sequence[str]) -> list[np.ndarray]:
     return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
 
 
+def task_records(task, text_field: str = "text") -> list:
+    """A task's records, ``(text, utf8 bytes)`` or ``BadRecord``, from the per-record reader, after
+    asserting that the read stage's run reader of its kind (``jsonl_chunks``, ``parquet_chunks``),
+    flattened, gives exactly the same records."""
+    from h5corpus.build.readers import BadRecord, TaskReader
+
+    recs = list(TaskReader(task, text_field))
+    reader = TaskReader(task, text_field)
+    runs = {"parquet": reader.parquet_chunks}.get(task.kind)
+    if task.kind in ("jsonl", "jsonl.gz", "jsonl.zst"):
+        runs = reader.jsonl_chunks
+    if runs is not None:
+        flat: list = []
+        for c in runs():
+            flat.extend([c] if isinstance(c, BadRecord) else zip(*c))
+        plain = [r if isinstance(r, BadRecord) else (r[0], bytes(r[1])) for r in flat]
+        assert plain == [r if isinstance(r, BadRecord) else (r[0], bytes(r[1])) for r in recs]
+    return recs
+
+
 def doc_id(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from h5corpus.build.readers import BadRecord, TaskReader
+from h5corpus.build.readers import BadRecord
 from h5corpus.build.sources import SourceError, parse_hf_spec, plan_tasks, resolve_sources, stdlib_files
-from tests.helpers import write_fineweb_parquet
+from tests.helpers import task_records, write_fineweb_parquet
 
 FINEWEB_REV = "9bb295ddab0e05d785b879661af7260fed5140fc"
 
@@ -23,7 +23,7 @@ def read_all(specs, *, task_bytes=1 << 30, text_field="text", **kw) -> list:
     tasks = plan_tasks(resolve_sources(specs, **kw), task_bytes=task_bytes)
     out = []
     for t in tasks:
-        for r in TaskReader(t, text_field):
+        for r in task_records(t, text_field):  # the build's run readers give the same records
             out.append(r if isinstance(r, BadRecord) else r[0])
     return out
 
@@ -310,7 +310,7 @@ def _records_both_ways(monkeypatch, specs, *, task_bytes=1 << 30) -> tuple[list,
 
     def records() -> list:
         tasks = plan_tasks(resolve_sources(specs), task_bytes=task_bytes)
-        return [r for t in tasks for r in TaskReader(t, "text")]
+        return [r for t in tasks for r in task_records(t, "text")]
 
     assert src._fast_loads is not None, "orjson is a dependency (pyproject.toml)"
     fast = records()

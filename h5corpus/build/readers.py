@@ -1,23 +1,37 @@
 """Streaming a task's records: documents ``(text, utf8_bytes)`` or :class:`BadRecord`, in input order.
 
 :class:`TaskReader` reads one :class:`~h5corpus.build.sources.Task` (a byte range of a JSONL file, row
-groups of a parquet file, a compressed file, a run of ``.txt`` files). Memory holds one line, one
-parquet row batch, or one ``.txt`` document at a time. :class:`LocatingReader` also names where each
-record came from (``--explain-drops``); :func:`sample_texts` takes the fast-path proof's sample.
+groups of a parquet file, a compressed file, a run of ``.txt`` files). Memory holds one 1 MiB block
+of JSONL lines, one parquet row batch, or one ``.txt`` document at a time. :class:`LocatingReader`
+also names where each record came from (``--explain-drops``); :func:`sample_texts` takes the
+fast-path proof's sample.
+The read stage takes JSONL and parquet as runs of documents (:meth:`TaskReader.jsonl_chunks`,
+:meth:`TaskReader.parquet_chunks`), whose records equal the per-record reader's.
+
+The module runs past 600 lines because each format's per-record and run readers share their
+stream handling and are meant to be read side by side.
 """
 
 from __future__ import annotations
 
 import json
-import os
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
+from .zstdframes import StreamError as _StreamError
+from .zstdframes import Truncated as _Truncated
+from .zstdframes import zstd_end_problem
 
 #: Rows per parquet read batch.
 PARQUET_BATCH_ROWS = 1024
+#: Rows per parquet read batch of :func:`sample_texts`, which takes a task's first few documents:
+#: pyarrow decodes the pages a batch needs, not the row group's whole column.
+SAMPLE_PARQUET_BATCH_ROWS = 64
 #: JSON lines are parsed leniently about raw control characters inside strings (unambiguous in
 #: line-delimited JSON); one decoder for all lines (``json.loads(..., strict=False)`` builds one per call).
 _JSON = json.JSONDecoder(strict=False)
@@ -67,14 +81,6 @@ _JSONL_BLOCK = 1 << 20
 #: ignore it there); anywhere else it is data, and not JSON whitespace, so a line that starts with
 #: one is malformed JSON.
 UTF8_BOM = b"\xef\xbb\xbf"
-
-
-class _Truncated(Exception):
-    """A compressed stream ended before its end marker (``str``: what is missing, or empty)."""
-
-
-class _StreamError(Exception):
-    """A compressed file holds something that is not part of its stream."""
 
 
 class _JsonlStream:
@@ -147,64 +153,39 @@ def _truncation(stream: _JsonlStream, e: BaseException, last_line: int, inside: 
     return f"truncated: the {stream.kind} stream ends before its first line{missing}"
 
 
-#: zstd frame magic numbers (RFC 8878): a frame, and the 16 skippable-frame magics (low 4 bits free).
-_ZSTD_MAGIC = 0xFD2FB528
-_ZSTD_SKIPPABLE = 0x184D2A50
+class _LineNumbers:
+    """Where a JSONL task's lines are: :meth:`where` names line ``n`` (1-based, counted from the
+    task's first line) as ``file:line``, counting the lines before the task only when one is named."""
+
+    def __init__(self, reader: TaskReader, f: SourceFile) -> None:
+        self.reader, self.f = reader, f
+        self.first = 0
+        """Byte offset of the task's first line (set once the stream is positioned)."""
+        self._base: int | None = None
+
+    def where(self, n: int) -> str:
+        if self._base is None:
+            self._base = self.reader._line_base(self.f.path, self.first)
+        return f"{self.f.name}:{self._base + n - 1}"
 
 
-def zstd_end_problem(path: str) -> None:
-    """Walk the frames of a ``.zst`` file by their headers (RFC 8878: frame header, then blocks
-    with 3-byte headers up to the one flagged last, then the optional 4-byte checksum; skippable
-    frames by their size). Raises :class:`_Truncated` when the file ends inside a frame and
-    :class:`_StreamError` when bytes after a frame are not one. The decompressor has checked
-    every block's content (and the checksum); what it cannot tell is whether the data stopped at a
-    block boundary. Cost: one 3-byte read per block (a block holds up to 128 KiB)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        pos = 0
-        while pos < size:
-            fh.seek(pos)
-            head = fh.read(4)
-            if len(head) < 4:
-                raise _Truncated(f"the frame at byte {pos:,} has no complete header")
-            magic = int.from_bytes(head, "little")
-            if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
-                n = fh.read(4)
-                end = pos + 8 + int.from_bytes(n, "little")
-                if len(n) < 4 or end > size:
-                    raise _Truncated(f"the skippable frame at byte {pos:,} is cut short")
-                pos = end
-                continue
-            if magic != _ZSTD_MAGIC:
-                raise _StreamError(f"the bytes at offset {pos:,} are not a zstd frame")
-            pos = _zstd_frame_end(fh, pos, size)
+def _lines_starting_before(lines: list[bytes], start: int, stop: int) -> int:
+    """How many of ``lines`` (the first one starting at byte ``start``, each followed by a newline)
+    start before byte ``stop``."""
+    starts = list(accumulate((len(x) + 1 for x in lines), initial=start))
+    return bisect_left(starts, stop, 0, len(lines))
 
 
-def _zstd_frame_end(fh: Any, start: int, size: int) -> int:
-    """Offset after the zstd frame at ``start`` (its magic just read); raises :class:`_Truncated`."""
-    d = fh.read(1)
-    if not d:
-        raise _Truncated(f"the frame at byte {start:,} has no complete header")
-    fhd = d[0]
-    single = (fhd >> 5) & 1
-    header = 1 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
-    pos = start + 4 + header
-    while True:
-        fh.seek(pos)
-        bh = fh.read(3)
-        if len(bh) < 3:
-            raise _Truncated(f"the frame at byte {start:,} has no last block")
-        v = int.from_bytes(bh, "little")
-        pos += 3 + (1 if (v >> 1) & 3 == 1 else v >> 3)  # an RLE block stores one byte
-        if pos > size:
-            raise _Truncated(f"a block of the frame at byte {start:,} is cut short")
-        if v & 1:
-            break
-    if (fhd >> 2) & 1:  # content checksum
-        pos += 4
-        if pos > size:
-            raise _Truncated(f"the frame at byte {start:,} has no complete checksum")
-    return pos
+def _texts_of(lines: list[bytes], field: str) -> list[str] | None:
+    """The string ``field`` of every line when each one is a JSON object that has it (parsed by
+    orjson, whose result :meth:`TaskReader._jsonl_record` would take for each); else None."""
+    if _fast_loads is None:
+        return None
+    try:
+        texts = list(map(itemgetter(field), map(_fast_loads, lines)))
+    except (ValueError, KeyError, TypeError):  # a blank or malformed line, not an object, no field
+        return None
+    return texts if set(map(type, texts)) <= {str} else None
 
 
 class TaskReader:
@@ -214,9 +195,11 @@ class TaskReader:
     Lines that are empty or whitespace only are not records (they are passed over silently).
     """
 
-    def __init__(self, task: Task, text_field: str = "text") -> None:
+    def __init__(self, task: Task, text_field: str = "text", *, parquet_batch_rows: int = 0) -> None:
         self.task = task
         self.text_field = text_field
+        self.parquet_batch_rows = parquet_batch_rows or PARQUET_BATCH_ROWS
+        """Rows per parquet read batch (a reader that needs only the first rows takes fewer)."""
 
     def __iter__(self) -> Iterator[Doc | BadRecord]:
         k = self.task.kind
@@ -297,17 +280,62 @@ class TaskReader:
         return v, data
 
     def _jsonl(self) -> Iterator[Doc | BadRecord]:
-        t = self.task
-        f = t.files[0]
-        base: list[int] = []
-        lineno = 0
-        first = 0  # byte offset of this task's first line (uncompressed jsonl)
+        at = _LineNumbers(self, self.task.files[0])
+        n = 0  # the line just parsed (``where`` names it)
 
         def where() -> str:
-            if not base:
-                base.append(self._line_base(f.path, first))
-            return f"{f.name}:{base[0] + lineno - 1}"
+            return at.where(n)
 
+        for block in self._jsonl_blocks(at):
+            if type(block) is BadRecord:
+                yield block
+                continue
+            first, lines = block  # type: ignore[misc]
+            for i, line in enumerate(lines):
+                if not line or line.isspace():
+                    continue
+                n = first + i + 1
+                yield self._jsonl_record(line, where)
+
+    def jsonl_chunks(self) -> Iterator[DocChunk | BadRecord]:
+        """A JSONL task's records, a block of lines at a time: runs of documents ``(texts, datas)``
+        and bad records, in line order. A block whose every line is an object with a string field
+        (the common case) costs no Python step per line beyond parsing it; any other block goes
+        line by line through the records of :meth:`_jsonl`."""
+        at = _LineNumbers(self, self.task.files[0])
+        for block in self._jsonl_blocks(at):
+            if type(block) is BadRecord:
+                yield block
+                continue
+            first, lines = block  # type: ignore[misc]
+            texts = _texts_of(lines, self.text_field)
+            if texts is not None:
+                if texts:
+                    yield texts, list(map(str.encode, texts))  # no lone surrogates: orjson rejects them
+                continue
+            run: list[str] = []
+            datas: list[bytes] = []
+            for i, line in enumerate(lines):
+                if not line or line.isspace():
+                    continue
+                rec = self._jsonl_record(line, lambda n=first + i + 1: at.where(n))
+                if type(rec) is tuple:
+                    run.append(rec[0])
+                    datas.append(rec[1])
+                    continue
+                if run:
+                    yield run, datas
+                    run, datas = [], []
+                yield rec  # type: ignore[misc]
+            if run:
+                yield run, datas
+
+    def _jsonl_blocks(self, at: _LineNumbers) -> Iterator[tuple[int, list[bytes]] | BadRecord]:
+        """The task's lines (empty and blank ones included), a block read at a time, as (lines
+        before them, lines); a fatal :class:`BadRecord` where the stream breaks off or cannot be read."""
+        t = self.task
+        f = t.files[0]
+        lineno = 0
         try:
             stream = _JsonlStream.open(f)
         except OSError as e:
@@ -322,7 +350,7 @@ class TaskReader:
                     fh.seek(t.start - 1)
                     if fh.read(1) != b"\n":
                         fh.readline()  # this line belongs to the previous range
-                pos = first = fh.tell() if t.kind == "jsonl" else 0
+                pos = at.first = fh.tell() if t.kind == "jsonl" else 0
                 stop = t.stop if t.kind == "jsonl" else -1
                 # Read in blocks and split them into lines (a line belongs to the task when it starts
                 # before ``stop``); far fewer calls than readline() per record.
@@ -347,21 +375,26 @@ class TaskReader:
                         lines = block.split(b"\n")
                         last = lines.pop()
                         pending = [last] if last else []
-                    for line in lines:
-                        if 0 <= stop <= pos:
-                            return
-                        pos += len(line) + 1
-                        lineno += 1
-                        if not line or line.isspace():
-                            continue
-                        yield self._jsonl_record(line, where)
+                    start, pos = pos, pos + sum(map(len, lines)) + len(lines)  # each line and its newline
+                    if stop >= 0 and pos > stop:  # the task's range ends in this block
+                        keep = _lines_starting_before(lines, start, stop)
+                        if keep:
+                            yield lineno, lines[:keep]
+                        return
+                    if lines:
+                        yield lineno, lines
+                        lineno += len(lines)
                     block = read(_JSONL_BLOCK)
             except (_Truncated, EOFError) as e:  # gzip's reader raises EOFError
                 lineno += 1
-                yield BadRecord(where(), _truncation(stream, e, lineno - 1, bool(pending)), "truncated", fatal=True)
+                yield BadRecord(
+                    at.where(lineno), _truncation(stream, e, lineno - 1, bool(pending)), "truncated", fatal=True
+                )
             except (OSError, ValueError, _StreamError, *stream.errors) as e:  # a corrupt stream, an I/O error
                 lineno += 1
-                yield BadRecord(where(), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True)
+                yield BadRecord(
+                    at.where(lineno), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
+                )
 
     # parquet ------------------------------------------------------------------------------------
     def _parquet(self) -> Iterator[Doc | BadRecord]:
@@ -399,7 +432,7 @@ class TaskReader:
         try:
             # use_threads=False: the worker decodes on its own thread (workers are the parallelism)
             batches = pf.iter_batches(
-                batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[fld], use_threads=False
+                batch_size=self.parquet_batch_rows, row_groups=groups, columns=[fld], use_threads=False
             )
             for batch in batches:
                 col = batch.column(0)
@@ -585,7 +618,7 @@ def sample_texts(tasks: Sequence[Task], text_field: str, limit_chars: int, per_t
     total = 0
     for t in tasks:
         here = 0
-        for rec in TaskReader(t, text_field):
+        for rec in TaskReader(t, text_field, parquet_batch_rows=SAMPLE_PARQUET_BATCH_ROWS):
             if isinstance(rec, BadRecord) or not rec[0]:
                 continue
             text = rec[0]

@@ -26,8 +26,9 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from .shards import our_shard_files
 from .sources import Task, plan_tasks, resolve_sources
 from .state import FinishRecord, ReadRecord, StateDir, TaskDecision
 from .tasks import StageCall
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, library_versions, load_tokenizer, source_sha256
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "build_corpus"]
 
@@ -101,6 +102,8 @@ class _Target:
     """The inputs' description (the manifest's ``source``)."""
     run_id: dict[str, Any]
     fingerprint: str
+    fast_loading: _Background | None = None
+    """The fast encoder being loaded (:func:`~h5corpus.build.encoders.fast_encoder` on a thread)."""
 
 
 def build_corpus(config: BuildConfig) -> BuildReport:
@@ -122,6 +125,10 @@ def build_corpus(config: BuildConfig) -> BuildReport:
     manifest_path = Path(cfg.manifest).absolute()
     check_output_kinds(shards_dir, manifest_path, None if cfg.explain_drops is None else Path(cfg.explain_drops))
     tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, cache_dir=cfg.hf_cache_dir)
+    # fastokens builds its tables without holding the GIL (about 0.5 s for GPT-2, docs/BUILD.md):
+    # the fast encoder loads on a thread from here on, while this one resolves the sources, plans
+    # the tasks and reads the proof's sample; it is taken (the thread joined) before a worker forks.
+    loading = _Background(fast_encoder, tok, cfg.fast_encoders) if cfg.fast_path else None
     inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
     settings = cfg.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
@@ -136,6 +143,7 @@ def build_corpus(config: BuildConfig) -> BuildReport:
         sources=sources,
         run_id=run_id,
         fingerprint=hashlib.sha256(_canonical({"run": run_id, "sources": sources})).hexdigest(),
+        fast_loading=loading,
     )
     try:
         with BuildLock(shards_dir, manifest_path) as lock:
@@ -262,13 +270,8 @@ class _Run:
         self.encoder: Encoder = HFEncoder(target.tok)
         self.fast: Encoder | None = None
         self.note = ""
-        if cfg.fast_path:
-            self.fast, why = fast_encoder(target.tok, cfg.fast_encoders)
-            if self.fast is None:
-                self.note = f"fast path not applicable: {why}"
-            else:
-                self.encoder = self.fast
-                self.note = f"not applicable: {why}" if why else ""
+        self._loading = target.fast_loading  # taken in run(), once the proof's sample is read
+        self.sample: list[str] | None = None
         self.read: dict[int, ReadRecord] = {}
         for t in tasks:
             rec = target.state.load_read_record(t.index, t.key)
@@ -304,6 +307,25 @@ class _Run:
             tasks=self.n,
             resumed=resumed,
         )
+
+    def _take_fast_encoder(self) -> None:
+        """Wait for the fast encoder's load (once) and make it the build's encoder if it applies."""
+        loading, self._loading = self._loading, None
+        if loading is None:
+            return
+        self.fast, why = loading.result()
+        if self.fast is None:
+            self.note = f"fast path not applicable: {why}"
+        else:
+            self.encoder = self.fast
+            self.note = f"not applicable: {why}" if why else ""
+
+    def _proof_sample(self) -> list[str]:
+        """The proof's sample of the build's input (read once), with the proof key's other parts."""
+        if self.sample is None:
+            self.sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
+            library_versions(), source_sha256()  # computed once per process; the proof's cache key
+        return self.sample
 
     def _plan(self, encoder: Encoder) -> BuildPlan:
         cfg, t = self.cfg, self.t
@@ -349,6 +371,9 @@ class _Run:
             warm_up()  # load models once, before forking: the workers share them
         self.bar = _progress_bar() if cfg.progress else None
         self.explain = ExplainFile(cfg.explain_drops) if cfg.explain_drops is not None else None
+        if self._loading is not None:
+            self._proof_sample()  # while the fast encoder loads
+        self._take_fast_encoder()
         self._start(self.encoder)
         try:
             in_order = self.decider.can_stop_early
@@ -389,8 +414,7 @@ class _Run:
         fast = self.fast
         if fast is None or self.encoder is not fast:
             return
-        sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
-        chosen, note = prove_fast_path(HFEncoder(self.t.tok), fast, sample, names=self.cfg.fast_encoders)
+        chosen, note = prove_fast_path(HFEncoder(self.t.tok), fast, self._proof_sample(), names=self.cfg.fast_encoders)
         if chosen is fast:
             return
         self.note = "; ".join(filter(None, (self.note, note)))
@@ -549,6 +573,30 @@ class _Run:
             r.explain_drops, r.explained = str(self.cfg.explain_drops), self.explain.lines
         r.elapsed_s = time.perf_counter() - self.t_start
         return r
+
+
+class _Background:
+    """``fn(*args)`` on a thread of its own, started now; :meth:`result` joins it and returns (or
+    raises) what it gave."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._out: tuple[bool, Any] = (False, None)
+
+        def call() -> None:
+            try:
+                self._out = (True, fn(*args))
+            except BaseException as e:  # noqa: BLE001 - re-raised by result(), in the caller's thread
+                self._out = (False, e)
+
+        self._thread = threading.Thread(target=call, name=f"h5corpus-{getattr(fn, '__name__', 'load')}", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        ok, value = self._out
+        if not ok:
+            raise value
+        return value
 
 
 def _progress_bar():

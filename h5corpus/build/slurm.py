@@ -35,9 +35,8 @@ from .buckets import lsh_params
 from .config import BuildConflict, BuildError
 from .encoders import HFEncoder
 from .proof import prove_fast_path
-from .readers import sample_texts
 from .report import BuildReport, report_from_manifest
-from .runner import PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS, _Run
+from .runner import _Run
 from .scaled import plan_for_stages
 from .stages import stage_status
 
@@ -127,10 +126,14 @@ class SlurmRun(_Run):
 
     def _prove(self) -> None:
         """No driver watches the reads: prove the fast encoder before anything is submitted."""
+        if self._loading is not None:
+            self._proof_sample()  # while the fast encoder loads
+        self._take_fast_encoder()
         if self.fast is None or self.encoder is not self.fast:
             return
-        sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
-        chosen, note = prove_fast_path(HFEncoder(self.t.tok), self.fast, sample, names=self.cfg.fast_encoders)
+        chosen, note = prove_fast_path(
+            HFEncoder(self.t.tok), self.fast, self._proof_sample(), names=self.cfg.fast_encoders
+        )
         if chosen is not self.fast:
             self.note = "; ".join(filter(None, (self.note, note)))
             self.encoder = chosen

@@ -85,6 +85,17 @@ def _create_file(path: Path) -> h5py.File:
     return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
 
 
+def _write_rows(ds: Any, lo: int, values: np.ndarray) -> None:
+    """``ds[lo : lo + len(values)] = values`` for a chunked dataset's low-level id ``ds``, already
+    extended to hold them: the HDF5 calls of h5py's ``__setitem__`` (a hyperslab of the file space,
+    the memory type of ``values``) without its per-call Python work, which the writer pays on every
+    publish."""
+    a = np.ascontiguousarray(values)
+    fspace = ds.get_space()
+    fspace.select_hyperslab((lo,) + (0,) * (a.ndim - 1), a.shape)
+    ds.write(h5py.h5s.create_simple(a.shape), fspace, a)
+
+
 def _fixed_string(v: str) -> np.ndarray:
     """``v`` as a fixed-length UTF-8 string attribute value (a variable-length one costs a 4 KiB
     global heap collection per file)."""
@@ -313,7 +324,7 @@ class ShardWriter:
         offsets last."""
         if self._fill:
             start, real = self._written, self._buf[: self._fill]
-            self._tokens.resize((start + self._fill,))
+            self._tokens.id.set_extent((start + self._fill,))
             if not self._direct:
                 self._sealed = self._fill < self.chunk_tokens
                 self._tokens[start : start + self._fill] = real
@@ -327,7 +338,7 @@ class ShardWriter:
             self._sums.append(fmt.chunk_checksum(real))
             self._written += self._fill
             self._fill = 0
-            self._tokens.flush()
+            self._tokens.id.flush()
         self._publish()
 
     def _all_ends(self) -> np.ndarray:
@@ -343,20 +354,21 @@ class ShardWriter:
         if upto <= self._published:
             return
         lo = self._published
+        sums, ids, flags, offsets = (d.id for d in (self._sums_ds, self._ids, self._flags, self._offsets))
         if self._sums_published < len(self._sums):
-            self._sums_ds.resize((len(self._sums),))
-            self._sums_ds[self._sums_published :] = np.array(self._sums[self._sums_published :], fmt.CHECKSUM_DTYPE)
-            self._sums_ds.flush()
+            sums.set_extent((len(self._sums),))
+            _write_rows(sums, self._sums_published, np.array(self._sums[self._sums_published :], fmt.CHECKSUM_DTYPE))
+            sums.flush()
             self._sums_published = len(self._sums)
-        self._ids.resize((upto, fmt.DOC_ID_BYTES))
-        self._ids[lo:upto] = self._id_blocks[0][lo:upto]
-        self._flags.resize((upto,))
-        self._flags[lo:upto] = self._flag_blocks[0][lo:upto]
-        self._ids.flush()
-        self._flags.flush()
-        self._offsets.resize((upto + 1,))
-        self._offsets[lo + 1 : upto + 1] = ends[lo:upto]
-        self._offsets.flush()
+        ids.set_extent((upto, fmt.DOC_ID_BYTES))
+        _write_rows(ids, lo, self._id_blocks[0][lo:upto])
+        flags.set_extent((upto,))
+        _write_rows(flags, lo, self._flag_blocks[0][lo:upto])
+        ids.flush()
+        flags.flush()
+        offsets.set_extent((upto + 1,))
+        _write_rows(offsets, lo + 1, ends[lo:upto])
+        offsets.flush()
         self._published = upto
 
     # -- finishing ------------------------------------------------------------------------------
