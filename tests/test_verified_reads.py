@@ -114,6 +114,34 @@ def test_a_flipped_bit_in_any_chunk_raises_on_every_read_path(corpora, tmp_path,
     _raises_naming(path, k, lambda: READS[read](c, pos))
 
 
+@pytest.mark.parametrize("document_mask", [False, True])
+@pytest.mark.parametrize("chunk", ["first", "middle", "last"])
+def test_the_window_loader_yields_every_batch_before_the_one_that_reads_a_corrupt_chunk(
+    corpora, tmp_path, chunk, document_mask
+):
+    """On a fresh corpus the window loader serves the batches that do not touch a corrupt chunk,
+    equal to the stream, and raises at the first batch that does (naming shard and chunk), every
+    time that batch is read again."""
+    manifest = _copy(corpora["raw"], tmp_path / "c")
+    toks, _, _ = oracle_stream(manifest)
+    path, k, _ = _flip_bit(manifest, chunk, seed=11)
+    c = open_corpus(manifest, "train")
+    L, B = 700, 3
+    ds = SlidingWindowDataset(c, L, batch_size=B, seed=4, mode="random", document_mask=document_mask)
+    starts = ds.plan()
+    touches = (starts + L + 1 > k * C) & (starts < (k + 1) * C)  # window [a, a + L + 1) meets chunk k
+    first_bad = int(np.argmax(touches)) // B
+    assert touches.any() and first_bad > 0
+    for _ in range(2):
+        it = iter(ds)
+        for i in range(first_bad):
+            np.testing.assert_array_equal(
+                next(it).tokens.numpy().view(np.uint16).reshape(-1, L + 1),
+                np.stack([toks[a : a + L + 1] for a in starts[i * B : (i + 1) * B].tolist()]),
+            )
+        _raises_naming(path, k, lambda it=it: next(it))
+
+
 def test_a_corrupt_chunk_raises_in_a_dataloader_worker(corpora, tmp_path):
     """The check runs where the tokens are read: in a DataLoader worker (spawned), the error names
     the shard and the chunk."""

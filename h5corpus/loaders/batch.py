@@ -42,9 +42,10 @@ alone. Materializing needs no host-device synchronization (every size is known o
 (``num_tokens``, ``num_targets``, ``num_segments``) never materialize anything. Assigning a field
 (``batch.input_ids = x``) overrides it on that object (it then travels with ``.to()`` and pickling).
 
-Loaders build compact batches with :func:`alloc_compact` (fill views in place) or
-:meth:`VarlenBatch.from_row_bytes` (one join of row byte views, rows = segments); no other module
-needs the buffer's layout. ``batch.segments`` optionally tags each segment with its source
+Loaders build compact batches with :func:`alloc_compact` (fill views in place),
+:meth:`VarlenBatch.from_row_bytes` (one join of row byte views, rows = segments) or
+:meth:`VarlenBatch.from_window_rows` (the same for equal rows, with optional finer segments and
+ignored targets); no other module needs the buffer's layout. ``batch.segments`` optionally tags each segment with its source
 (``(document, start, length)``, set by the best-fit loader on request).
 
 One module on purpose, longer than the others: the buffer layout is private to it, and the two
@@ -54,6 +55,7 @@ invariant checks are one type's interface, kept beside each other.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,7 +119,7 @@ def _layout(
             continue
         entries.append((name, dt, off, n))
         off += -(-n * _ITEMSIZE[dt] // 8) * 8
-    if len(_LAYOUTS) > 256:
+    if len(_LAYOUTS) > 4096:  # document-masked windows: one layout per (segments, ignored) seen
         _LAYOUTS.clear()
     hit = _LAYOUTS[key] = (tuple(entries), off)
     return hit
@@ -167,6 +169,41 @@ def alloc_compact(
     storage, view = _STORAGE[np.dtype(token_dtype)]
     layout, nbytes = _layout(rows, num_tokens + rows, storage, segments, packs, ignored)
     return CompactParts(nbytes, layout, rows, num_tokens, view)
+
+
+_WINDOW_FRAMES: dict[tuple, tuple[Layout, bytes, bytes]] = {}
+
+
+_WINDOW_HEADERS: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+
+
+def _window_header(R: int, U: int) -> tuple[bytes, bytes]:
+    """(``row_cu`` = [0, U, ..., R*U], ``pack_lengths`` = [U] * R) as int32 bytes (cached)."""
+    hit = _WINDOW_HEADERS.get((R, U))
+    if hit is None:
+        if len(_WINDOW_HEADERS) > 64:
+            _WINDOW_HEADERS.clear()
+        rc, pk = np.arange(0, R * U + 1, U, dtype=np.int32), np.full(R, U, dtype=np.int32)
+        hit = _WINDOW_HEADERS[(R, U)] = (rc.tobytes(), pk.tobytes())
+    return hit
+
+
+def _window_frame(R: int, U: int, token_dtype: Any) -> tuple[Layout, bytes, bytes]:
+    """(layout, bytes before the rows, bytes after them) of a compact batch of R rows of U
+    inputs whose rows are its segments and packs, nothing ignored (cached per shape)."""
+    key = (R, U, token_dtype)
+    hit = _WINDOW_FRAMES.get(key)
+    if hit is None:
+        storage, view = _STORAGE[np.dtype(token_dtype)]
+        layout, nbytes = _layout(R, R * (U + 1), storage, None, R, 0)
+        rc, pk, tk = (layout[_SLOT[n]][2] for n in ("row_cu", "pack_lengths", "tokens"))
+        row_cu, packs = _window_header(R, U)
+        head = bytes(rc) + row_cu + bytes(pk - rc - len(row_cu)) + packs + bytes(tk - pk - len(packs))
+        tail = bytes(nbytes - tk - R * (U + 1) * view.itemsize)
+        if len(_WINDOW_FRAMES) > 64:
+            _WINDOW_FRAMES.clear()
+        hit = _WINDOW_FRAMES[key] = (layout, head, tail)
+    return hit
 
 
 def _widen(src: torch.Tensor) -> torch.Tensor:
@@ -359,6 +396,55 @@ class VarlenBatch:
             ]
         )
         return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, T, R, int(max_seqlen), 0, True)
+
+    @classmethod
+    def from_window_rows(
+        cls,
+        rows: list[Any],
+        row_len: int,
+        token_dtype: Any,
+        *,
+        segment_starts: np.ndarray | None = None,
+        ignore: np.ndarray | None = None,
+        max_seqlen: int | None = None,
+    ) -> VarlenBatch:
+        """A compact batch of R equal rows (sliding windows: one pack per row), assembled like
+        :meth:`from_row_bytes` by one ``bytearray.join`` of its header and ``rows``.
+
+        Args:
+            rows: R >= 1 bytes-like objects of ``row_len + 1`` ids of ``token_dtype`` each (native
+                byte order): ``row_len`` inputs and one lookahead.
+            row_len: inputs per row, U >= 1; ``T = R * U``, ``row_cu = [0, U, ..., T]``.
+            segment_starts: None (each row is one segment, ``cu_seqlens`` is ``row_cu``), or (S,)
+                C-contiguous int32 ascending segment starts holding every row start:
+                ``cu_seqlens`` without its final T.
+            ignore: None or (k,) C-contiguous int64 distinct input indices whose target is
+                :data:`IGNORE_INDEX`.
+            max_seqlen: the longest segment, in inputs (default U).
+
+        Nothing is checked (a loader's hot path); :meth:`check` verifies a result.
+        """
+        R, U = len(rows), int(row_len)
+        if segment_starts is None and ignore is None:
+            layout, head, tail = _window_frame(R, U, token_dtype)
+            data = bytearray().join([head, *rows, tail])
+            return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, R * U, R, U, U, True)
+        storage, view = _STORAGE[np.dtype(token_dtype)]
+        T, k = R * U, 0 if ignore is None else len(ignore)
+        S = R if segment_starts is None else len(segment_starts)
+        layout, nbytes = _layout(R, T + R, storage, None if segment_starts is None else S, R, k)
+        rc, cu, pk, tk = layout[1][2], layout[2][2], layout[3][2], layout[4][2]
+        row_cu, packs = _window_header(R, U)
+        z = _ZEROS
+        parts = [b"" if ignore is None else ignore, row_cu]  # ignore first, at byte 0 (layout order)
+        if segment_starts is not None:
+            parts += [z[: cu - rc - 4 * (R + 1)], segment_starts, T.to_bytes(4, sys.byteorder)]
+        parts += [z[: pk - cu - 4 * (S + 1)], packs, z[: tk - pk - 4 * R], *rows]
+        parts.append(z[: nbytes - tk - (T + R) * view.itemsize])
+        ms = U if max_seqlen is None else int(max_seqlen)
+        return cls._compact(
+            torch.frombuffer(bytearray().join(parts), dtype=torch.uint8), layout, T, R, ms, U, segment_starts is None
+        )
 
     @classmethod
     def _assemble(

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .batch import VarlenBatch, alloc_compact
+from .bestfit import MappedRuns, mapped_runs
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer
 from .sequence import GlobalSequenceDataset
@@ -298,31 +299,91 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         epoch, sched = live.epoch, live.schedule
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
+        runs = mapped_runs(self.corpus)  # this process's memory maps (None: a shard read through HDF5)
         for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
             items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
             block = self._starts(epoch, items)
             mask = self._mask_plan(block) if self.document_mask else None
+            if runs is not None:
+                for batch in self._mapped_batches(runs, block, offs, mask):
+                    live.yielded += 1
+                    yield batch
+                continue
             for lo, hi in zip(offs[:-1].tolist(), offs[1:].tolist()):
                 batch = self._batch(block[lo:hi], mask, lo)
                 live.yielded += 1
                 yield batch
 
+    def _mapped_batches(
+        self, runs: MappedRuns, starts: np.ndarray, offs: np.ndarray, mask: tuple | None
+    ) -> Iterator[VarlenBatch]:
+        """The batches of a block (batch b: windows ``offs[b] .. offs[b + 1]`` of ``starts``) of a
+        memory-mapped corpus, the same as :meth:`_batch` makes: each window is one byte view into
+        the run holding it, joined with the batch's header into its one buffer
+        (:meth:`~h5corpus.loaders.batch.VarlenBatch.from_window_rows`); a window that leaves its run
+        (a gap between runs, a shard's end, a chunk not verified yet) is read through
+        ``corpus.tokens`` instead. Once every chunk is verified the block is located at once;
+        before, batch by batch, so a corrupt chunk raises at the batch that reads it."""
+        L, dtype, table, views, tokens = self.seq_len, self.corpus.dtype, runs.table, runs.views, self.corpus.tokens
+        n = (L + 1) * dtype.itemsize  # bytes per window
+        bounds = offs.tolist()
+        whole = None if table.pending else _locate(table, starts, L + 1, dtype.itemsize)
+        if mask is not None:
+            cut, cut_at, ign, ign_at, longest = _batch_masks(mask, offs, L)
+        c = 0  # the next window of ``whole``'s crossing list
+        for b in range(len(bounds) - 1):
+            lo, hi = bounds[b], bounds[b + 1]
+            if whole is None:
+                run, first, cross = _locate(table, starts[lo:hi], L + 1, dtype.itemsize)
+                rows = [views[r][a : a + n] for r, a in zip(run, first)]
+                for k in cross:
+                    g = int(starts[lo + k])
+                    rows[k] = tokens(g, g + L + 1)
+            else:
+                run, first, cross = whole
+                rows = [views[r][a : a + n] for r, a in zip(run[lo:hi], first[lo:hi])]
+                while c < len(cross) and cross[c] < hi:
+                    g = int(starts[cross[c]])
+                    rows[cross[c] - lo] = tokens(g, g + L + 1)
+                    c += 1
+            if mask is None:
+                yield VarlenBatch.from_window_rows(rows, L, dtype)
+            else:
+                yield VarlenBatch.from_window_rows(
+                    rows,
+                    L,
+                    dtype,
+                    segment_starts=cut[cut_at[b] : cut_at[b + 1]],
+                    ignore=ign[ign_at[b] : ign_at[b + 1]],
+                    max_seqlen=longest[b],
+                )
+
     # -- batches --------------------------------------------------------------------------------------
     def make_batch(self, starts: np.ndarray) -> VarlenBatch:
         """The compact batch of windows starting at global token positions ``starts``.
 
-        One ``(B, seq_len + 1)`` read straight into the batch's row storage (the corpus's own
-        width, e.g. 2 bytes per uint16 token; no int64 copies): row j is window j, ``row_cu`` =
+        Row j of the batch's storage is window j in the corpus's own width (e.g. 2 bytes per
+        uint16 token; no int64 copies), copied once from the memory maps (:meth:`_mapped_batches`)
+        or by one ``Corpus.gather`` into the batch (a shard read through HDF5): ``row_cu`` =
         ``[0, L, 2L, ...]``, one pack per window. With document masking, ``cu_seqlens`` adds every
         document start inside a window and ``ignore`` lists the inputs whose target is the next
         document's first token. The int64 fields materialize lazily where the batch is used
         (:class:`~h5corpus.loaders.batch.VarlenBatch`)."""
-        starts = np.asarray(starts, dtype=np.int64)
-        return self._batch(starts, self._mask_plan(starts) if self.document_mask else None, 0)
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        last = self.corpus.num_tokens - self.seq_len - 1  # the last start whose window fits
+        if starts.size and (int(starts.min()) < 0 or int(starts.max()) > last):
+            bad = int(starts[(starts < 0) | (starts > last)][0])
+            raise IndexError(f"window start {bad:,} outside [0, {last:,}] (a window reads seq_len + 1 tokens)")
+        mask = self._mask_plan(starts) if self.document_mask else None
+        runs = mapped_runs(self.corpus) if starts.size else None
+        if runs is None:
+            return self._batch(starts, mask, 0)
+        return next(self._mapped_batches(runs, starts, np.array([0, starts.size], dtype=np.int64), mask))
 
     def _batch(self, starts: np.ndarray, mask: tuple | None, j0: int) -> VarlenBatch:
         """make_batch for windows ``j0 .. j0 + len(starts)`` of a block whose document masking
-        was planned at once (:meth:`_mask_plan`; None without masking)."""
+        was planned at once (:meth:`_mask_plan`; None without masking), through ``Corpus.gather``
+        (the path of corpora with a shard read through HDF5)."""
         B, L = starts.size, self.seq_len
         T = B * L
         if mask is not None:
@@ -391,6 +452,31 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
             f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})"
         )
+
+
+def _locate(table: Any, starts: np.ndarray, length: int, itemsize: int) -> tuple[list[int], list[int], list[int]]:
+    """For windows of ``length`` tokens at global ``starts``: the run of ``table`` holding each
+    (:meth:`~h5corpus.storage.readpaths.RunTable.locate`, which verifies their first chunks), its
+    first byte in that run, and the (ascending) indices of the windows that do not lie inside
+    one run of verified tokens."""
+    run, pos, room = table.locate(starts)
+    return run.tolist(), (pos * itemsize).tolist(), np.flatnonzero(room < length).tolist()
+
+
+def _batch_masks(
+    mask: tuple, offs: np.ndarray, L: int
+) -> tuple[np.ndarray, list[int], np.ndarray, list[int], list[int]]:
+    """A block's document masking (:meth:`SlidingWindowDataset._mask_plan`) per batch (batch b:
+    windows ``offs[b] .. offs[b + 1]``): segment starts as int32 inputs of their batch, with
+    batch b's at ``cut[cut_at[b] : cut_at[b + 1]]``; ignored inputs likewise (``ign``, int64,
+    ``ign_at``); each batch's longest segment."""
+    cut_flat, cut_ptr, ign_flat, ign_ptr, seg_max = mask
+    cut_ptr, ign_ptr = np.asarray(cut_ptr, dtype=np.int64), np.asarray(ign_ptr, dtype=np.int64)
+    base = np.repeat(offs[:-1] * L, np.diff(offs))  # per window: its batch's first input in the block
+    cut = (cut_flat - np.repeat(base, np.diff(cut_ptr))).astype(np.int32)
+    ign = ign_flat - np.repeat(base, np.diff(ign_ptr))
+    longest = np.maximum.reduceat(seg_max, offs[:-1]).tolist()
+    return cut, cut_ptr[offs].tolist(), ign, ign_ptr[offs].tolist(), longest
 
 
 def _positions(batches: np.ndarray, batch_size: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:

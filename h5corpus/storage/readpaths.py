@@ -264,6 +264,11 @@ class RunTable:
         out._pending = int(out._ready.size - np.count_nonzero(out._ready))
         return out
 
+    @property
+    def pending(self) -> int:
+        """Chunks this table has not seen verified yet (0: :meth:`locate` verifies nothing more)."""
+        return self._pending
+
     def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For global token positions ``pos`` (int64): the run holding each, its offset in that
         run (tokens), and the tokens from it to the run's end, or, while some chunks are not
