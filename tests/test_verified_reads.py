@@ -142,6 +142,26 @@ def test_the_window_loader_yields_every_batch_before_the_one_that_reads_a_corrup
         _raises_naming(path, k, lambda it=it: next(it))
 
 
+def test_the_run_table_says_a_range_is_verified_only_once_each_of_its_chunks_is(corpora, tmp_path):
+    """``RunTable.verified``: False while a chunk a range touches is unverified (also when another
+    read verified its neighbours only), True once a read of any kind verified every one of them;
+    a corrupt chunk never counts as verified, however often it is read."""
+    manifest = _copy(corpora["raw"], tmp_path / "c")
+    path, k, _ = _flip_bit(manifest, "middle", seed=5)
+    c = open_corpus(manifest, "train")
+    t = c.run_table()
+    a = np.array([C + 5, 3 * C - 1], dtype=np.int64)  # ranges of C tokens over chunks 1-2 and 2-3
+    assert not t.verified(a, C) and not t.verified(a[:1], C)
+    c.tokens(C, 2 * C + 5)  # chunks 1 and 2, through Corpus.tokens (the readers)
+    assert t.verified(a[:1], C) and not t.verified(a, C) and not t.verified(a[:1], 2 * C)
+    c.tokens(3 * C, 3 * C + 1)
+    assert t.verified(a, C)
+    bad = np.array([k * C - 2], dtype=np.int64)
+    for _ in range(2):
+        assert not t.verified(bad, 4)
+        _raises_naming(path, k, lambda: c.tokens(k * C - 2, k * C + 2))
+
+
 def test_a_corrupt_chunk_raises_in_a_dataloader_worker(corpora, tmp_path):
     """The check runs where the tokens are read: in a DataLoader worker (spawned), the error names
     the shard and the chunk."""

@@ -322,12 +322,12 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         the run holding it, joined with the batch's header into its one buffer
         (:meth:`~h5corpus.loaders.batch.VarlenBatch.from_window_rows`); a window that leaves its run
         (a gap between runs, a shard's end, a chunk not verified yet) is read through
-        ``corpus.tokens`` instead. Once every chunk is verified the block is located at once;
-        before, batch by batch, so a corrupt chunk raises at the batch that reads it."""
+        ``corpus.tokens`` instead. A block whose chunks are all verified is located at once,
+        others batch by batch, so a corrupt chunk raises at the batch that reads it."""
         L, dtype, table, views, tokens = self.seq_len, self.corpus.dtype, runs.table, runs.views, self.corpus.tokens
         n = (L + 1) * dtype.itemsize  # bytes per window
         bounds = offs.tolist()
-        whole = None if table.pending else _locate(table, starts, L + 1, dtype.itemsize)
+        whole = _locate(table, starts, L + 1, dtype.itemsize) if table.verified(starts, L + 1) else None
         if mask is not None:
             cut, cut_at, ign, ign_at, longest = _batch_masks(mask, offs, L)
         c = 0  # the next window of ``whole``'s crossing list
