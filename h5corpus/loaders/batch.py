@@ -55,7 +55,6 @@ invariant checks are one type's interface, kept beside each other.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,38 +170,32 @@ def alloc_compact(
     return CompactParts(nbytes, layout, rows, num_tokens, view)
 
 
-_WINDOW_FRAMES: dict[tuple, tuple[Layout, bytes, bytes]] = {}
+_WINDOW_FRAMES: dict[tuple, tuple[Layout, bytes, bytes, bytes]] = {}
 
 
-_WINDOW_HEADERS: dict[tuple[int, int], tuple[bytes, bytes]] = {}
-
-
-def _window_header(R: int, U: int) -> tuple[bytes, bytes]:
-    """(``row_cu`` = [0, U, ..., R*U], ``pack_lengths`` = [U] * R) as int32 bytes (cached)."""
-    hit = _WINDOW_HEADERS.get((R, U))
-    if hit is None:
-        if len(_WINDOW_HEADERS) > 64:
-            _WINDOW_HEADERS.clear()
-        rc, pk = np.arange(0, R * U + 1, U, dtype=np.int32), np.full(R, U, dtype=np.int32)
-        hit = _WINDOW_HEADERS[(R, U)] = (rc.tobytes(), pk.tobytes())
-    return hit
-
-
-def _window_frame(R: int, U: int, token_dtype: Any) -> tuple[Layout, bytes, bytes]:
-    """(layout, bytes before the rows, bytes after them) of a compact batch of R rows of U
-    inputs whose rows are its segments and packs, nothing ignored (cached per shape)."""
-    key = (R, U, token_dtype)
+def _window_frame(R: int, U: int, token_dtype: Any, S: int | None, k: int) -> tuple[Layout, bytes, bytes, bytes]:
+    """A compact batch of R rows of U inputs, one pack per row, ``S`` segments (None: the rows)
+    and ``k`` ignored targets, as (layout, ``head``, ``mid``, ``tail``): its buffer is
+    ``ignore + head + segment starts + mid + rows + tail`` (``segment starts`` absent when S is
+    None). Cached per shape."""
+    key = (R, U, token_dtype, S, k)
     hit = _WINDOW_FRAMES.get(key)
-    if hit is None:
-        storage, view = _STORAGE[np.dtype(token_dtype)]
-        layout, nbytes = _layout(R, R * (U + 1), storage, None, R, 0)
-        rc, pk, tk = (layout[_SLOT[n]][2] for n in ("row_cu", "pack_lengths", "tokens"))
-        row_cu, packs = _window_header(R, U)
-        head = bytes(rc) + row_cu + bytes(pk - rc - len(row_cu)) + packs + bytes(tk - pk - len(packs))
-        tail = bytes(nbytes - tk - R * (U + 1) * view.itemsize)
-        if len(_WINDOW_FRAMES) > 64:
-            _WINDOW_FRAMES.clear()
-        hit = _WINDOW_FRAMES[key] = (layout, head, tail)
+    if hit is not None:
+        return hit
+    storage, view = _STORAGE[np.dtype(token_dtype)]
+    T = R * U
+    layout, nbytes = _layout(R, T + R, storage, S, R, k)
+    rc, cu, pk, tk = (layout[_SLOT[n]][2] for n in ("row_cu", "cu_seqlens", "pack_lengths", "tokens"))
+    row_cu, packs = np.arange(0, T + 1, U, dtype=np.int32).tobytes(), np.full(R, U, dtype=np.int32).tobytes()
+    after_packs = packs + bytes(tk - pk - len(packs))
+    if S is None:  # cu_seqlens is row_cu
+        head, mid = row_cu + bytes(pk - rc - len(row_cu)) + after_packs, b""
+    else:
+        head = row_cu + bytes(cu - rc - len(row_cu))
+        mid = np.int32(T).tobytes() + bytes(pk - cu - 4 * (S + 1)) + after_packs
+    if len(_WINDOW_FRAMES) > 4096:
+        _WINDOW_FRAMES.clear()
+    hit = _WINDOW_FRAMES[key] = (layout, head, mid, bytes(nbytes - tk - (T + R) * view.itemsize))
     return hit
 
 
@@ -426,25 +419,16 @@ class VarlenBatch:
         """
         R, U = len(rows), int(row_len)
         if segment_starts is None and ignore is None:
-            layout, head, tail = _window_frame(R, U, token_dtype)
+            layout, head, _, tail = _window_frame(R, U, token_dtype, None, 0)
             data = bytearray().join([head, *rows, tail])
             return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, R * U, R, U, U, True)
-        storage, view = _STORAGE[np.dtype(token_dtype)]
-        T, k = R * U, 0 if ignore is None else len(ignore)
-        S = R if segment_starts is None else len(segment_starts)
-        layout, nbytes = _layout(R, T + R, storage, None if segment_starts is None else S, R, k)
-        rc, cu, pk, tk = layout[1][2], layout[2][2], layout[3][2], layout[4][2]
-        row_cu, packs = _window_header(R, U)
-        z = _ZEROS
-        parts = [b"" if ignore is None else ignore, row_cu]  # ignore first, at byte 0 (layout order)
-        if segment_starts is not None:
-            parts += [z[: cu - rc - 4 * (R + 1)], segment_starts, T.to_bytes(4, sys.byteorder)]
-        parts += [z[: pk - cu - 4 * (S + 1)], packs, z[: tk - pk - 4 * R], *rows]
-        parts.append(z[: nbytes - tk - (T + R) * view.itemsize])
-        ms = U if max_seqlen is None else int(max_seqlen)
-        return cls._compact(
-            torch.frombuffer(bytearray().join(parts), dtype=torch.uint8), layout, T, R, ms, U, segment_starts is None
+        S = None if segment_starts is None else len(segment_starts)
+        layout, head, mid, tail = _window_frame(R, U, token_dtype, S, 0 if ignore is None else len(ignore))
+        data = bytearray().join(
+            [b"" if ignore is None else ignore, head, b"" if S is None else segment_starts, mid, *rows, tail]
         )
+        ms = U if max_seqlen is None else max_seqlen
+        return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, R * U, R, ms, U, S is None)
 
     @classmethod
     def _assemble(

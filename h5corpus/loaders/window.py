@@ -342,23 +342,23 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         L, dtype, table, views, tokens = self.seq_len, self.corpus.dtype, runs.table, runs.views, self.corpus.tokens
         n = (L + 1) * dtype.itemsize  # bytes per window
         bounds = offs.tolist()
-        whole = _locate(table, starts, L + 1, dtype.itemsize) if table.verified(starts, L + 1) else None
-        c = 0  # the next window of ``whole``'s crossing list
+        block_rows = None
+        if table.verified(starts, L + 1):  # the whole block's views at once (views read nothing)
+            run, first, cross = _locate(table, starts, L + 1, dtype.itemsize)
+            block_rows = [views[r][a : a + n] for r, a in zip(run, first)]
+            for k in cross:
+                g = int(starts[k])
+                block_rows[k] = tokens(g, g + L + 1)
         for b in range(len(bounds) - 1):
             lo, hi = bounds[b], bounds[b + 1]
-            if whole is None:
+            if block_rows is None:
                 run, first, cross = _locate(table, starts[lo:hi], L + 1, dtype.itemsize)
                 rows = [views[r][a : a + n] for r, a in zip(run, first)]
                 for k in cross:
                     g = int(starts[lo + k])
                     rows[k] = tokens(g, g + L + 1)
             else:
-                run, first, cross = whole
-                rows = [views[r][a : a + n] for r, a in zip(run[lo:hi], first[lo:hi])]
-                while c < len(cross) and cross[c] < hi:
-                    g = int(starts[cross[c]])
-                    rows[cross[c] - lo] = tokens(g, g + L + 1)
-                    c += 1
+                rows = block_rows[lo:hi]
             if mask is None:
                 yield VarlenBatch.from_window_rows(rows, L, dtype)
             else:
