@@ -347,8 +347,9 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             run, first, cross = _locate(table, starts, L + 1, dtype.itemsize)
             block_rows = [views[r][a : a + n] for r, a in zip(run, first)]
             for k in cross:
+                row = _spliced(table, views, run[k], first[k], n, dtype.itemsize)
                 g = int(starts[k])
-                block_rows[k] = tokens(g, g + L + 1)
+                block_rows[k] = tokens(g, g + L + 1) if row is None else row
         for b in range(len(bounds) - 1):
             lo, hi = bounds[b], bounds[b + 1]
             if block_rows is None:
@@ -478,6 +479,20 @@ def _locate(table: Any, starts: np.ndarray, length: int, itemsize: int) -> tuple
     one run of verified tokens."""
     run, pos, room = table.locate(starts)
     return run.tolist(), (pos * itemsize).tolist(), np.flatnonzero(room < length).tolist()
+
+
+def _spliced(table: Any, views: list[memoryview], r: int, first: int, n: int, itemsize: int) -> bytes | None:
+    """The ``n`` bytes from byte ``first`` of run ``r`` on, when they continue into the next run
+    (a gap between runs of one shard, or the next shard's first run) and end there: the two
+    views' bytes joined; None otherwise. Only for chunks known to be verified."""
+    if r + 1 >= len(views):
+        return None
+    start, end = int(table.starts[r]), int(table.ends[r])
+    have = (end - start) * itemsize - first  # a shard's raw last chunk is stored whole: stop at its end
+    nxt = int(table.ends[r + 1]) - int(table.starts[r + 1])
+    if have <= 0 or int(table.starts[r + 1]) != end or nxt * itemsize < n - have:
+        return None
+    return b"".join((views[r][first : first + have], views[r + 1][: n - have]))
 
 
 def _positions(batches: np.ndarray, batch_size: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:
