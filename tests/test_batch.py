@@ -168,6 +168,44 @@ def test_from_compact_widens_unsigned_bit_patterns_and_rejects_bad_layouts(mater
             VarlenBatch.from_compact(**kw)
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_from_window_rows_equals_eager_segments_and_survives_pickling(dtype, materialize_path):
+    """A batch joined from row byte views (memoryviews and arrays): inputs/targets are each row
+    without its last/first id, ``segment_starts`` split rows into segments (positions restart),
+    ``ignore`` marks exactly the listed targets; without them each row is one segment. Equal to
+    an eager batch of the same segments; valid after pickling and cloning."""
+    rng = np.random.default_rng(0)
+    top = np.iinfo(dtype).max
+    R, U = 4, 6
+    ids = rng.integers(0, top, size=(R, U + 1), endpoint=True).astype(dtype)
+    ids[0, 0] = top
+    rows = [memoryview(ids[0]).cast("B"), ids[1], memoryview(ids[2].tobytes()), ids[3].copy()]
+    cuts = [0, 2, 6, 12, 13, 18]  # rows start at 0, 6, 12, 18; segments also at 2 and 13
+    ignore = [1, 12, 23]
+    for seg, ign in ((None, None), (cuts, None), (cuts, ignore), (None, [5])):
+        b = VarlenBatch.from_window_rows(
+            rows,
+            U,
+            dtype,
+            segment_starts=None if seg is None else np.array(seg, np.int32),
+            ignore=None if ign is None else np.array(ign, np.int64),
+            max_seqlen=None if seg is None else 6,
+        )
+        bounds = list(range(0, R * U + 1, U)) if seg is None else [*seg, R * U]
+        inp = ids[:, :-1].astype(np.int64).reshape(-1)
+        tgt = ids[:, 1:].astype(np.int64).reshape(-1)
+        tgt[[] if ign is None else ign] = IGNORE_INDEX
+        want = make_batch(
+            [inp[a:z] for a, z in zip(bounds[:-1], bounds[1:])],
+            [tgt[a:z] for a, z in zip(bounds[:-1], bounds[1:])],
+            [U] * R,
+        )
+        assert b.is_compact and b.num_rows == R
+        for got in (b, pickle.loads(pickle.dumps(b)), b.clone()):
+            assert_same_batch(got, want)
+            got.check()
+
+
 # -- compact == eager on real GPT-2 shards --------------------------------------------------------------
 
 

@@ -114,6 +114,54 @@ def test_a_flipped_bit_in_any_chunk_raises_on_every_read_path(corpora, tmp_path,
     _raises_naming(path, k, lambda: READS[read](c, pos))
 
 
+@pytest.mark.parametrize("document_mask", [False, True])
+@pytest.mark.parametrize("chunk", ["first", "middle", "last"])
+def test_the_window_loader_yields_every_batch_before_the_one_that_reads_a_corrupt_chunk(
+    corpora, tmp_path, chunk, document_mask
+):
+    """On a fresh corpus the window loader serves the batches that do not touch a corrupt chunk,
+    equal to the stream, and raises at the first batch that does (naming shard and chunk), every
+    time that batch is read again."""
+    manifest = _copy(corpora["raw"], tmp_path / "c")
+    toks, _, _ = oracle_stream(manifest)
+    path, k, _ = _flip_bit(manifest, chunk, seed=11)
+    c = open_corpus(manifest, "train")
+    L, B = 700, 3
+    ds = SlidingWindowDataset(c, L, batch_size=B, seed=4, mode="random", document_mask=document_mask)
+    starts = ds.plan()
+    touches = (starts + L + 1 > k * C) & (starts < (k + 1) * C)  # window [a, a + L + 1) meets chunk k
+    first_bad = int(np.argmax(touches)) // B
+    assert touches.any() and first_bad > 0
+    for _ in range(2):
+        it = iter(ds)
+        for i in range(first_bad):
+            np.testing.assert_array_equal(
+                next(it).tokens.numpy().view(np.uint16).reshape(-1, L + 1),
+                np.stack([toks[a : a + L + 1] for a in starts[i * B : (i + 1) * B].tolist()]),
+            )
+        _raises_naming(path, k, lambda it=it: next(it))
+
+
+def test_the_run_table_says_a_range_is_verified_only_once_each_of_its_chunks_is(corpora, tmp_path):
+    """``RunTable.verified``: False while a chunk a range touches is unverified (also when another
+    read verified its neighbours only), True once a read of any kind verified every one of them;
+    a corrupt chunk never counts as verified, however often it is read."""
+    manifest = _copy(corpora["raw"], tmp_path / "c")
+    path, k, _ = _flip_bit(manifest, "middle", seed=5)
+    c = open_corpus(manifest, "train")
+    t = c.run_table()
+    a = np.array([C + 5, 3 * C - 1], dtype=np.int64)  # ranges of C tokens over chunks 1-2 and 2-3
+    assert not t.verified(a, C) and not t.verified(a[:1], C)
+    c.tokens(C, 2 * C + 5)  # chunks 1 and 2, through Corpus.tokens (the readers)
+    assert t.verified(a[:1], C) and not t.verified(a, C) and not t.verified(a[:1], 2 * C)
+    c.tokens(3 * C, 3 * C + 1)
+    assert t.verified(a, C)
+    bad = np.array([k * C - 2], dtype=np.int64)
+    for _ in range(2):
+        assert not t.verified(bad, 4)
+        _raises_naming(path, k, lambda: c.tokens(k * C - 2, k * C + 2))
+
+
 def test_a_corrupt_chunk_raises_in_a_dataloader_worker(corpora, tmp_path):
     """The check runs where the tokens are read: in a DataLoader worker (spawned), the error names
     the shard and the chunk."""

@@ -134,6 +134,60 @@ def test_epoch_windows_are_chunk_aligned_when_chunk_is_a_multiple_of_seq_len(std
         assert ((last == first) | ((last == first + 1) & ((local + L) % C == 0))).all()
 
 
+@pytest.mark.parametrize("document_mask", [False, True])
+@pytest.mark.parametrize("read_path", ["mmap", "h5py"])
+def test_windows_across_shard_ends_run_gaps_and_chunk_edges_equal_the_stream(stdlib_manifest, read_path, document_mask):
+    """make_batch of windows at every place a copy out of the memory maps could go wrong: across
+    a shard boundary (random mode's windows may cross), across a gap between two runs of
+    file-contiguous chunks (where HDF5 put an index block), across chunk boundaries, and the
+    stream's last window; every window equals the stream's slice, through the memory maps and
+    through HDF5. All batches are kept: each stays intact while later ones are made. Starts
+    outside the stream raise."""
+    c = open_corpus(stdlib_manifest, "train", read_path=read_path)
+    toks, offs, shard_starts = oracle_stream_i64(stdlib_manifest)
+    L, N = 300, c.num_tokens
+    table = open_corpus(stdlib_manifest, "train", read_path="mmap").run_table()
+    gaps = np.setdiff1d(table.starts, shard_starts)  # run starts inside a shard: a gap before each
+    assert gaps.size > 0 and shard_starts.size > 3  # the corpus has both kinds of boundary
+    chunks = np.concatenate([np.arange(a, b, c.chunk_tokens) for a, b in zip(shard_starts[:-1], shard_starts[1:])])
+    edges = np.concatenate([shard_starts[1:-1], gaps, chunks[::7]])
+    starts = np.unique(np.concatenate([edges - k for k in (L, L // 2, 1, 0)] + [[0, N - L - 1]]))
+    starts = starts[(starts >= 0) & (starts <= N - L - 1)]
+    ds = SlidingWindowDataset(c, L, mode="random", document_mask=document_mask)
+    for _ in range(2):  # chunks first seen (verified as read), then all verified (copied from both runs)
+        batches = [ds.make_batch(starts[i : i + 7]) for i in range(0, starts.size, 7)]
+        for i, b in zip(range(0, starts.size, 7), batches):
+            check_batch_against_stream(b, starts[i : i + 7], toks, offs, L, document_mask)
+    for bad in (N - L, -1):
+        with pytest.raises(IndexError, match="outside"):
+            ds.make_batch(np.array([0, bad]))
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_batches_before_and_after_every_chunk_is_verified_equal_the_stream_and_stay_intact(
+    stdlib_manifest, document_mask
+):
+    """A fresh corpus (chunks not verified yet: windows are located batch by batch) and the same
+    corpus once every chunk is verified (a block of batches located at once) yield the same
+    batches, equal to the stream, each intact after all later ones were produced."""
+    c = open_corpus(stdlib_manifest, "train")
+    toks, offs, shard_starts = oracle_stream_i64(stdlib_manifest)
+    L = 900
+    ds = SlidingWindowDataset(c, L, batch_size=5, seed=2, mode="random", document_mask=document_mask)
+    plan = ds.plan()
+    assert c.run_table().pending > 0
+    fresh = list(ds)
+    chunks = np.concatenate([np.arange(a, b, c.chunk_tokens) for a, b in zip(shard_starts[:-1], shard_starts[1:])])
+    c.run_table().locate(chunks)  # every chunk verified (random starts need not fall in each one)
+    assert c.run_table().pending == 0
+    steady = list(ds)
+    assert len(fresh) == len(steady) == -(-plan.size // 5)
+    for i, (a, b) in enumerate(zip(fresh, steady)):
+        check_batch_against_stream(a, plan[5 * i : 5 * i + a.num_packs], toks, offs, L, document_mask)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+        assert torch.equal(a.ignore, b.ignore) and a.max_seqlen == b.max_seqlen
+
+
 def test_dev_corpus_gpt2_windows_equal_stream_slices(dev_manifest):
     """Real GPT-2 shards: 1024-token windows (epoch and random, with and without document masking)
     equal slices of the concatenated stream; epoch mode covers the documented layout exactly."""

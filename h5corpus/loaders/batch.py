@@ -42,9 +42,10 @@ alone. Materializing needs no host-device synchronization (every size is known o
 (``num_tokens``, ``num_targets``, ``num_segments``) never materialize anything. Assigning a field
 (``batch.input_ids = x``) overrides it on that object (it then travels with ``.to()`` and pickling).
 
-Loaders build compact batches with :func:`alloc_compact` (fill views in place) or
-:meth:`VarlenBatch.from_row_bytes` (one join of row byte views, rows = segments); no other module
-needs the buffer's layout. ``batch.segments`` optionally tags each segment with its source
+Loaders build compact batches with :func:`alloc_compact` (fill views in place),
+:meth:`VarlenBatch.from_row_bytes` (one join of row byte views, rows = segments) or
+:meth:`VarlenBatch.from_window_rows` (the same for equal rows, with optional finer segments and
+ignored targets); no other module needs the buffer's layout. ``batch.segments`` optionally tags each segment with its source
 (``(document, start, length)``, set by the best-fit loader on request).
 
 One module on purpose, longer than the others: the buffer layout is private to it, and the two
@@ -117,7 +118,7 @@ def _layout(
             continue
         entries.append((name, dt, off, n))
         off += -(-n * _ITEMSIZE[dt] // 8) * 8
-    if len(_LAYOUTS) > 256:
+    if len(_LAYOUTS) > 4096:  # document-masked windows: one layout per (segments, ignored) seen
         _LAYOUTS.clear()
     hit = _LAYOUTS[key] = (tuple(entries), off)
     return hit
@@ -167,6 +168,35 @@ def alloc_compact(
     storage, view = _STORAGE[np.dtype(token_dtype)]
     layout, nbytes = _layout(rows, num_tokens + rows, storage, segments, packs, ignored)
     return CompactParts(nbytes, layout, rows, num_tokens, view)
+
+
+_WINDOW_FRAMES: dict[tuple, tuple[Layout, bytes, bytes, bytes]] = {}
+
+
+def _window_frame(R: int, U: int, token_dtype: Any, S: int | None, k: int) -> tuple[Layout, bytes, bytes, bytes]:
+    """A compact batch of R rows of U inputs, one pack per row, ``S`` segments (None: the rows)
+    and ``k`` ignored targets, as (layout, ``head``, ``mid``, ``tail``): its buffer is
+    ``ignore + head + segment starts + mid + rows + tail`` (``segment starts`` absent when S is
+    None). Cached per shape."""
+    key = (R, U, token_dtype, S, k)
+    hit = _WINDOW_FRAMES.get(key)
+    if hit is not None:
+        return hit
+    storage, view = _STORAGE[np.dtype(token_dtype)]
+    T = R * U
+    layout, nbytes = _layout(R, T + R, storage, S, R, k)
+    rc, cu, pk, tk = (layout[_SLOT[n]][2] for n in ("row_cu", "cu_seqlens", "pack_lengths", "tokens"))
+    row_cu, packs = np.arange(0, T + 1, U, dtype=np.int32).tobytes(), np.full(R, U, dtype=np.int32).tobytes()
+    after_packs = packs + bytes(tk - pk - len(packs))
+    if S is None:  # cu_seqlens is row_cu
+        head, mid = row_cu + bytes(pk - rc - len(row_cu)) + after_packs, b""
+    else:
+        head = row_cu + bytes(cu - rc - len(row_cu))
+        mid = np.int32(T).tobytes() + bytes(pk - cu - 4 * (S + 1)) + after_packs
+    if len(_WINDOW_FRAMES) > 4096:
+        _WINDOW_FRAMES.clear()
+    hit = _WINDOW_FRAMES[key] = (layout, head, mid, bytes(nbytes - tk - (T + R) * view.itemsize))
+    return hit
 
 
 def _widen(src: torch.Tensor) -> torch.Tensor:
@@ -359,6 +389,46 @@ class VarlenBatch:
             ]
         )
         return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, T, R, int(max_seqlen), 0, True)
+
+    @classmethod
+    def from_window_rows(
+        cls,
+        rows: list[Any],
+        row_len: int,
+        token_dtype: Any,
+        *,
+        segment_starts: np.ndarray | None = None,
+        ignore: np.ndarray | None = None,
+        max_seqlen: int | None = None,
+    ) -> VarlenBatch:
+        """A compact batch of R equal rows (sliding windows: one pack per row), assembled like
+        :meth:`from_row_bytes` by one ``bytearray.join`` of its header and ``rows``.
+
+        Args:
+            rows: R >= 1 bytes-like objects of ``row_len + 1`` ids of ``token_dtype`` each (native
+                byte order): ``row_len`` inputs and one lookahead.
+            row_len: inputs per row, U >= 1; ``T = R * U``, ``row_cu = [0, U, ..., T]``.
+            segment_starts: None (each row is one segment, ``cu_seqlens`` is ``row_cu``), or (S,)
+                C-contiguous int32 ascending segment starts holding every row start:
+                ``cu_seqlens`` without its final T.
+            ignore: None or (k,) C-contiguous int64 distinct input indices whose target is
+                :data:`IGNORE_INDEX`.
+            max_seqlen: the longest segment, in inputs (default U).
+
+        Nothing is checked (a loader's hot path); :meth:`check` verifies a result.
+        """
+        R, U = len(rows), int(row_len)
+        if segment_starts is None and ignore is None:
+            layout, head, _, tail = _window_frame(R, U, token_dtype, None, 0)
+            data = bytearray().join([head, *rows, tail])
+            return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, R * U, R, U, U, True)
+        S = None if segment_starts is None else len(segment_starts)
+        layout, head, mid, tail = _window_frame(R, U, token_dtype, S, 0 if ignore is None else len(ignore))
+        data = bytearray().join(
+            [b"" if ignore is None else ignore, head, b"" if S is None else segment_starts, mid, *rows, tail]
+        )
+        ms = U if max_seqlen is None else max_seqlen
+        return cls._compact(torch.frombuffer(data, dtype=torch.uint8), layout, R * U, R, ms, U, S is None)
 
     @classmethod
     def _assemble(

@@ -37,15 +37,15 @@ from .plan import EpochPlan, MicrobatchGroup, PlanSettings, epoch_order
 from .sequence import GlobalSequenceDataset
 
 
-class _MappedRuns(NamedTuple):
+class MappedRuns(NamedTuple):
     """A fully memory-mapped split's run table (:class:`~h5corpus.storage.reader.RunTable`) with a
-    byte view of each run, for :class:`_ChunkReads`."""
+    byte view of each run, for the loaders' copies (:class:`_ChunkReads`, the window loader)."""
 
     table: Any
     views: list[memoryview]
 
 
-def _mapped_runs(corpus: Any) -> _MappedRuns | None:
+def mapped_runs(corpus: Any) -> MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
     (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
     if not hasattr(corpus, "run_table"):
@@ -53,7 +53,7 @@ def _mapped_runs(corpus: Any) -> _MappedRuns | None:
     table = corpus.run_table()
     if table is None:
         return None
-    return _MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
+    return MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
 
 
 class _ChunkReads:
@@ -67,7 +67,7 @@ class _ChunkReads:
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
     ``Corpus.gather_ranges`` call."""
 
-    def __init__(self, corpus: Any, chunks: ChunkTable, table: _MappedRuns | None) -> None:
+    def __init__(self, corpus: Any, chunks: ChunkTable, table: MappedRuns | None) -> None:
         self.corpus, self.chunks, self.table = corpus, chunks, table
         self.dtype = np.dtype(corpus.dtype)
         self.doc_offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
@@ -411,12 +411,12 @@ class BestFitDataset(GlobalSequenceDataset):
             batch.segments = reads.segments(mb)
         return batch
 
-    def _table(self) -> _MappedRuns | None:
+    def _table(self) -> MappedRuns | None:
         """This process's mapped runs of the corpus (cached per process and corpus size)."""
         key = (os.getpid(), self.corpus.num_documents, self.corpus.num_tokens)
         hit = self._cache.get("table")
         if hit is None or hit[0] != key:
-            hit = self._cache["table"] = (key, _mapped_runs(self.corpus))
+            hit = self._cache["table"] = (key, mapped_runs(self.corpus))
         return hit[1]
 
     def __getstate__(self) -> dict[str, Any]:

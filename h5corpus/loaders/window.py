@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from .batch import VarlenBatch, alloc_compact
+from .bestfit import MappedRuns, mapped_runs
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer
 from .sequence import GlobalSequenceDataset
@@ -60,6 +61,21 @@ PLAN_BLOCK_BATCHES = 64
 
 _TAG_EPOCH = 0x45504F43  # "EPOC": separates the two modes' random streams
 _TAG_RANDOM = 0x52414E44  # "RAND"
+
+
+class _Masks(NamedTuple):
+    """Document masking of a block's batches (:meth:`SlidingWindowDataset._mask_plan`), in inputs
+    of each batch: batch b's segment starts (``cu_seqlens`` without its final T) are
+    ``cut[cut_at[b] : cut_at[b + 1]]``, its inputs whose target is ignored
+    ``ignore[ignore_at[b] : ignore_at[b + 1]]``, its longest segment ``longest[b]``."""
+
+    cut: np.ndarray
+    """int32"""
+    cut_at: list[int]
+    ignore: np.ndarray
+    """int64"""
+    ignore_at: list[int]
+    longest: list[int]
 
 
 class SlidingWindowDataset(GlobalSequenceDataset):
@@ -298,41 +314,100 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         epoch, sched = live.epoch, live.schedule
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
+        runs = mapped_runs(self.corpus)  # this process's memory maps (None: a shard read through HDF5)
         for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
             items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
             block = self._starts(epoch, items)
-            mask = self._mask_plan(block) if self.document_mask else None
-            for lo, hi in zip(offs[:-1].tolist(), offs[1:].tolist()):
-                batch = self._batch(block[lo:hi], mask, lo)
+            mask = self._mask_plan(block, offs) if self.document_mask else None
+            if runs is not None:
+                for batch in self._mapped_batches(runs, block, offs, mask):
+                    live.yielded += 1
+                    yield batch
+                continue
+            for b, (lo, hi) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
+                batch = self._batch(block[lo:hi], mask, b)
                 live.yielded += 1
                 yield batch
+
+    def _mapped_batches(
+        self, runs: MappedRuns, starts: np.ndarray, offs: np.ndarray, mask: _Masks | None
+    ) -> Iterator[VarlenBatch]:
+        """The batches of a block (batch b: windows ``offs[b] .. offs[b + 1]`` of ``starts``) of a
+        memory-mapped corpus, the same as :meth:`_batch` makes: each window is one byte view into
+        the run holding it, joined with the batch's header into its one buffer
+        (:meth:`~h5corpus.loaders.batch.VarlenBatch.from_window_rows`); a window that leaves its run
+        (a gap between runs, a shard's end, a chunk not verified yet) is read through
+        ``corpus.tokens`` instead. A block whose chunks are all verified is located at once,
+        others batch by batch, so a corrupt chunk raises at the batch that reads it."""
+        L, dtype, table, views, tokens = self.seq_len, self.corpus.dtype, runs.table, runs.views, self.corpus.tokens
+        n = (L + 1) * dtype.itemsize  # bytes per window
+        bounds = offs.tolist()
+        block_rows = None
+        if table.verified(starts, L + 1):  # the whole block's views at once (views read nothing)
+            run, first, cross = _locate(table, starts, L + 1, dtype.itemsize)
+            block_rows = [views[r][a : a + n] for r, a in zip(run, first)]
+            for k in cross:
+                row = _spliced(table, views, run[k], first[k], n, dtype.itemsize)
+                g = int(starts[k])
+                block_rows[k] = tokens(g, g + L + 1) if row is None else row
+        for b in range(len(bounds) - 1):
+            lo, hi = bounds[b], bounds[b + 1]
+            if block_rows is None:
+                run, first, cross = _locate(table, starts[lo:hi], L + 1, dtype.itemsize)
+                rows = [views[r][a : a + n] for r, a in zip(run, first)]
+                for k in cross:
+                    g = int(starts[lo + k])
+                    rows[k] = tokens(g, g + L + 1)
+            else:
+                rows = block_rows[lo:hi]
+            if mask is None:
+                yield VarlenBatch.from_window_rows(rows, L, dtype)
+            else:
+                yield VarlenBatch.from_window_rows(
+                    rows,
+                    L,
+                    dtype,
+                    segment_starts=mask.cut[mask.cut_at[b] : mask.cut_at[b + 1]],
+                    ignore=mask.ignore[mask.ignore_at[b] : mask.ignore_at[b + 1]],
+                    max_seqlen=mask.longest[b],
+                )
 
     # -- batches --------------------------------------------------------------------------------------
     def make_batch(self, starts: np.ndarray) -> VarlenBatch:
         """The compact batch of windows starting at global token positions ``starts``.
 
-        One ``(B, seq_len + 1)`` read straight into the batch's row storage (the corpus's own
-        width, e.g. 2 bytes per uint16 token; no int64 copies): row j is window j, ``row_cu`` =
+        Row j of the batch's storage is window j in the corpus's own width (e.g. 2 bytes per
+        uint16 token; no int64 copies), copied once from the memory maps (:meth:`_mapped_batches`)
+        or by one ``Corpus.gather`` into the batch (a shard read through HDF5): ``row_cu`` =
         ``[0, L, 2L, ...]``, one pack per window. With document masking, ``cu_seqlens`` adds every
         document start inside a window and ``ignore`` lists the inputs whose target is the next
         document's first token. The int64 fields materialize lazily where the batch is used
         (:class:`~h5corpus.loaders.batch.VarlenBatch`)."""
-        starts = np.asarray(starts, dtype=np.int64)
-        return self._batch(starts, self._mask_plan(starts) if self.document_mask else None, 0)
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        last = self.corpus.num_tokens - self.seq_len - 1  # the last start whose window fits
+        if starts.size and (int(starts.min()) < 0 or int(starts.max()) > last):
+            bad = int(starts[(starts < 0) | (starts > last)][0])
+            raise IndexError(f"window start {bad:,} outside [0, {last:,}] (a window reads seq_len + 1 tokens)")
+        offs = np.array([0, starts.size], dtype=np.int64)
+        mask = self._mask_plan(starts, offs) if self.document_mask else None
+        runs = mapped_runs(self.corpus) if starts.size else None
+        if runs is None:
+            return self._batch(starts, mask, 0)
+        return next(self._mapped_batches(runs, starts, offs, mask))
 
-    def _batch(self, starts: np.ndarray, mask: tuple | None, j0: int) -> VarlenBatch:
-        """make_batch for windows ``j0 .. j0 + len(starts)`` of a block whose document masking
-        was planned at once (:meth:`_mask_plan`; None without masking)."""
+    def _batch(self, starts: np.ndarray, mask: _Masks | None, b: int) -> VarlenBatch:
+        """make_batch for batch ``b`` of a block whose document masking was planned at once
+        (:meth:`_mask_plan`; None without masking), through ``Corpus.gather`` (the path of
+        corpora with a shard read through HDF5)."""
         B, L = starts.size, self.seq_len
         T = B * L
         if mask is not None:
-            cut_flat, cut_ptr, ign_flat, ign_ptr, seg_max = mask
-            p0, p1, q0, q1 = cut_ptr[j0], cut_ptr[j0 + B], ign_ptr[j0], ign_ptr[j0 + B]
+            p0, p1, q0, q1 = mask.cut_at[b], mask.cut_at[b + 1], mask.ignore_at[b], mask.ignore_at[b + 1]
             parts = alloc_compact(B, T, self.corpus.dtype, packs=B, segments=p1 - p0, ignored=q1 - q0)
-            np.subtract(cut_flat[p0:p1], j0 * L, out=parts.cu_seqlens[:-1])
+            parts.cu_seqlens[:-1] = mask.cut[p0:p1]
             parts.cu_seqlens[-1] = T
-            np.subtract(ign_flat[q0:q1], j0 * L, out=parts.ignore)
-            max_seqlen = int(seg_max[j0 : j0 + B].max()) if B else 0
+            parts.ignore[:] = mask.ignore[q0:q1]
+            max_seqlen = mask.longest[b]
         else:
             parts = alloc_compact(B, T, self.corpus.dtype, packs=B)
             max_seqlen = L
@@ -341,35 +416,39 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         parts.pack_lengths[:] = L
         return parts.batch(max_seqlen, row_len=L)
 
-    def _mask_plan(self, starts: np.ndarray) -> tuple:
-        """Document masking for the windows at ``starts``, all at once (one set of numpy calls per
-        block of batches): positions in the block's flat input axis (window k owns
-        ``[k*L, (k+1)*L)``) of
-
-        * every segment start (``cut_flat``: each window's start, then every document start
-          strictly inside it), with ``cut_ptr[k]`` = where window k's entries begin;
-        * every input whose target is ignored (``ign_flat``: the input just before a document
-          start in ``(a, a + L]``, its target being the next document's first token), ``ign_ptr``;
-        * ``seg_max[k]``, window k's longest segment.
-        """
-        B, L = starts.size, self.seq_len
-        offs = self.corpus.doc_offsets
-        lo = offs.searchsorted(starts, side="right")  # first document start after the window start
-        counts = offs.searchsorted(starts + L, side="right") - lo  # ... up to the last target's position
+    def _mask_plan(self, starts: np.ndarray, offs: np.ndarray) -> _Masks:
+        """Document masking of the windows at ``starts`` (batch b: windows ``offs[b] .. offs[b + 1]``),
+        all at once: one set of numpy calls per block of batches (:class:`_Masks`). Window k's
+        inputs are ``[row_k, row_k + L)`` of its batch; its segments start at ``row_k`` and at every
+        document start strictly inside it; the input just before a document start in
+        ``(a, a + L]`` (``a`` the window's start) has the next document's first token as target:
+        ignored."""
+        W, L = starts.size, self.seq_len
+        if W == 0:
+            return _Masks(np.zeros(0, np.int32), [0] * offs.size, np.zeros(0, np.int64), [0] * offs.size, [0])
+        docs = self.corpus.doc_offsets
+        lo = docs.searchsorted(starts, side="right")  # first document start after the window start
+        counts = docs.searchsorted(starts + L, side="right") - lo  # ... up to the last target's position
         ends = np.cumsum(counts)
-        n = int(ends[-1]) if B else 0
-        win = np.repeat(np.arange(B, dtype=np.int64), counts)
-        rel = offs[np.arange(n, dtype=np.int64) + (lo + counts - ends)[win]] - starts[win]  # in (0, L]
-        at = win * L + rel
-        inner = rel < L  # a document starting at rel == L starts the next window's row
-        cut_flat = np.concatenate([np.arange(B, dtype=np.int64) * L, at[inner]])
-        cut_flat.sort()  # window k's start, then its inner document starts, then window k + 1 ...
-        cut_ptr = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(1 + np.bincount(win[inner], minlength=B), out=cut_ptr[1:])
-        seg_lens = np.diff(cut_flat, append=B * L)
-        seg_max = np.maximum.reduceat(seg_lens, cut_ptr[:-1]) if B else seg_lens
-        ign_ptr = np.concatenate([[0], ends])
-        return cut_flat, cut_ptr.tolist(), at - 1, ign_ptr.tolist(), seg_max
+        win = np.repeat(np.arange(W, dtype=np.int64), counts)
+        rel = docs[np.arange(int(ends[-1]), dtype=np.int64) + (lo - ends + counts)[win]] - starts[win]  # in (0, L]
+        row = (np.arange(W, dtype=np.int64) - np.repeat(offs[:-1], np.diff(offs))) * L  # row_k
+        at = row[win] + rel
+        inner = np.flatnonzero(rel < L)  # a document starting at rel == L starts the next window's row
+        per = np.bincount(win[inner], minlength=W) + 1  # segments per window
+        cut_ptr = np.zeros(W + 1, dtype=np.int64)
+        np.cumsum(per, out=cut_ptr[1:])
+        cut = np.empty(int(cut_ptr[-1]), dtype=np.int32)
+        cut[cut_ptr[:-1]] = row  # window k's start, then its inner document starts, then window k + 1 ...
+        cut[np.arange(inner.size) + win[inner] + 1] = at[inner]
+        local = cut - np.repeat(row, per)  # segment starts inside their window, [0, L)
+        seg_lens = np.empty_like(local)
+        seg_lens[:-1] = local[1:] - local[:-1]
+        seg_lens[cut_ptr[1:] - 1] = L - local[cut_ptr[1:] - 1]  # each window's last segment
+        longest = np.maximum.reduceat(seg_lens, cut_ptr[offs[:-1]]).tolist()
+        ign_ptr = np.zeros(W + 1, dtype=np.int64)
+        ign_ptr[1:] = ends
+        return _Masks(cut, cut_ptr[offs].tolist(), at - 1, ign_ptr[offs].tolist(), longest)
 
     def _row_starts(self, B: int) -> np.ndarray:
         """(B + 1,) int32 ``[0, L, 2L, ..., B*L]``: ``row_cu`` of a batch of B windows (cached)."""
@@ -391,6 +470,29 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
             f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})"
         )
+
+
+def _locate(table: Any, starts: np.ndarray, length: int, itemsize: int) -> tuple[list[int], list[int], list[int]]:
+    """For windows of ``length`` tokens at global ``starts``: the run of ``table`` holding each
+    (:meth:`~h5corpus.storage.readpaths.RunTable.locate`, which verifies their first chunks), its
+    first byte in that run, and the (ascending) indices of the windows that do not lie inside
+    one run of verified tokens."""
+    run, pos, room = table.locate(starts)
+    return run.tolist(), (pos * itemsize).tolist(), np.flatnonzero(room < length).tolist()
+
+
+def _spliced(table: Any, views: list[memoryview], r: int, first: int, n: int, itemsize: int) -> bytes | None:
+    """The ``n`` bytes from byte ``first`` of run ``r`` on, when they continue into the next run
+    (a gap between runs of one shard, or the next shard's first run) and end there: the two
+    views' bytes joined; None otherwise. Only for chunks known to be verified."""
+    if r + 1 >= len(views):
+        return None
+    start, end = int(table.starts[r]), int(table.ends[r])
+    have = (end - start) * itemsize - first  # a shard's raw last chunk is stored whole: stop at its end
+    nxt = int(table.ends[r + 1]) - int(table.starts[r + 1])
+    if have <= 0 or int(table.starts[r + 1]) != end or nxt * itemsize < n - have:
+        return None
+    return b"".join((views[r][first : first + have], views[r + 1][: n - have]))
 
 
 def _positions(batches: np.ndarray, batch_size: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:

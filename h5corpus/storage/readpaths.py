@@ -264,6 +264,30 @@ class RunTable:
         out._pending = int(out._ready.size - np.count_nonzero(out._ready))
         return out
 
+    @property
+    def pending(self) -> int:
+        """Chunks this table has not seen verified yet (0: :meth:`locate` verifies nothing more)."""
+        return self._pending
+
+    def verified(self, pos: np.ndarray, length: int) -> bool:
+        """Whether every chunk holding a token of a range ``[p, p + length)``, ``p`` in ``pos``
+        (int64 global positions, ``length >= 1``), is verified, so that :meth:`locate` of ``pos``
+        verifies (and raises) nothing. Chunks their readers verified through another read are
+        learned here; the middle chunks of a range over more than two are only known once
+        :meth:`locate` saw them (until then the answer may be a conservative False)."""
+        if not self._pending:
+            return True
+        starts, ready = self._chunk_start, self._ready
+        first = starts.searchsorted(pos, side="right") - 1
+        last = starts.searchsorted(pos + (length - 1), side="right") - 1
+        ends = np.concatenate([first, last])
+        for j in np.unique(ends[~ready[ends]]).tolist():
+            if self._readers[self._chunk_shard[j]].ready[self._chunk_local[j]]:
+                ready[j] = True
+                self._pending -= 1
+        missing = np.concatenate([[0], np.cumsum(~ready)])
+        return bool((missing[last + 1] == missing[first]).all())
+
     def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For global token positions ``pos`` (int64): the run holding each, its offset in that
         run (tokens), and the tokens from it to the run's end, or, while some chunks are not
