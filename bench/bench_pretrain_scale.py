@@ -1,0 +1,276 @@
+"""Pretraining scale: what one reading process pays before its first batch, at 1 M to 20 M documents
+and at 10,000 shards (issue 24).
+
+    nice -n 10 flock /work/.bench.lock python bench/bench_pretrain_scale.py
+        [--corpora 1M:100 10M:1000 20M:2000 2M:10000] [--rounds 1] [--drop]
+        [--cache /tmp/harness] [--out bench/results/pretrain_scale.json]
+
+Corpora: ``DOCS:SHARDS`` each, written once through the real writer
+(:class:`~h5corpus.storage.writer.ShardWriter`, one ``add_documents`` call per shard, no fsync) and
+:func:`~h5corpus.storage.manifest.write_manifest`, then cached under ``--cache`` keyed by documents,
+shards, seed and format version. Document lengths are lognormal (median 100 tokens, sigma 0.7:
+mean ~128 tokens, a tail past 4,096), token ids uniform below the GPT-2 EOS id, every document ends
+with EOS. About 2 bytes per token on disk: 20 M documents take ~5 GB.
+
+Every figure is taken in a fresh process (``probe`` subcommand) so nothing is cached between them:
+
+* ``open``: seconds of :func:`~h5corpus.storage.reader.open_corpus` of the train split;
+* ``window_first``: the first batch of a :class:`~h5corpus.loaders.window.SlidingWindowDataset`
+  (``seq_len`` 2,048, 8 windows), seconds after the open;
+* ``bestfit_first``: the first microbatch of a :class:`~h5corpus.loaders.bestfit.BestFitDataset`
+  (4,096 x 35, buffer 64), seconds after the open, once the plan exists (the plan step runs first
+  in its own process where the loaders offer one; otherwise the first batch plans what it needs);
+* ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
+* ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
+  memory-mapped shards is shared and not counted);
+* ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512, over the
+  4 microbatches after the first;
+* ``plan_s_per_million_docs``: the plan's one-off cost (the whole epoch's best-fit plan), per
+  million documents.
+
+Growth ratios divide each figure by the first corpus's (the 1 M one). Figures: min over ``--rounds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _report import emit  # bench/ is on sys.path when a bench runs as a script
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from h5corpus.storage import format as fmt  # noqa: E402
+from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
+from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
+from h5corpus.storage.writer import ShardWriter  # noqa: E402
+
+#: The synthetic corpora's tokenizer identity: GPT-2's id space (uint16 tokens, EOS 50,256).
+IDENTITY = TokenizerIdentity(
+    name="synthetic-gpt2", revision="local", sha256=hashlib.sha256(b"synthetic").hexdigest(), vocab_size=50257, eos_id=50256
+)
+LENGTH_MEDIAN = 100.0  # tokens, EOS included
+LENGTH_SIGMA = 0.7  # of log(length)
+LONGEST_DOC = 65536  # tokens
+WINDOW = dict(seq_len=2048, batch_size=8)
+BESTFIT = dict(max_seq_len=4096, batch_size=35)
+#: The per-rank figures use 4 packs per microbatch, so that rank 0 of 512 still yields 5 microbatches
+#: of the 1 M-document corpus (~7,800 microbatches in its epoch).
+RANKS = dict(max_seq_len=4096, batch_size=4)
+AFTER_FIRST = 4  # microbatches timed after the first for the per-rank figures
+FIGURES = ("open", "window_first", "window_len", "bestfit_first", "bestfit_len", "rank_1", "rank_512", "plan")
+TARGETS = {"open": 0.5, "window_first": 0.5, "bestfit_first": 1.0, "rss_anon_mb": 150.0}
+
+
+# -- corpora -----------------------------------------------------------------------------------------------
+
+
+def parse_spec(spec: str) -> tuple[int, int]:
+    """``"20M:2000"`` -> (20,000,000 documents, 2,000 shards)."""
+    docs, _, shards = spec.partition(":")
+    scale = {"K": 1_000, "M": 1_000_000}.get(docs[-1:].upper(), 1)
+    n = int(float(docs[:-1] if scale > 1 else docs) * scale)
+    if n < 1 or not shards.isdigit() or not 1 <= int(shards) <= n:
+        raise SystemExit(f"--corpora: {spec!r} is not DOCS:SHARDS with 1 <= SHARDS <= DOCS")
+    return n, int(shards)
+
+
+def doc_lengths(n: int, seed: int) -> np.ndarray:
+    """(n,) int64 document lengths in tokens (EOS included): lognormal, clipped to [2, LONGEST_DOC]."""
+    rng = np.random.default_rng([seed, 1])
+    x = rng.lognormal(np.log(LENGTH_MEDIAN), LENGTH_SIGMA, size=n)
+    return np.clip(np.rint(x), 2, LONGEST_DOC).astype(np.int64)
+
+
+def write_shard(path: Path, lengths: np.ndarray, rng: np.random.Generator) -> Any:
+    """One shard of documents of ``lengths``: uniform ids below EOS, EOS at each end; its record."""
+    total = int(lengths.sum())
+    flat = rng.integers(0, IDENTITY.eos_id, size=total, dtype=np.uint16)
+    flat[np.cumsum(lengths) - 1] = IDENTITY.eos_id
+    ids = np.frombuffer(rng.bytes(lengths.size * fmt.DOC_ID_BYTES), np.uint8).reshape(-1, fmt.DOC_ID_BYTES)
+    with ShardWriter(path, split="train", tokenizer=IDENTITY, fsync=False) as w:
+        w.add_documents(flat, lengths, ids)
+    return w.info
+
+
+def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, float]:
+    """The manifest of the cached corpus of ``docs`` documents in ``shards`` shards (written if absent),
+    and the seconds writing it took (0 when cached)."""
+    root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}"
+    mpath = root / "manifests" / "shards.json"
+    if mpath.exists():  # the manifest is written last
+        return mpath, 0.0
+    shutil.rmtree(root, ignore_errors=True)
+    t0 = time.perf_counter()
+    lengths = doc_lengths(docs, seed)
+    bounds = np.linspace(0, docs, shards + 1).astype(np.int64)
+    rng = np.random.default_rng([seed, 2])
+    m = Manifest(tokenizer=IDENTITY, dtype="uint16", chunk_tokens=fmt.DEFAULT_CHUNK_TOKENS, shards_dir="../shards")
+    for k in range(shards):
+        rec = write_shard(root / "shards" / "train" / f"train-{k:05d}.h5", lengths[bounds[k] : bounds[k + 1]], rng)
+        m.shards.append(rec.relative_to(mpath.parent))
+    m.splits["train"] = {"documents": docs, "tokens": int(lengths.sum())}
+    write_manifest(mpath, m)
+    return mpath, time.perf_counter() - t0
+
+
+# -- one figure in this process ----------------------------------------------------------------------------
+
+
+def rss_anon_mb() -> float:
+    """Anonymous resident memory of this process (``RssAnon``), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/status has no RssAnon line")
+
+
+def timed(fn: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def probe(manifest: Path, figure: str) -> dict[str, Any]:
+    """Open the corpus and take ``figure``: {"open": s, figure: s, "rss_anon_mb": MB after it}."""
+    from h5corpus.loaders.bestfit import BestFitDataset
+    from h5corpus.loaders.window import SlidingWindowDataset
+    from h5corpus.storage.reader import open_corpus
+
+    out: dict[str, Any] = {"rss_anon_mb_imports": rss_anon_mb()}
+    c, out["open"] = timed(lambda: open_corpus(manifest, "train"))
+    if figure.startswith("window"):
+        ds = SlidingWindowDataset(c, seed=0, rank=0, world_size=1, **WINDOW)
+        out[figure] = timed(lambda: len(ds) if figure == "window_len" else next(iter(ds)))[1]
+    elif figure in ("bestfit_first", "bestfit_len"):
+        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, **BESTFIT)
+        out[figure] = timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))[1]
+    elif figure.startswith("rank_"):
+        ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), **RANKS)
+        it = iter(ds)
+        out["first"] = timed(lambda: next(it))[1]
+        out[figure] = timed(lambda: [next(it) for _ in range(AFTER_FIRST)])[1] / AFTER_FIRST
+    elif figure == "plan":
+        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, **BESTFIT)
+        out[figure] = timed(lambda: ds.plan().plan_all())[1]
+    out["rss_anon_mb"] = rss_anon_mb()
+    out["num_documents"] = c.num_documents
+    return out
+
+
+# -- the driver --------------------------------------------------------------------------------------------
+
+
+def run_probe(manifest: Path, figure: str, timeout: float) -> dict[str, Any]:
+    """``probe`` in a fresh interpreter; {"error": ...} when it fails or runs past ``timeout`` seconds."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "probe", str(manifest), figure]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{figure}: over {timeout:.0f} s"}
+    if p.returncode != 0:
+        return {"error": f"{figure}: exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def measure(manifest: Path, rounds: int, timeout: float) -> dict[str, Any]:
+    """Every figure of one corpus, each the minimum over ``rounds`` fresh processes."""
+    row: dict[str, Any] = {}
+    rss: list[float] = []
+    opens: list[float] = []
+    imports: list[float] = []
+    for figure in FIGURES:
+        runs = [run_probe(manifest, figure, timeout) for _ in range(rounds)]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            row[figure] = runs[0]["error"]
+            continue
+        row[figure] = round(min(r[figure] for r in good), 4)
+        opens += [r["open"] for r in good]
+        imports += [r["rss_anon_mb_imports"] for r in good]
+        if figure in ("window_first", "bestfit_first"):
+            rss += [r["rss_anon_mb"] for r in good]
+        if figure == "plan":
+            row["plan_s_per_million_docs"] = round(row["plan"] / (good[0]["num_documents"] / 1e6), 4)
+    row["open"] = round(min(opens), 4) if opens else row.get("open")
+    row["rss_anon_mb"] = round(max(rss), 1) if rss else None
+    row["rss_anon_mb_imports"] = round(min(imports), 1) if imports else None
+    if isinstance(row.get("rank_1"), float) and isinstance(row.get("rank_512"), float) and row["rank_1"] > 0:
+        row["rank_512_vs_1"] = round(row["rank_512"] / row["rank_1"], 3)
+    return row
+
+
+def growth(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each corpus's figures divided by the first corpus's (numbers only)."""
+    base = next(iter(rows.values()))
+    out = {}
+    for name, row in rows.items():
+        out[name] = {
+            k: round(v / base[k], 3)
+            for k, v in row.items()
+            if isinstance(v, float) and isinstance(base.get(k), float) and base[k] > 0 and k != "write_s"
+        }
+    return out
+
+
+def targets_met(row: dict[str, Any], ratio: dict[str, float]) -> dict[str, bool]:
+    """The issue's targets for one corpus: absolute bound and growth <= 1.3x per figure."""
+    met = {k: isinstance(row.get(k), float) and row[k] <= bound for k, bound in TARGETS.items()}
+    met.update({f"{k}_growth": ratio.get(k, float("inf")) <= 1.3 for k in TARGETS})
+    met["rank_512_vs_1"] = row.get("rank_512_vs_1", float("inf")) <= 1.3
+    return met
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpora", nargs="+", default=["1M:100", "10M:1000", "20M:2000", "2M:10000"])
+    ap.add_argument("--rounds", type=int, default=1, help="fresh processes per figure (the minimum is kept)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one probe process may take")
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/harness"))
+    ap.add_argument("--drop", action="store_true", help="delete each corpus once measured")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "pretrain_scale.json")
+    args = ap.parse_args(argv)
+    rows: dict[str, dict[str, Any]] = {}
+    load0 = list(os.getloadavg())
+    for spec in args.corpora:
+        docs, shards = parse_spec(spec)
+        mpath, write_s = corpus(args.cache, docs, shards)
+        row = {"documents": docs, "shards": shards, "write_s": round(write_s, 1)}
+        row.update(measure(mpath, args.rounds, args.timeout))
+        rows[spec] = row
+        print(json.dumps({spec: row}), file=sys.stderr, flush=True)
+        if args.drop:
+            shutil.rmtree(mpath.parent.parent, ignore_errors=True)
+    ratios = growth(rows)
+    report = {
+        "load_average": {"before": load0, "after": list(os.getloadavg())},
+        "bench": "pretrain_scale",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "settings": {"window": WINDOW, "bestfit": BESTFIT, "ranks": RANKS, "length_median": LENGTH_MEDIAN, "sigma": LENGTH_SIGMA},
+        "corpora": rows,
+        "growth_vs_first": ratios,
+        "targets_met": {k: targets_met(rows[k], ratios[k]) for k in rows},
+    }
+    emit(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "probe":
+        print(json.dumps(probe(Path(sys.argv[2]), sys.argv[3])))
+    else:
+        sys.exit(main())
