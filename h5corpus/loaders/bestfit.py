@@ -286,7 +286,7 @@ class BestFitDataset(GlobalSequenceDataset):
         key = (self.corpus.num_documents, self.corpus.num_tokens, self.max_seq_len)
         hit = self._cache.get("chunks")
         if hit is None or hit[0] != key:
-            hit = self._cache["chunks"] = (key, ChunkTable.build(self.corpus.doc_lengths, self.max_seq_len))
+            hit = self._cache["chunks"] = (key, ChunkTable.build(self.corpus.doc_lengths(), self.max_seq_len))
         return hit[1]
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -428,7 +428,7 @@ class BestFitDataset(GlobalSequenceDataset):
     @property
     def skipped_documents(self) -> int:
         """Documents of the split with fewer than 2 tokens (no next-token pair; never yielded)."""
-        return int(np.count_nonzero(self.corpus.doc_lengths < 2))
+        return int(np.count_nonzero(self.corpus.doc_lengths() < 2))
 
     def __repr__(self) -> str:
         return (

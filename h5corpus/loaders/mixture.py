@@ -174,8 +174,8 @@ class Mixture:
     def num_documents(self) -> int:
         return int(self.doc_bases[-1])
 
-    @property
     def doc_lengths(self) -> np.ndarray:
+        """(documents,) int64 tokens per document, EOS included (O(documents))."""
         return np.diff(self.doc_offsets)
 
     @property
