@@ -23,10 +23,12 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
 * ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
 * ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
   memory-mapped shards is shared and not counted);
-* ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512, over the
-  4 microbatches after the first;
+* ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512 (2 packs
+  per microbatch), over its first 16 microbatches (planning included);
 * ``plan_s_per_million_docs``: the plan's one-off cost (the whole epoch's best-fit plan), per
-  million documents.
+  million documents;
+* ``inspect`` / ``inspect_peak_rss_anon_mb``: :func:`~h5corpus.inspection.inspect_corpus` of the
+  train split, seconds and the highest ``RssAnon`` sampled every 20 ms while it runs.
 
 Growth ratios divide each figure by the first corpus's (the 1 M one). Figures: min over ``--rounds``.
 """
@@ -41,6 +43,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,26 +55,51 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from h5corpus.inspection import inspect_corpus  # noqa: E402
+from h5corpus.loaders.bestfit import BestFitDataset  # noqa: E402
+from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
 from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
+from h5corpus.storage.reader import open_corpus  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
 
 #: The synthetic corpora's tokenizer identity: GPT-2's id space (uint16 tokens, EOS 50,256).
 IDENTITY = TokenizerIdentity(
-    name="synthetic-gpt2", revision="local", sha256=hashlib.sha256(b"synthetic").hexdigest(), vocab_size=50257, eos_id=50256
+    name="synthetic-gpt2",
+    revision="local",
+    sha256=hashlib.sha256(b"synthetic").hexdigest(),
+    vocab_size=50257,
+    eos_id=50256,
 )
 LENGTH_MEDIAN = 100.0  # tokens, EOS included
 LENGTH_SIGMA = 0.7  # of log(length)
 LONGEST_DOC = 65536  # tokens
 WINDOW = dict(seq_len=2048, batch_size=8)
 BESTFIT = dict(max_seq_len=4096, batch_size=35)
-#: The per-rank figures use 4 packs per microbatch, so that rank 0 of 512 still yields 5 microbatches
-#: of the 1 M-document corpus (~7,800 microbatches in its epoch).
-RANKS = dict(max_seq_len=4096, batch_size=4)
-AFTER_FIRST = 4  # microbatches timed after the first for the per-rank figures
-FIGURES = ("open", "window_first", "window_len", "bestfit_first", "bestfit_len", "rank_1", "rank_512", "plan")
-TARGETS = {"open": 0.5, "window_first": 0.5, "bestfit_first": 1.0, "rss_anon_mb": 150.0}
+#: The per-rank figures use 2 packs per microbatch, so that rank 0 of 512 still yields RANK_STEPS
+#: microbatches of the 1 M-document corpus (~15,600 microbatches in its epoch).
+RANKS = dict(max_seq_len=4096, batch_size=2)
+RANK_STEPS = 16  # microbatches timed from the start for the per-rank figures
+FIGURES = (
+    "open",
+    "window_first",
+    "window_len",
+    "bestfit_first",
+    "bestfit_len",
+    "rank_1",
+    "rank_512",
+    "plan",
+    "inspect",
+)
+RSS_POLL_S = 0.02  # seconds between RssAnon samples while inspect runs
+TARGETS = {
+    "open": 0.5,
+    "window_first": 0.5,
+    "bestfit_first": 1.0,
+    "rss_anon_mb": 150.0,
+    "inspect_peak_rss_anon_mb": 300.0,
+}
 
 
 # -- corpora -----------------------------------------------------------------------------------------------
@@ -143,12 +171,27 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def peak_rss(fn: Any) -> tuple[float, float]:
+    """(seconds of ``fn()``, highest RssAnon in MB sampled every RSS_POLL_S while it ran)."""
+    peak = [rss_anon_mb()]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(RSS_POLL_S):
+            peak[0] = max(peak[0], rss_anon_mb())
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        _, seconds = timed(fn)
+    finally:
+        done.set()
+        t.join()
+    return seconds, max(peak[0], rss_anon_mb())
+
+
 def probe(manifest: Path, figure: str) -> dict[str, Any]:
     """Open the corpus and take ``figure``: {"open": s, figure: s, "rss_anon_mb": MB after it}."""
-    from h5corpus.loaders.bestfit import BestFitDataset
-    from h5corpus.loaders.window import SlidingWindowDataset
-    from h5corpus.storage.reader import open_corpus
-
     out: dict[str, Any] = {"rss_anon_mb_imports": rss_anon_mb()}
     c, out["open"] = timed(lambda: open_corpus(manifest, "train"))
     if figure.startswith("window"):
@@ -160,11 +203,12 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
     elif figure.startswith("rank_"):
         ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), **RANKS)
         it = iter(ds)
-        out["first"] = timed(lambda: next(it))[1]
-        out[figure] = timed(lambda: [next(it) for _ in range(AFTER_FIRST)])[1] / AFTER_FIRST
+        out[figure] = timed(lambda: [next(it) for _ in range(RANK_STEPS)])[1] / RANK_STEPS
     elif figure == "plan":
         ds = BestFitDataset(c, seed=0, rank=0, world_size=1, **BESTFIT)
         out[figure] = timed(lambda: ds.plan().plan_all())[1]
+    elif figure == "inspect":
+        out[figure], out["inspect_peak_rss_anon_mb"] = peak_rss(lambda: inspect_corpus(manifest, splits=["train"]))
     out["rss_anon_mb"] = rss_anon_mb()
     out["num_documents"] = c.num_documents
     return out
@@ -185,13 +229,13 @@ def run_probe(manifest: Path, figure: str, timeout: float) -> dict[str, Any]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def measure(manifest: Path, rounds: int, timeout: float) -> dict[str, Any]:
+def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> dict[str, Any]:
     """Every figure of one corpus, each the minimum over ``rounds`` fresh processes."""
     row: dict[str, Any] = {}
     rss: list[float] = []
     opens: list[float] = []
     imports: list[float] = []
-    for figure in FIGURES:
+    for figure in figures:
         runs = [run_probe(manifest, figure, timeout) for _ in range(rounds)]
         good = [r for r in runs if "error" not in r]
         if not good:
@@ -202,6 +246,8 @@ def measure(manifest: Path, rounds: int, timeout: float) -> dict[str, Any]:
         imports += [r["rss_anon_mb_imports"] for r in good]
         if figure in ("window_first", "bestfit_first"):
             rss += [r["rss_anon_mb"] for r in good]
+        if figure == "inspect":
+            row["inspect_peak_rss_anon_mb"] = round(max(r["inspect_peak_rss_anon_mb"] for r in good), 1)
         if figure == "plan":
             row["plan_s_per_million_docs"] = round(row["plan"] / (good[0]["num_documents"] / 1e6), 4)
     row["open"] = round(min(opens), 4) if opens else row.get("open")
@@ -240,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one probe process may take")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/harness"))
     ap.add_argument("--drop", action="store_true", help="delete each corpus once measured")
+    ap.add_argument("--write-only", action="store_true", help="write the missing corpora, measure nothing")
+    ap.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to take")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "pretrain_scale.json")
     args = ap.parse_args(argv)
     rows: dict[str, dict[str, Any]] = {}
@@ -247,12 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.corpora:
         docs, shards = parse_spec(spec)
         mpath, write_s = corpus(args.cache, docs, shards)
+        if args.write_only:
+            print(f"{spec}: {mpath} ({write_s:.1f} s)", file=sys.stderr, flush=True)
+            continue
         row = {"documents": docs, "shards": shards, "write_s": round(write_s, 1)}
-        row.update(measure(mpath, args.rounds, args.timeout))
+        row.update(measure(mpath, args.figures, args.rounds, args.timeout))
         rows[spec] = row
         print(json.dumps({spec: row}), file=sys.stderr, flush=True)
         if args.drop:
             shutil.rmtree(mpath.parent.parent, ignore_errors=True)
+    if args.write_only:
+        return 0
     ratios = growth(rows)
     report = {
         "load_average": {"before": load0, "after": list(os.getloadavg())},
@@ -260,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "settings": {"window": WINDOW, "bestfit": BESTFIT, "ranks": RANKS, "length_median": LENGTH_MEDIAN, "sigma": LENGTH_SIGMA},
+        "settings": {
+            "window": WINDOW,
+            "bestfit": BESTFIT,
+            "ranks": RANKS,
+            "length_median": LENGTH_MEDIAN,
+            "sigma": LENGTH_SIGMA,
+        },
         "corpora": rows,
         "growth_vs_first": ratios,
         "targets_met": {k: targets_met(rows[k], ratios[k]) for k in rows},

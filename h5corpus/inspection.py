@@ -1,9 +1,20 @@
 """``h5corpus inspect``: the seed's counts, statistics and data checks over a built corpus.
 
-:func:`inspect_corpus` streams each split shard by shard (memory: the per-document index plus one
-``vocab_size`` histogram), computes the figures of seed 002's table (documents, raw tokens,
-prediction pairs) and seed 001's statistics, simulates the best-fit loader's packing, and runs
-the seed's checks, each reported pass/fail with the figure behind it.
+:func:`inspect_corpus` streams each split shard by shard: one shard's index and one block of
+tokens at a time, so its memory does not grow with the corpus. It computes the figures of seed
+002's table (documents, raw tokens, prediction pairs) and seed 001's statistics exactly, runs the
+seed's checks (each reported pass/fail with the figure behind it), and simulates the best-fit
+loader's packing. Memory, beyond one shard:
+
+* a ``vocab_size`` token histogram (8 bytes per id) and an exact histogram of document lengths
+  (8 MB dense below :data:`DENSE_LENGTHS` tokens, a dict entry per distinct longer length);
+* the whole-epoch figures (pack fill, padded-batch waste, the length plot) over at most
+  :data:`SAMPLE_DOCUMENTS` documents: every document when the split holds no more, else a uniform
+  sample (each document kept with probability ``SAMPLE_DOCUMENTS / documents``, seeded by the
+  inspect seed and the shard), stated in the report as ``packing.sampled_documents``;
+* the split-leakage check: a 16-byte prefix of each id of the smaller split (128 bits: a chance
+  collision among 10^12 documents has probability ~10^-15);
+* the restore and input-length checks iterate the best-fit loader itself, at its own cost.
 """
 
 from __future__ import annotations
@@ -16,11 +27,26 @@ from typing import Any
 
 import numpy as np
 
+from .loaders import chunking
+from .loaders.batch import BatchError
+from .loaders.bestfit import BestFitDataset
+from .loaders.plan import default_packing_buffer, pack_fill
 from .storage import format as fmt
 from .storage.manifest import Manifest, read_manifest
+from .storage.reader import Corpus, open_corpus
+from .storage.readpaths import h5open
 
 #: Tokens read per block while streaming a shard.
 BLOCK_TOKENS = 1 << 22
+#: Documents the whole-epoch figures (pack fill, padded-batch waste, the length plot) are computed
+#: over; a split with more is sampled uniformly (module docstring).
+SAMPLE_DOCUMENTS = 1 << 20
+#: Document lengths below this many tokens are counted in a dense histogram (8 bytes each).
+DENSE_LENGTHS = 1 << 20
+#: Longest documents shown with their chunk lengths, and split token by token in the chunking check.
+LONG_EXAMPLES, LONGEST_SPLIT = 5, 8
+#: Bytes of each document id compared by the split-leakage check.
+ID_PREFIX_BYTES = 16
 
 
 @dataclass
@@ -57,95 +83,211 @@ class InspectReport:
         }
 
 
-def _quantiles(lengths: np.ndarray) -> dict[str, int]:
-    if lengths.size == 0:
-        return {"min": 0, "median": 0, "p90": 0, "p99": 0, "max": 0}
-    q = np.percentile(lengths, [50, 90, 99], method="nearest")
-    return {
-        "min": int(lengths.min()),
-        "median": int(q[0]),
-        "p90": int(q[1]),
-        "p99": int(q[2]),
-        "max": int(lengths.max()),
-    }
+class _LengthCounts:
+    """Exact counts of document lengths (tokens): quantiles equal to ``np.percentile(lengths, q,
+    method="nearest")`` over every document, in memory independent of the document count."""
+
+    def __init__(self) -> None:
+        self.dense = np.zeros(DENSE_LENGTHS, dtype=np.int64)  # dense[n]: documents of n tokens
+        self.sparse: dict[int, int] = {}  # longer lengths -> documents
+
+    def add(self, lengths: np.ndarray) -> None:
+        small = lengths < DENSE_LENGTHS
+        self.dense += np.bincount(lengths[small], minlength=DENSE_LENGTHS)
+        big, counts = np.unique(lengths[~small], return_counts=True)
+        for v, k in zip(big.tolist(), counts.tolist()):
+            self.sparse[v] = self.sparse.get(v, 0) + k
+
+    def quantiles(self) -> dict[str, int]:
+        """min / median / p90 / p99 / max in tokens (all 0 without documents)."""
+        long = sorted(self.sparse)
+        values = np.concatenate([np.flatnonzero(self.dense), np.array(long, dtype=np.int64)])
+        counts = np.concatenate([self.dense[self.dense > 0], np.array([self.sparse[v] for v in long], np.int64)])
+        n = int(counts.sum())
+        if n == 0:
+            return {"min": 0, "median": 0, "p90": 0, "p99": 0, "max": 0}
+        # numpy's "nearest": sorted index round-half-to-even((n - 1) * q)
+        rank = np.around(np.array([50, 90, 99]) / 100 * (n - 1))
+        q = values[np.searchsorted(np.cumsum(counts), rank, side="right")]
+        return {"min": int(values[0]), "median": int(q[0]), "p90": int(q[1]), "p99": int(q[2]), "max": int(values[-1])}
 
 
-def _stream_split(corpus, progress) -> dict[str, Any]:
-    """One pass over a split's tokens: vocabulary histogram and EOS placement."""
-    eos = corpus.eos_id
-    vocab = corpus.manifest.tokenizer.vocab_size
-    hist = np.zeros(vocab, dtype=np.int64)
-    whole = (corpus.doc_flags & fmt.FLAG_TRUNCATED) == 0
-    ends = corpus.doc_offsets[1:][whole] - 1  # global positions that must hold EOS
-    ends = ends[ends >= 0]
-    bad_ends = 0
-    eos_total = 0
-    n = corpus.num_tokens
-    buf = np.empty(min(BLOCK_TOKENS, max(n, 1)), dtype=corpus.dtype)
-    for a in range(0, n, BLOCK_TOKENS):
-        b = min(a + BLOCK_TOKENS, n)
-        view = corpus.tokens(a, b, out=buf[: b - a])
-        hist += np.bincount(view, minlength=vocab)[:vocab]
-        eos_total += int(np.count_nonzero(view == eos))
-        lo, hi = np.searchsorted(ends, [a, b])
-        bad_ends += int(np.count_nonzero(view[ends[lo:hi] - a] != eos))
+def _longest(idx: np.ndarray, lengths: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` longest of (document index, length) pairs: longest first, lower index first among equals."""
+    order = np.lexsort((idx, -lengths))[:k]
+    return idx[order], lengths[order]
+
+
+@dataclass
+class _ChunkCounts:
+    """The chunking check's counts (:func:`_chunk_counts`), summed over shards."""
+
+    chunks: int = 0
+    chunk_pairs: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    gaps: int = 0
+    bad_length: int = 0
+    not_at_end: int = 0
+
+    def add(self, other: _ChunkCounts) -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+def _chunk_counts(lengths: np.ndarray, seq_len: int) -> _ChunkCounts:
+    """Chunk ``lengths`` (one shard's documents) with :func:`~h5corpus.loaders.chunking.chunk_layout`
+    and count what breaks the rule: inside each document chunks start at 0 and each starts where
+    the previous ended; lengths lie in [1, seq_len]; every pair is covered once; the last chunk's
+    last target is the document's last token."""
+    doc, start, length = chunking.chunk_layout(lengths, seq_len)
+    pairs = np.maximum(lengths - 1, 0)
+    per_doc = np.bincount(doc, weights=length, minlength=lengths.size).astype(np.int64)
+    first = np.r_[True, doc[1:] != doc[:-1]] if doc.size else np.zeros(0, bool)
+    last = np.r_[doc[1:] != doc[:-1], True] if doc.size else np.zeros(0, bool)
+    ends = start + length
+    return _ChunkCounts(
+        chunks=int(doc.size),
+        chunk_pairs=int(length.sum()),
+        lost=int(np.clip(pairs - per_doc, 0, None).sum()),
+        duplicated=int(np.clip(per_doc - pairs, 0, None).sum()),
+        gaps=int(np.count_nonzero(start[first] != 0))
+        + int(np.count_nonzero(start[~first] != np.r_[0, ends[:-1]][~first])),
+        bad_length=int(np.count_nonzero((length < 1) | (length > seq_len))),
+        # the last target of a document's last chunk sits at offset start + length: its last token
+        not_at_end=int(np.count_nonzero(ends[last] != lengths[doc[last]] - 1)),
+    )
+
+
+@dataclass
+class _Scan:
+    """One split's figures, accumulated shard by shard (see the module docstring for memory)."""
+
+    vocab_size: int
+    hist: np.ndarray = field(init=False)  # (vocab_size,) occurrences of each token id
+    lengths: _LengthCounts = field(default_factory=_LengthCounts)
+    chunking: _ChunkCounts = field(default_factory=_ChunkCounts)
+    longest_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    longest_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sample: list[np.ndarray] = field(default_factory=list)  # sampled lengths, corpus order
+    documents: int = 0
+    pairs: int = 0
+    long_documents: int = 0  # documents with more than seq_len pairs
+    truncated: int = 0
+    whole_documents: int = 0
+    bad_ends: int = 0  # whole documents whose last token is not EOS
+    eos_total: int = 0
+
+    def __post_init__(self) -> None:
+        self.hist = np.zeros(self.vocab_size, dtype=np.int64)
+
+    @property
+    def eos_inside(self) -> int:
+        return self.eos_total - (self.whole_documents - self.bad_ends)
+
+    @property
+    def sampled_lengths(self) -> np.ndarray:
+        return np.concatenate(self.sample) if self.sample else np.zeros(0, np.int64)
+
+
+def _shard_meta(corpus: Corpus, shard: int, name: str, n: int) -> np.ndarray:
+    """The first ``n`` rows of per-document dataset ``name`` (``doc_flags``, ``doc_ids``) of one shard."""
+    with h5open(corpus.paths[shard]) as f:
+        return f[name][:n]
+
+
+def _scan_tokens(corpus: Corpus, a: int, b: int, ends: np.ndarray, scan: _Scan, progress) -> None:
+    """Tokens ``[a, b)`` in blocks: the vocabulary histogram, EOS count, and whether each global
+    position in ``ends`` (sorted, inside ``[a, b)``) holds EOS."""
+    eos, vocab = corpus.eos_id, scan.vocab_size
+    buf = np.empty(min(BLOCK_TOKENS, max(b - a, 1)), dtype=corpus.dtype)
+    for lo in range(a, b, BLOCK_TOKENS):
+        hi = min(lo + BLOCK_TOKENS, b)
+        view = corpus.tokens(lo, hi, out=buf[: hi - lo])
+        scan.hist += np.bincount(view, minlength=vocab)[:vocab]
+        scan.eos_total += int(np.count_nonzero(view == eos))
+        i, j = np.searchsorted(ends, [lo, hi])
+        scan.bad_ends += int(np.count_nonzero(view[ends[i:j] - lo] != eos))
         if progress:
-            progress(b - a)
-    return {
-        "hist": hist,
-        "bad_ends": bad_ends,
-        "eos_inside": eos_total - (ends.size - bad_ends),
-        "whole_docs": int(ends.size),
-    }
+            progress(hi - lo)
 
 
-def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tuple[bool, str]:
+def _scan_shard(corpus: Corpus, shard: int, scan: _Scan, seq_len: int, keep: float, rng, progress) -> None:
+    """Add one shard's documents and tokens to ``scan``; keep each document's length in the sample
+    with probability ``keep``."""
+    lo, hi = int(corpus.shard_doc_starts[shard]), int(corpus.shard_doc_starts[shard + 1])
+    offsets = corpus.doc_offsets_range(lo, hi)
+    lengths = np.diff(offsets)
+    flags = _shard_meta(corpus, shard, fmt.DOC_FLAGS, hi - lo)
+    whole = (flags & fmt.FLAG_TRUNCATED) == 0
+    ends = offsets[1:][whole] - 1  # global positions that must hold EOS
+    scan.documents += lengths.size
+    scan.pairs += int(np.maximum(lengths - 1, 0).sum())
+    scan.long_documents += int(np.count_nonzero(lengths - 1 > seq_len))
+    scan.truncated += int(np.count_nonzero(~whole))
+    scan.whole_documents += int(ends.size)
+    scan.lengths.add(lengths)
+    scan.chunking.add(_chunk_counts(lengths, seq_len))
+    idx = np.arange(lo, hi, dtype=np.int64)
+    scan.longest_idx, scan.longest_len = _longest(
+        np.r_[scan.longest_idx, idx], np.r_[scan.longest_len, lengths], max(LONG_EXAMPLES, LONGEST_SPLIT)
+    )
+    scan.sample.append(lengths if keep >= 1 else lengths[rng.random(lengths.size) < keep])
+    _scan_tokens(corpus, int(offsets[0]), int(offsets[-1]), ends, scan, progress)
+
+
+def _scan_split(corpus: Corpus, seq_len: int, seed: int, progress) -> _Scan:
+    """Every shard of ``corpus`` in order (the sample seeded by ``seed`` and the shard)."""
+    scan = _Scan(corpus.manifest.tokenizer.vocab_size)
+    keep = SAMPLE_DOCUMENTS / max(corpus.num_documents, 1)
+    for k in range(corpus.num_shards):
+        _scan_shard(corpus, k, scan, seq_len, keep, np.random.default_rng([seed, k]), progress)
+    return scan
+
+
+def _check_chunking(corpus: Corpus, scan: _Scan, seq_len: int) -> tuple[bool, str]:
     """Chunking covers every next-token pair of every document exactly once, and each whole
     document's final chunk ends on its real EOS.
 
-    Checked on the chunk index for every document (memory O(chunks), no per-token arrays): inside
-    each document, chunks start at 0 and each starts where the previous ended, lengths lie in
-    [1, seq_len], and the last chunk's last target is the document's last token (which the token
-    stream showed to be EOS, ``bad_ends`` = whole documents whose last token is not EOS). A sample
-    of the longest real documents is also split with :func:`split_tokens` and compared token by
+    Checked on the chunk index of every document, shard by shard (:func:`_chunk_counts`), with the
+    token stream's count of whole documents whose last token is not EOS. The longest documents
+    are also split with :func:`~h5corpus.loaders.chunking.split_tokens` and compared token by
     token: inputs == doc[:-1], targets == doc[1:].
     """
-    from .loaders.chunking import chunk_layout, split_tokens
-
-    lengths = corpus.doc_lengths()
-    pairs = np.maximum(lengths - 1, 0)
-    doc, start, length = chunk_layout(lengths, seq_len)
-    per_doc = (
-        np.bincount(doc, weights=length, minlength=lengths.size).astype(np.int64) if doc.size else np.zeros_like(pairs)
-    )
-    first = np.r_[True, doc[1:] != doc[:-1]] if doc.size else np.zeros(0, bool)
-    ends = start + length
-    gaps = int(np.count_nonzero(start[first] != 0)) + int(
-        np.count_nonzero(start[~first] != np.r_[0, ends[:-1]][~first])
-    )
-    bad_len = int(np.count_nonzero((length < 1) | (length > seq_len)))
-    lost = int(np.clip(pairs - per_doc, 0, None).sum())
-    dup = int(np.clip(per_doc - pairs, 0, None).sum())
-    last = np.r_[doc[1:] != doc[:-1], True] if doc.size else np.zeros(0, bool)
-    # the last target of a document's last chunk sits at offset start + length: the document's last token
-    not_at_end = int(np.count_nonzero(ends[last] != lengths[doc[last]] - 1))
-    longest = np.argsort(-lengths, kind="stable")[:sample]
+    cc = scan.chunking
     sample_bad = 0
-    for i in longest.tolist():
+    longest = scan.longest_idx[:LONGEST_SPLIT].tolist()
+    for i in longest:
         toks = corpus.document(i)
-        chunks = split_tokens(toks, max_seq_len=seq_len)
+        chunks = chunking.split_tokens(toks, max_seq_len=seq_len)
         ins = np.concatenate([c.inputs for c in chunks]) if chunks else toks[:0]
         tgs = np.concatenate([c.targets for c in chunks]) if chunks else toks[:0]
         if not (np.array_equal(ins, toks[:-1]) and np.array_equal(tgs, toks[1:])):
             sample_bad += 1
-    chunk_pairs = int(length.sum())
-    ok = lost == 0 and dup == 0 and gaps == 0 and bad_len == 0 and not_at_end == 0 and bad_ends == 0 and sample_bad == 0
+    bad = (cc.lost, cc.duplicated, cc.gaps, cc.bad_length, cc.not_at_end, scan.bad_ends, sample_bad)
     fig = (
-        f"{chunk_pairs:,} chunked pairs vs {int(pairs.sum()):,} document pairs: {lost:,} lost, {dup:,} duplicated, "
-        f"{gaps:,} gaps/overlaps; {not_at_end + bad_ends:,} documents whose last target is not their real EOS; "
-        f"{sample_bad}/{len(longest)} longest documents differ from split_tokens"
+        f"{cc.chunk_pairs:,} chunked pairs vs {scan.pairs:,} document pairs: {cc.lost:,} lost, "
+        f"{cc.duplicated:,} duplicated, {cc.gaps:,} gaps/overlaps; {cc.not_at_end + scan.bad_ends:,} documents "
+        f"whose last target is not their real EOS; {sample_bad}/{len(longest)} longest documents differ "
+        "from split_tokens"
     )
-    return ok, fig
+    return not any(bad), fig
+
+
+def _shared_ids(a: Corpus, b: Corpus) -> int:
+    """Distinct document ids (first :data:`ID_PREFIX_BYTES` bytes) in both splits: the smaller
+    split's prefixes held sorted, the larger one's streamed shard by shard."""
+    small, large = sorted((a, b), key=lambda c: c.num_documents)
+    dt = f"V{ID_PREFIX_BYTES}"
+
+    def prefixes(c: Corpus, k: int) -> np.ndarray:
+        n = int(c.shard_doc_starts[k + 1] - c.shard_doc_starts[k])
+        ids = _shard_meta(c, k, fmt.DOC_IDS, n)[:, :ID_PREFIX_BYTES]
+        return np.ascontiguousarray(ids).view(dt).ravel()
+
+    held = np.unique(np.concatenate([np.zeros(0, dt), *(prefixes(small, k) for k in range(small.num_shards))]))
+    hits = [np.intersect1d(prefixes(large, k), held) for k in range(large.num_shards)]
+    return int(np.unique(np.concatenate([np.zeros(0, dt), *hits])).size)
 
 
 def _check_batches(
@@ -153,25 +295,19 @@ def _check_batches(
 ) -> tuple[tuple[bool, str], tuple[bool, str]]:
     """(model input length == real inputs and positions restart per segment; restoring the
     sampler state continues with the same next batch)."""
-    from .loaders.batch import BatchError
-    from .loaders.bestfit import BestFitDataset
 
-    ds = BestFitDataset(
-        corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
-    )
-    it = iter(ds)
-    bad_len = bad_pos = seen = 0
-    real = 0
-    batches = []
-    for _ in range(n_batches):
-        try:
-            b = next(it)
-        except StopIteration:
+    def dataset() -> BestFitDataset:
+        return BestFitDataset(
+            corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+        )
+
+    it = iter(dataset())
+    bad_len = bad_pos = seen = real = 0
+    for b in (next(it, None) for _ in range(n_batches)):
+        if b is None:
             break
-        batches.append(b)
         seen += 1
-        cu = b.cu_seqlens.long()
-        seg_lens = cu[1:] - cu[:-1]
+        seg_lens = b.cu_seqlens.long().diff()
         real += int(seg_lens.sum())
         if b.input_ids.numel() != int(seg_lens.sum()) or b.input_ids.numel() != int(b.pack_lengths.sum()):
             bad_len += 1
@@ -179,50 +315,67 @@ def _check_batches(
             b.check()
         except BatchError:
             bad_pos += 1
-    length_ok = seen > 0 and bad_len == 0 and bad_pos == 0
     length_fig = (
         f"{seen} microbatches, {real:,} real inputs = model input rows; "
         f"{bad_len} with a length mismatch, {bad_pos} with positions not restarting per segment"
     )
-    # restore: state after one batch -> a fresh dataset continues with the same next batch
-    ds2 = BestFitDataset(
-        corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+    return (seen > 0 and bad_len == 0 and bad_pos == 0, length_fig), _check_restore(dataset)
+
+
+def _same_batch(got, expected) -> bool:
+    if got is None or got.input_ids.shape != expected.input_ids.shape:
+        return False
+    fields = ("input_ids", "targets", "position_ids", "cu_seqlens", "pack_lengths")
+    return got.max_seqlen == expected.max_seqlen and all(
+        bool((getattr(got, f) == getattr(expected, f)).all()) for f in fields
     )
-    it2 = iter(ds2)
-    first = next(it2, None)
-    state = ds2.state_dict()
-    expected = next(it2, None)
-    ds3 = BestFitDataset(
-        corpus, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
-    )
-    ds3.load_state_dict(state)
-    got = next(iter(ds3), None)
+
+
+def _check_restore(dataset: Callable[[], BestFitDataset]) -> tuple[bool, str]:
+    """The state taken after batch 1 makes a fresh dataset continue with batch 2."""
+    ds = dataset()
+    it = iter(ds)
+    first = next(it, None)
+    state = ds.state_dict()
+    expected = next(it, None)
     if first is None or expected is None:
-        restore_ok, fig = True, "split holds fewer than 2 microbatches: nothing to resume"
-    else:
-        same = (
-            got is not None
-            and all(
-                bool((getattr(got, f) == getattr(expected, f)).all())
-                if hasattr(getattr(got, f), "shape")
-                else getattr(got, f) == getattr(expected, f)
-                for f in ("input_ids", "targets", "position_ids", "cu_seqlens", "max_seqlen", "pack_lengths")
-            )
-            and got.input_ids.shape == expected.input_ids.shape
-        )
-        restore_ok = bool(same)
-        fig = (
-            f"batch 2 after restoring the state taken after batch 1: "
-            f"{'identical' if same else 'DIFFERENT'} ({expected.num_tokens:,} tokens, {expected.num_segments} segments)"
-        )
-    return (length_ok, length_fig), (restore_ok, fig)
+        return True, "split holds fewer than 2 microbatches: nothing to resume"
+    restored = dataset()
+    restored.load_state_dict(state)
+    same = _same_batch(next(iter(restored), None), expected)
+    return same, (
+        f"batch 2 after restoring the state taken after batch 1: "
+        f"{'identical' if same else 'DIFFERENT'} ({expected.num_tokens:,} tokens, {expected.num_segments} segments)"
+    )
+
+
+def _epoch_figures(lengths: np.ndarray, seq_len: int, batch_size: int, packing_buffer: int, seed: int, mode: str):
+    """(pack fill, padding wastes) of the best-fit loader over ``lengths`` (the sampled documents)."""
+    pf = pack_fill(
+        lengths, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
+    )
+    _, _, clen = chunking.chunk_layout(lengths, seq_len)
+    pairs = int(clen.sum())
+    padded_rows = clen.size * seq_len
+    # dynamic padding: segments in shuffled order, batch_size rows per microbatch, each row
+    # padded to the microbatch's longest segment
+    cl = clen[np.random.default_rng(seed).permutation(clen.size)]
+    rows = np.zeros(-(-cl.size // batch_size) * batch_size, dtype=np.int64)
+    rows[: cl.size] = cl
+    rows = rows.reshape(-1, batch_size)
+    dyn = int((rows.max(axis=1) * np.count_nonzero(rows, axis=1)).sum())
+    padding = {
+        "pad_each_segment_to_seq_len_waste": round(1 - pairs / padded_rows, 6) if padded_rows else 0.0,
+        "pad_to_longest_in_microbatch_waste": round(1 - pairs / dyn, 6) if dyn else 0.0,
+    }
+    return pf, padding
 
 
 def _decode_top(manifest: Manifest, ids: Sequence[int]) -> list[str] | None:
     """Texts of ``ids`` when the manifest's tokenizer can be loaded offline and is the same one
     (sha256 of its JSON); None otherwise (the table then shows ids)."""
     try:
-        from .build.tokenizer import load_tokenizer
+        from .build.tokenizer import load_tokenizer  # loads the tokenizer libraries only here
 
         tok = load_tokenizer(manifest.tokenizer.name)
         if tok.identity.sha256 != manifest.tokenizer.sha256:
@@ -230,6 +383,111 @@ def _decode_top(manifest: Manifest, ids: Sequence[int]) -> list[str] | None:
         return [tok.hf.decode([int(i)]) for i in ids]
     except Exception:  # tokenizer not available here: figures stay numeric
         return None
+
+
+def _split_figures(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: dict[str, Any], top_k: int):
+    """The report's entry of one split (``_``-keys stay out of the JSON)."""
+    seq_len = settings["seq_len"]
+    built = m.splits.get(split) if isinstance(m.splits.get(split), dict) else {}
+    sample = scan.sampled_lengths
+    pf, padding = _epoch_figures(
+        sample, seq_len, settings["batch_size"], settings["packing_buffer"], settings["seed"], settings["mode"]
+    )
+    long = scan.longest_len[:LONG_EXAMPLES] - 1 > seq_len
+    examples = [
+        {
+            "document": int(i),
+            "tokens": int(n),
+            "chunk_lengths": chunking.chunk_layout(np.array([n]), seq_len)[2].tolist(),
+        }
+        for i, n in zip(scan.longest_idx[:LONG_EXAMPLES][long], scan.longest_len[:LONG_EXAMPLES][long])
+    ]
+    hist = scan.hist
+    top = np.argsort(-hist, kind="stable")[:top_k]
+    top = top[hist[top] > 0]
+    decoded = _decode_top(m, top.tolist())
+    chars = built.get("characters")
+    return {
+        "documents": c.num_documents,
+        "raw_tokens": c.num_tokens,
+        "prediction_pairs": scan.pairs,
+        "bytes_on_disk": sum(s.bytes for s in m.shards_of(split)),
+        "shards": len(m.shards_of(split)),
+        "format_version": m.version,
+        "verified_reads": c.verified,
+        "integrity_note": c.integrity_note,
+        "duplicates_dropped": built.get("duplicates"),
+        "skipped": built.get("skipped"),
+        "truncated": scan.truncated,
+        "dropped": built.get("dropped"),
+        "perplexity": built.get("perplexity"),
+        "length_tokens": scan.lengths.quantiles(),
+        "documents_longer_than_seq_len": scan.long_documents,
+        "long_document_examples": examples,
+        "chunks": scan.chunking.chunks,
+        "characters_per_token": (round(chars / c.num_tokens, 3) if chars and c.num_tokens else None),
+        "vocabulary_used": int(np.count_nonzero(hist)),
+        "vocabulary_size": m.tokenizer.vocab_size,
+        "top_tokens": [
+            {"id": int(t), "count": int(hist[t]), **({"text": decoded[k]} if decoded else {})}
+            for k, t in enumerate(top.tolist())
+        ],
+        "packing": {
+            "fill": round(pf.fill, 6),
+            "fill_full_microbatches": round(pf.fill_full_microbatches, 6),
+            "packs": pf.packs,
+            "microbatches": pf.microbatches,
+            "real_tokens": pf.real_tokens,
+            "capacity": pf.capacity,
+            "sampled_documents": int(sample.size),
+        },
+        "padding": padding,
+        "eos": {"bad_ends": scan.bad_ends, "eos_inside": scan.eos_inside, "whole_documents": scan.whole_documents},
+        "_lengths": sample,
+        "_pack_fill": pf.pack_fill,
+    }
+
+
+def _leakage_check(corpora: dict[str, Corpus], splits: Sequence[str]) -> Check:
+    name = "no source document id in both splits"
+    if "train" not in corpora or "validation" not in corpora:
+        return Check(name, True, f"only {list(splits)} inspected: nothing to compare")
+    a, b = corpora["train"], corpora["validation"]
+    both = _shared_ids(a, b)
+    return Check(
+        name,
+        both == 0,
+        f"{both:,} ids shared by {a.num_documents:,} train and {b.num_documents:,} validation documents",
+    )
+
+
+def _split_checks(split: str, c: Corpus, scan: _Scan, settings: dict[str, Any]) -> list[Check]:
+    """The per-split checks: chunking, batch input lengths, restore, EOS placement."""
+    s = settings
+    ok, fig = _check_chunking(c, scan, s["seq_len"])
+    (lok, lfig), (rok, rfig) = _check_batches(
+        c, s["seq_len"], s["batch_size"], s["packing_buffer"], s["seed"], s["mode"]
+    )
+    return [
+        Check(f"[{split}] chunking neither drops nor duplicates a pair and keeps the real EOS", ok, fig),
+        Check(f"[{split}] model input length = real input count; positions restart per segment", lok, lfig),
+        Check(f"[{split}] restoring the sampler state continues with the same next batch", rok, rfig),
+        Check(
+            f"[{split}] every document ends with EOS and no EOS elsewhere",
+            scan.bad_ends == 0 and scan.eos_inside == 0,
+            f"{scan.bad_ends:,} of {scan.whole_documents:,} documents lack the final EOS; "
+            f"{scan.eos_inside:,} EOS inside documents",
+        ),
+    ]
+
+
+def _chosen_splits(m: Manifest, splits: Sequence[str] | None) -> list[str]:
+    present = [s for s in fmt.SPLITS if m.shards_of(s)]
+    chosen = list(splits) if splits else present
+    for s in chosen:
+        if s not in present:
+            raise ValueError(f"{m.path}: split {s!r} has no shards (present: {present})")
+    return chosen
 
 
 def inspect_corpus(
@@ -244,156 +502,39 @@ def inspect_corpus(
     top_k: int = 20,
     progress: bool = False,
 ) -> InspectReport:
-    """Statistics and checks of ``splits`` (default: every split present) of a built corpus."""
-    from .loaders.chunking import chunk_layout
-    from .loaders.plan import default_packing_buffer, pack_fill
-    from .storage.reader import open_corpus
-
-    packing_buffer = default_packing_buffer(mode, packing_buffer)
+    """Statistics and checks of ``splits`` (default: every split present) of a built corpus, read
+    shard by shard (module docstring: what is held in memory, what is sampled)."""
     m = read_manifest(manifest)
-    present = [s for s in fmt.SPLITS if m.shards_of(s)]
-    splits = list(splits) if splits else present
-    for s in splits:
-        if s not in present:
-            raise ValueError(f"{m.path}: split {s!r} has no shards (present: {present})")
-    rep = InspectReport(
-        manifest=str(m.path),
-        settings={
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "packing_buffer": packing_buffer,
-            "mode": mode,
-            "seed": seed,
-        },
-    )
-    total = sum(s.tokens for s in m.shards if s.split in splits)
+    chosen = _chosen_splits(m, splits)
+    settings = {
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "packing_buffer": default_packing_buffer(mode, packing_buffer),
+        "mode": mode,
+        "seed": seed,
+    }
+    rep = InspectReport(manifest=str(m.path), settings=settings)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional: only for the progress bar
 
+        total = sum(s.tokens for s in m.shards if s.split in chosen)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="inspect", leave=False)
-    corpora = {}
+    corpora: dict[str, Corpus] = {}
+    scans: dict[str, _Scan] = {}
     try:
-        for split in splits:
-            c = open_corpus(m, split)
-            corpora[split] = c
-            lengths = c.doc_lengths()
-            built = m.splits.get(split, {}) if isinstance(m.splits.get(split), dict) else {}
-            st = _stream_split(c, bar.update if bar else None)
-            pairs = int(np.maximum(lengths - 1, 0).sum())
-            doc, start, clen = chunk_layout(lengths, seq_len)
-            long_idx = np.flatnonzero(lengths - 1 > seq_len)
-            examples = []
-            for i in long_idx[np.argsort(-lengths[long_idx], kind="stable")][:5].tolist():
-                examples.append(
-                    {"document": int(i), "tokens": int(lengths[i]), "chunk_lengths": clen[doc == i].tolist()}
-                )
-            hist = st["hist"]
-            top = np.argsort(-hist, kind="stable")[:top_k]
-            top = top[hist[top] > 0]
-            decoded = _decode_top(m, top.tolist())
-            pf = pack_fill(
-                lengths, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
-            )
-            n_chunks = int(clen.size)
-            padded_rows = n_chunks * seq_len
-            # dynamic padding: segments in shuffled order, batch_size rows per microbatch, each row
-            # padded to the microbatch's longest segment
-            cl = clen[np.random.default_rng(seed).permutation(n_chunks)]
-            rows_ = np.zeros(-(-cl.size // batch_size) * batch_size, dtype=np.int64)
-            rows_[: cl.size] = cl
-            rows_ = rows_.reshape(-1, batch_size)
-            dyn = int((rows_.max(axis=1) * np.count_nonzero(rows_, axis=1)).sum())
-            chars = built.get("characters")
-            rep.splits[split] = {
-                "documents": c.num_documents,
-                "raw_tokens": c.num_tokens,
-                "prediction_pairs": pairs,
-                "bytes_on_disk": sum(s.bytes for s in m.shards_of(split)),
-                "shards": len(m.shards_of(split)),
-                "format_version": m.version,
-                "verified_reads": c.verified,
-                "integrity_note": c.integrity_note,
-                "duplicates_dropped": built.get("duplicates"),
-                "skipped": built.get("skipped"),
-                "truncated": int(np.count_nonzero(c.doc_flags & fmt.FLAG_TRUNCATED)),
-                "dropped": built.get("dropped"),
-                "perplexity": built.get("perplexity"),
-                "length_tokens": _quantiles(lengths),
-                "documents_longer_than_seq_len": int(long_idx.size),
-                "long_document_examples": examples,
-                "chunks": n_chunks,
-                "characters_per_token": (round(chars / c.num_tokens, 3) if chars and c.num_tokens else None),
-                "vocabulary_used": int(np.count_nonzero(hist)),
-                "vocabulary_size": m.tokenizer.vocab_size,
-                "top_tokens": [
-                    {"id": int(t), "count": int(hist[t]), **({"text": decoded[k]} if decoded else {})}
-                    for k, t in enumerate(top.tolist())
-                ],
-                "packing": {
-                    "fill": round(pf.fill, 6),
-                    "fill_full_microbatches": round(pf.fill_full_microbatches, 6),
-                    "packs": pf.packs,
-                    "microbatches": pf.microbatches,
-                    "real_tokens": pf.real_tokens,
-                    "capacity": pf.capacity,
-                },
-                "padding": {
-                    "pad_each_segment_to_seq_len_waste": round(1 - pairs / padded_rows, 6) if padded_rows else 0.0,
-                    "pad_to_longest_in_microbatch_waste": round(1 - pairs / dyn, 6) if dyn else 0.0,
-                },
-                "eos": {
-                    "bad_ends": st["bad_ends"],
-                    "eos_inside": st["eos_inside"],
-                    "whole_documents": st["whole_docs"],
-                },
-                "_lengths": lengths,
-                "_pack_fill": pf.pack_fill,
-            }
+        for split in chosen:
+            corpora[split] = c = open_corpus(m, split)
+            scans[split] = _scan_split(c, seq_len, seed, bar.update if bar else None)
+            rep.splits[split] = _split_figures(m, split, c, scans[split], settings, top_k)
+        rep.checks.append(_leakage_check(corpora, chosen))
+        for split, c in corpora.items():
+            rep.checks.extend(_split_checks(split, c, scans[split], settings))
     finally:
         if bar:
             bar.close()
-
-    # -- the seed's checks --------------------------------------------------------------------
-    if "train" in corpora and "validation" in corpora:
-        a = corpora["train"].doc_ids.view("V32").ravel()
-        b = corpora["validation"].doc_ids.view("V32").ravel()
-        both = int(np.intersect1d(a, b).size)
-        rep.checks.append(
-            Check(
-                "no source document id in both splits",
-                both == 0,
-                f"{both:,} ids shared by {a.size:,} train and {b.size:,} validation documents",
-            )
-        )
-    else:
-        rep.checks.append(
-            Check("no source document id in both splits", True, f"only {splits} inspected: nothing to compare")
-        )
-    for split, c in corpora.items():
-        ok, fig = _check_chunking(c, seq_len, rep.splits[split]["eos"]["bad_ends"])
-        rep.checks.append(
-            Check(f"[{split}] chunking neither drops nor duplicates a pair and keeps the real EOS", ok, fig)
-        )
-    for split, c in corpora.items():
-        (lok, lfig), (rok, rfig) = _check_batches(c, seq_len, batch_size, packing_buffer, seed, mode)
-        rep.checks.append(
-            Check(f"[{split}] model input length = real input count; positions restart per segment", lok, lfig)
-        )
-        rep.checks.append(Check(f"[{split}] restoring the sampler state continues with the same next batch", rok, rfig))
-    for split in corpora:
-        e = rep.splits[split]["eos"]
-        ok = e["bad_ends"] == 0 and e["eos_inside"] == 0
-        rep.checks.append(
-            Check(
-                f"[{split}] every document ends with EOS and no EOS elsewhere",
-                ok,
-                f"{e['bad_ends']:,} of {e['whole_documents']:,} documents lack the final EOS; "
-                f"{e['eos_inside']:,} EOS inside documents",
-            )
-        )
-    for c in corpora.values():
-        c.close()
+        for c in corpora.values():
+            c.close()
     return rep
 
 
