@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from h5corpus import inspection
 from h5corpus.inspection import format_report, inspect_corpus
 from h5corpus.loaders import bestfit as packing
 from h5corpus.loaders import chunking
@@ -202,3 +203,83 @@ def test_cli_table_json_plot_and_exit_codes(small_manifest, tmp_path, monkeypatc
     reseal_chunk_checksums(m.shard_path(m.shards_of("train")[0]))
     bad = run(str(small_manifest))
     assert bad.returncode == 1 and "CHECK(S) FAILED" in bad.stdout
+
+
+# -- streaming: figures shard by shard equal whole-corpus oracles ---------------------------------------
+
+
+def _all_lengths(manifest: Path, split: str) -> np.ndarray:
+    """Every document's length read straight from the shard files (independent of the reader)."""
+    m = read_manifest(manifest)
+    out = []
+    for s in m.shards_of(split):
+        with h5py.File(m.shard_path(s), "r") as f:
+            out.append(np.diff(f["doc_offsets"][:]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("dense", [1 << 20, 7])
+def test_length_quantiles_equal_numpy_percentile_nearest(dense, monkeypatch):
+    """Exact quantiles from counts (dense bins and, past ``DENSE_LENGTHS``, a dict) equal
+    np.percentile(method="nearest") over the lengths, ties and odd/even counts included."""
+    monkeypatch.setattr(inspection, "DENSE_LENGTHS", dense)
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 3, 10, 101, 1000, 4097):
+        lengths = np.concatenate([rng.integers(1, 12, n // 2 + 1), rng.integers(1, 5000, n - n // 2 - 1)])
+        counts = inspection._LengthCounts()
+        for part in np.array_split(lengths, 3):  # added shard by shard
+            counts.add(part)
+        q = np.percentile(lengths, [50, 90, 99], method="nearest")
+        want = {"min": lengths.min(), "median": q[0], "p90": q[1], "p99": q[2], "max": lengths.max()}
+        assert counts.quantiles() == {k: int(v) for k, v in want.items()}, n
+
+
+@pytest.fixture
+def many_shards(tmp_path) -> Path:
+    """~400 documents of varied lengths in many small shards of both splits."""
+    texts = stdlib_texts(400)
+    return write_corpus(
+        tmp_path, texts, byte_encode, BYTE_IDENTITY, chunk_tokens=4096, shard_tokens=60_000, validation_every=5
+    )
+
+
+def test_streamed_figures_equal_whole_corpus_oracles(many_shards, monkeypatch):
+    """Shard by shard, with the pack-fill sample forced below the document count: every exact
+    figure equals a computation over all documents at once; the sample is stated and its fill
+    close to the whole split's."""
+    m = read_manifest(many_shards)
+    assert len(m.shards_of("train")) > 3
+    full = inspect_corpus(many_shards, seq_len=512, batch_size=4)
+    monkeypatch.setattr(inspection, "SAMPLE_DOCUMENTS", 150)
+    rep = inspect_corpus(many_shards, seq_len=512, batch_size=4)
+    assert rep.ok, format_report(rep)
+    for split in ("train", "validation"):
+        L = _all_lengths(many_shards, split)
+        got = rep.splits[split]
+        flat = np.concatenate([h5py.File(m.shard_path(s), "r")["tokens"][:] for s in m.shards_of(split)]).astype(
+            np.int64
+        )
+        hist = np.bincount(flat, minlength=257)
+        q = np.percentile(L, [50, 90, 99], method="nearest")
+        assert got["length_tokens"] == {
+            "min": int(L.min()),
+            "median": int(q[0]),
+            "p90": int(q[1]),
+            "p99": int(q[2]),
+            "max": int(L.max()),
+        }
+        assert got["prediction_pairs"] == int((L - 1).sum())
+        assert got["chunks"] == sum(len(independent_chunks(int(n), 512)) for n in L)
+        assert got["documents_longer_than_seq_len"] == int(np.count_nonzero(L - 1 > 512))
+        longest = sorted(range(L.size), key=lambda i: (-L[i], i))[:5]
+        assert [e["document"] for e in got["long_document_examples"]] == [i for i in longest if L[i] - 1 > 512]
+        assert got["vocabulary_used"] == int(np.count_nonzero(hist))
+        assert [t["count"] for t in got["top_tokens"]] == sorted(hist[hist > 0].tolist(), reverse=True)[:20]
+        assert got["eos"] == {"bad_ends": 0, "eos_inside": 0, "whole_documents": L.size}
+        n = got["packing"]["sampled_documents"]
+        assert full.splits[split]["packing"]["sampled_documents"] == L.size
+        if L.size > 150:
+            assert 50 < n < 300 and n != L.size
+            assert got["packing"]["fill"] == pytest.approx(full.splits[split]["packing"]["fill"], abs=0.05)
+        else:
+            assert got["packing"] == full.splits[split]["packing"]
