@@ -110,11 +110,11 @@ def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tup
     of the longest real documents is also split with :func:`split_tokens` and compared token by
     token: inputs == doc[:-1], targets == doc[1:].
     """
-    from .loaders.chunking import chunk_layout, split_tokens
+    from .loaders.chunking import document_chunks, split_tokens
 
     lengths = corpus.doc_lengths
     pairs = np.maximum(lengths - 1, 0)
-    doc, start, length = chunk_layout(lengths, seq_len)
+    doc, start, length = document_chunks(lengths, seq_len)
     per_doc = (
         np.bincount(doc, weights=length, minlength=lengths.size).astype(np.int64) if doc.size else np.zeros_like(pairs)
     )
@@ -245,8 +245,8 @@ def inspect_corpus(
     progress: bool = False,
 ) -> InspectReport:
     """Statistics and checks of ``splits`` (default: every split present) of a built corpus."""
-    from .loaders.chunking import chunk_layout
-    from .loaders.plan import default_packing_buffer, pack_fill
+    from .loaders.chunking import document_chunks
+    from .loaders.epochplan import default_packing_buffer, pack_fill
     from .storage.reader import open_corpus
 
     packing_buffer = default_packing_buffer(mode, packing_buffer)
@@ -281,7 +281,7 @@ def inspect_corpus(
             built = m.splits.get(split, {}) if isinstance(m.splits.get(split), dict) else {}
             st = _stream_split(c, bar.update if bar else None)
             pairs = int(np.maximum(lengths - 1, 0).sum())
-            doc, start, clen = chunk_layout(lengths, seq_len)
+            doc, start, clen = document_chunks(lengths, seq_len)
             long_idx = np.flatnonzero(lengths - 1 > seq_len)
             examples = []
             for i in long_idx[np.argsort(-lengths[long_idx], kind="stable")][:5].tolist():
