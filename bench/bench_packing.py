@@ -401,12 +401,12 @@ def main() -> None:
         out["source"] = source
         out["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
         train = open_corpus(manifest, "train")
-        lengths = train.doc_lengths
+        lengths = train.doc_lengths()
         out["train"] = {"documents": train.num_documents, "tokens": train.num_tokens, "pairs": int((lengths - 1).sum())}
         if "fill" in sections:
             out["fill"] = {"train": fill_rows(lengths)}
             try:
-                val = open_corpus(manifest, "validation").doc_lengths
+                val = open_corpus(manifest, "validation").doc_lengths()
                 out["fill"]["all_documents"] = fill_rows(np.concatenate([lengths, val]))
             except Exception as e:  # a corpus without a validation split
                 out["fill"]["all_documents"] = f"unavailable: {e}"

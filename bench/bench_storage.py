@@ -305,7 +305,7 @@ def shard_breakdown(path: Path) -> dict[str, int]:
         t = f[fmt.TOKENS]
         n, C = t.shape[0], t.chunks[0]
         tail = n - (n // C) * C
-        offsets, _ = fmt.chunk_layout(t, n, size)
+        offsets, _ = fmt.chunk_byte_layout(t, n, size)
         compressed_tail = offsets is not None and offsets.size > 0 and offsets[-1] < 0
         tail_stored = t.id.get_chunk_info_by_coord(((n // C) * C,)).size if compressed_tail else 0
     out = {

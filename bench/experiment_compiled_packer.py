@@ -106,7 +106,7 @@ def compiled_loader(corpus, nb):
     w = np.dtype(corpus.dtype).itemsize
 
     def epoch(seed: int, ep: int, copy: str = "join"):
-        d, start, clen = chunk_layout(corpus.doc_lengths, L)  # chunks in corpus order
+        d, start, clen = chunk_layout(corpus.doc_lengths(), L)  # chunks in corpus order
         order = epoch_order(clen.size, seed, ep)  # the epoch's chunk order (docs/PACKING.md, section 4)
         cdoc, start, clen = d[order], start[order], clen[order]
         keys = np.zeros(BUF, np.int64)

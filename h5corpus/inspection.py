@@ -112,7 +112,7 @@ def _check_chunking(corpus, seq_len: int, bad_ends: int, sample: int = 8) -> tup
     """
     from .loaders.chunking import document_chunks, split_tokens
 
-    lengths = corpus.doc_lengths
+    lengths = corpus.doc_lengths()
     pairs = np.maximum(lengths - 1, 0)
     doc, start, length = document_chunks(lengths, seq_len)
     per_doc = (
@@ -277,7 +277,7 @@ def inspect_corpus(
         for split in splits:
             c = open_corpus(m, split)
             corpora[split] = c
-            lengths = c.doc_lengths
+            lengths = c.doc_lengths()
             built = m.splits.get(split, {}) if isinstance(m.splits.get(split), dict) else {}
             st = _stream_split(c, bar.update if bar else None)
             pairs = int(np.maximum(lengths - 1, 0).sum())

@@ -181,7 +181,7 @@ def test_long_documents_are_spread_over_the_epoch(dev_manifest, batch_size):
         run, top = majority_document_run(segs)
         assert run <= (0 if batch_size == 35 else 2), f"{mode}: {run} consecutive microbatches mostly one document"
         assert top <= (0.25 if batch_size == 35 else 1.0)
-    L = corpus.doc_lengths
+    L = corpus.doc_lengths()
     order = np.random.default_rng([0, 0]).permutation(L.size)
     chunks = [(int(order[k]), s, n) for k, s, n in naive_chunks([int(L[d]) for d in order], 4096)]
     packs = naive_buffer_packs([n for _, _, n in chunks], 4096, 64)
@@ -195,8 +195,8 @@ def test_fill_targets_on_the_dev_corpus(dev_manifest):
     """Pack fill of the global sequence: >= 0.998 at buffer 64, >= 0.9995 with BFD; the dataset
     yields exactly the planned packs."""
     corpus = open_corpus(dev_manifest, "train")
-    buf = pack_fill(corpus.doc_lengths, 4096, 35, 64, seed=0, mode="buffer")
-    bfd = pack_fill(corpus.doc_lengths, 4096, 35, seed=0, mode="bfd")
+    buf = pack_fill(corpus.doc_lengths(), 4096, 35, 64, seed=0, mode="buffer")
+    bfd = pack_fill(corpus.doc_lengths(), 4096, 35, seed=0, mode="bfd")
     assert buf.fill >= 0.998 and bfd.fill >= 0.9995, (buf.fill, bfd.fill)
     got = [b.pack_lengths.numpy() for b in BestFitDataset(corpus, 4096, 35, 64, seed=0)]
     assert np.array_equal(np.concatenate(got), np.rint(buf.pack_fill * 4096).astype(np.int64))

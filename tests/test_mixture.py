@@ -80,7 +80,7 @@ def window_source_tokens(ds, token_split: int) -> np.ndarray:
 
 
 def pairs(corpus) -> int:
-    return int(np.maximum(corpus.doc_lengths - 1, 0).sum())
+    return int(np.maximum(corpus.doc_lengths() - 1, 0).sum())
 
 
 def layout_windows(corpus, L: int) -> int:
@@ -129,7 +129,7 @@ def test_a_source_that_runs_out_wraps_into_its_own_next_epoch(manifests):
     big, small = sources(manifests)
     ds = BestFitDataset(mix([big, small], [1, 1]), L_BF, B_BF, seed=2, with_segments=True)
     n_big = big.num_documents
-    seen_big = {(d, s): 0 for d, s, _ in naive_chunks(big.doc_lengths.tolist(), L_BF)}  # every chunk of big
+    seen_big = {(d, s): 0 for d, s, _ in naive_chunks(big.doc_lengths().tolist(), L_BF)}  # every chunk of big
     first_orders = []
     for epoch in range(4):
         ds.set_epoch(epoch)

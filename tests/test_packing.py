@@ -69,7 +69,7 @@ def assert_epoch_exact(corpus, outputs, max_seq_len: int, batch_size: int) -> No
     the document's tokens at the positions its segments claim, and each segment is a whole document
     or one of its chunks (never cut to fill space)."""
     tokens = corpus.tokens(0, corpus.num_tokens).astype(np.int64)
-    offs, lens = corpus.doc_offsets, corpus.doc_lengths
+    offs, lens = corpus.doc_offsets, corpus.doc_lengths()
     seen = []
     for b in outputs:
         b.check()
@@ -348,10 +348,10 @@ def test_pack_fill_accounts_every_token(stdlib_manifest):
     actual epoch; fill = real / capacity; charging the last partial microbatch lowers it."""
     corpus = open_corpus(stdlib_manifest, "train")
     for mode in ("buffer", "bfd"):
-        st = pack_fill(corpus.doc_lengths, max_seq_len=512, batch_size=7, packing_buffer=64, seed=5, mode=mode)
+        st = pack_fill(corpus.doc_lengths(), max_seq_len=512, batch_size=7, packing_buffer=64, seed=5, mode=mode)
         batches = list(BestFitDataset(corpus, 512, 7, 64, seed=5, mode=mode))
         assert st.microbatches == len(batches) and st.packs == sum(b.num_packs for b in batches)
-        assert st.real_tokens == sum(b.num_tokens for b in batches) == int((corpus.doc_lengths - 1).sum())
+        assert st.real_tokens == sum(b.num_tokens for b in batches) == int((corpus.doc_lengths() - 1).sum())
         assert np.allclose(st.pack_fill * 512, np.concatenate([b.pack_lengths.numpy() for b in batches]))
         assert st.fill == pytest.approx(st.real_tokens / (st.packs * 512))
         assert st.fill_padded_last <= st.fill and 0 < st.fill <= 1
@@ -407,7 +407,7 @@ def test_dev_corpus_bfd_every_pair_once(dev_manifest):
     assert_epoch_exact(corpus, out, 4096, 35)
     real = sum(b.num_tokens for b in out)
     bfd_fill = real / (sum(b.num_packs for b in out) * 4096)
-    assert bfd_fill >= pack_fill(corpus.doc_lengths, mode="buffer").fill
+    assert bfd_fill >= pack_fill(corpus.doc_lengths(), mode="buffer").fill
 
 
 def reference_chunks(doc_lengths, *, max_seq_len, seed, epoch) -> list:
@@ -494,7 +494,7 @@ def assert_equals_reference(manifest, **kw):
 def crossing_chunks(corpus, max_seq_len) -> int:
     """Chunks whose tokens cross a shard end or a gap between file-contiguous HDF5 chunk runs
     (read apart from the others)."""
-    doc, start, n = document_chunks(corpus.doc_lengths, max_seq_len)
+    doc, start, n = document_chunks(corpus.doc_lengths(), max_seq_len)
     _, _, room = corpus.run_table().locate(np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start)
     return int(np.count_nonzero(n + 1 > room))
 
@@ -536,7 +536,7 @@ def test_only_chunks_that_span_two_runs_leave_the_memory_map(stdlib_manifest, mo
     earlier run); only a chunk whose tokens really span two runs is read through Corpus.tokens."""
     corpus = open_corpus(stdlib_manifest, "train")
     table = corpus.run_table()
-    doc, start, n = document_chunks(corpus.doc_lengths, 512)
+    doc, start, n = document_chunks(corpus.doc_lengths(), 512)
     pos = np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start
     first_run = table.locate(pos)[0]
     last_run = table.locate(pos + n)[0]  # the run of each chunk's lookahead token

@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..storage.protocols import CorpusLike
+from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
 from .chunking import ChunkTable
 from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, epoch_order
@@ -49,11 +51,9 @@ class MappedRuns(NamedTuple):
     views: list[memoryview]
 
 
-def mapped_runs(corpus: Any) -> MappedRuns | None:
+def mapped_runs(corpus: CorpusLike) -> MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
     (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
-    if not hasattr(corpus, "run_table"):
-        return None
     table = corpus.run_table()
     if table is None:
         return None
@@ -71,7 +71,7 @@ class _SegmentReads:
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
     ``Corpus.gather_ranges`` call."""
 
-    def __init__(self, corpus: Any, table: MappedRuns | None) -> None:
+    def __init__(self, corpus: CorpusLike, table: MappedRuns | None) -> None:
         self.corpus, self.table = corpus, table
         self.dtype = np.dtype(corpus.dtype)
 
@@ -229,13 +229,14 @@ class BestFitDataset(GlobalSequenceDataset):
     # -- the plan -------------------------------------------------------------------------------
     def chunk_table(self) -> ChunkTable:
         """Every chunk of the corpus in corpus order (O(documents): only to compute a plan)."""
-        return ChunkTable.build(self.corpus.doc_lengths, self.max_seq_len)
+        return ChunkTable.build(self.corpus.doc_lengths(), self.max_seq_len)
 
-    def plan(self, epoch: int | None = None) -> EpochPlan:
-        """A fresh lazy global plan of ``epoch`` (default: the current one); nothing planned yet.
-        O(documents): :meth:`shared_plan` is what iteration reads."""
+    def plan(self, epoch: int | None = None, table: ChunkTable | None = None) -> EpochPlan:
+        """A fresh lazy global plan of ``epoch`` (default: the current one) over ``table``
+        (default: :meth:`chunk_table`); nothing planned yet. O(documents): iteration reads
+        :meth:`shared_plan`."""
         e = self.epoch if epoch is None else check_epoch(epoch)
-        table = self.chunk_table()
+        table = self.chunk_table() if table is None else table
         if self.mixture is None:
             stream, bases = epoch_order(table.num_chunks, self.seed, e, self.shuffle), None
         else:
@@ -246,9 +247,10 @@ class BestFitDataset(GlobalSequenceDataset):
 
     def plan_arrays(self, epoch: int | None = None) -> PlanArrays:
         """``epoch``'s whole plan as flat arrays (what a plan file holds); O(documents)."""
-        plan = self.plan(epoch)
-        offsets = np.zeros(plan.table.first.size, dtype=np.int64)
-        np.cumsum(self.corpus.doc_lengths, out=offsets[1:])
+        lengths = self.corpus.doc_lengths()
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        plan = self.plan(epoch, ChunkTable.build(lengths, self.max_seq_len))
         return materialize(plan, offsets, None if self.mixture is None else self.mixture.token_bases)
 
     def shared_plan(self, epoch: int | None = None) -> SharedPlan:
@@ -326,7 +328,7 @@ class BestFitDataset(GlobalSequenceDataset):
     @property
     def skipped_documents(self) -> int:
         """Documents of the split with fewer than 2 tokens (no next-token pair; never yielded)."""
-        return int(np.count_nonzero(self.corpus.doc_lengths < 2))
+        return int(np.count_nonzero(self.corpus.doc_lengths() < 2))
 
     def __repr__(self) -> str:
         return (

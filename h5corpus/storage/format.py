@@ -455,7 +455,7 @@ def check_index(
     return out
 
 
-def chunk_layout(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
+def chunk_byte_layout(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarray | None, str]:
     """Where the chunks of a 1-D ``/tokens`` h5py dataset covering ``[0, n_tokens)`` lie in the
     file, for the memory-map read path: ``(offsets, "")`` with the byte offset of every chunk, or
     ``(None, why not)``.
@@ -501,6 +501,10 @@ def chunk_layout(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarray | N
     if n_chunks and offsets.min() < -1:
         return None, f"chunk {int(np.argmin(offsets))} is not allocated"
     return offsets, ""
+
+
+#: Deprecated name of :func:`chunk_byte_layout` (the loaders' ``chunking.chunk_layout`` is another thing).
+chunk_layout = chunk_byte_layout
 
 
 # -- chunk checksums (version 2) ---------------------------------------------------------------------

@@ -264,10 +264,40 @@ class Corpus:
     def num_shards(self) -> int:
         return len(self.paths)
 
-    @property
     def doc_lengths(self) -> np.ndarray:
-        """(documents,) int64 tokens per document, EOS included."""
+        """(documents,) int64 tokens per document, EOS included. O(documents): reads every shard's
+        offsets (verified); for computing a plan once, not per batch."""
         return np.diff(self.doc_offsets)
+
+    def doc_offsets_range(self, lo: int, hi: int) -> np.ndarray:
+        """(hi - lo + 1,) int64 global token offsets of the boundaries of documents ``lo..hi``
+        inclusive (``0 <= lo <= hi <= num_documents``): document ``i`` is tokens
+        ``[out[i - lo], out[i - lo + 1])``. Verified; reads only the index chunks holding them."""
+        if not (isinstance(lo, (int, np.integer)) and isinstance(hi, (int, np.integer))):
+            raise TypeError(f"doc_offsets_range: lo and hi must be integers, got {lo!r}, {hi!r}")
+        if not 0 <= lo <= hi <= self.num_documents:
+            raise IndexError(f"doc_offsets_range: [{lo:,}, {hi:,}] outside [0, {self.num_documents:,}]")
+        return self._offsets_between(int(lo), int(hi))
+
+    def doc_index_at(self, positions: np.ndarray) -> np.ndarray:
+        """int64 index of the document holding each global token position (``positions``: any
+        shape of integers in ``[0, num_tokens)``; the result has its shape). Reads only the index
+        chunks that hold the answers."""
+        pos = np.asarray(positions)
+        if pos.size and pos.dtype.kind not in "iu":
+            raise TypeError(f"doc_index_at: positions must be integers, got dtype {pos.dtype}")
+        pos = pos.astype(np.int64, copy=False)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.num_tokens):
+            raise IndexError(f"doc_index_at: positions outside [0, {self.num_tokens:,})")
+        return self._doc_index_at(pos)
+
+    def _offsets_between(self, lo: int, hi: int) -> np.ndarray:
+        """Checked ``doc_offsets_range``: boundaries ``lo..hi`` as a new array."""
+        return self.doc_offsets[lo : hi + 1].copy()
+
+    def _doc_index_at(self, pos: np.ndarray) -> np.ndarray:
+        """Checked ``doc_index_at`` over int64 positions."""
+        return np.searchsorted(self.doc_offsets, pos, side="right").astype(np.int64) - 1
 
     @property
     def doc_ids(self) -> np.ndarray:
@@ -372,7 +402,7 @@ class Corpus:
                 filtered = ds.id.get_create_plist().get_nfilters() != 0
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
-                    offsets, why = fmt.chunk_layout(ds, n, os.path.getsize(path))
+                    offsets, why = fmt.chunk_byte_layout(ds, n, os.path.getsize(path))
                 sums = None
                 if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
                     sums = self._chunk_sums[shard]

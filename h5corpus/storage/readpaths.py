@@ -1,7 +1,7 @@
 """Per-process read paths of one shard's ``/tokens`` (docs/READING.md).
 
 * :class:`MmapTokens`: a finished shard whose chunks are stored raw, through a read-only memory map
-  of the file at the chunk byte offsets HDF5 reports (:func:`~h5corpus.storage.format.chunk_layout`).
+  of the file at the chunk byte offsets HDF5 reports (:func:`~h5corpus.storage.format.chunk_byte_layout`).
   A range inside one run of file-contiguous chunks is one copy from the page cache, no HDF5 call. A
   version 2 shard's compressed final chunk is decoded into memory the first time it is touched.
 * :class:`H5Tokens`: compressed shards and shards still being written, through one low-level

@@ -79,7 +79,7 @@ def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = Fals
     """Yield (start, array) blocks covering ``ds[0:n_tokens]`` in order.
 
     Chunks stored raw are viewed straight from a read-only memory map of the file at the chunk
-    byte offsets HDF5 reports (:func:`h5corpus.storage.format.chunk_layout`), runs of chunks that are
+    byte offsets HDF5 reports (:func:`h5corpus.storage.format.chunk_byte_layout`), runs of chunks that are
     contiguous in the file cut into blocks of at most :data:`HASH_BLOCK_TOKENS`; a version 2
     shard's compressed final chunk, and anything else (compressed shards, or an odd layout a corrupt
     file may have) is read through h5py into one reused buffer, or a fresh one per block when
@@ -88,7 +88,7 @@ def _token_blocks(ds: h5py.Dataset, path: str, n_tokens: int, fresh: bool = Fals
     """
     if not n_tokens:
         return
-    offsets, _ = fmt.chunk_layout(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
+    offsets, _ = fmt.chunk_byte_layout(ds, n_tokens, os.path.getsize(path)) if ds.chunks else (None, "")
     if offsets is not None:
         chunk, itemsize = ds.chunks[0], ds.dtype.itemsize
         per_block = max(HASH_BLOCK_TOKENS // chunk, 1)
