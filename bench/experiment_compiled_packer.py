@@ -44,8 +44,8 @@ def compiled_loader(corpus, nb):
     ``copy``: ``"join"`` (the shipped segment copy) or ``"numba"`` (a compiled copy loop)."""
 
     from h5corpus.loaders.batch import VarlenBatch, alloc_compact
-    from h5corpus.loaders.chunking import chunk_layout
-    from h5corpus.loaders.plan import epoch_order
+    from h5corpus.loaders.chunking import document_chunks as chunk_layout
+    from h5corpus.loaders.epochplan import epoch_order
 
     @nb.njit(cache=True)
     def admit(lengths, keys, nk, pos):

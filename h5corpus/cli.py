@@ -728,6 +728,44 @@ def quality_score_cli(
     raise typer.Exit(EXIT_OK)
 
 
+@app.command("plan")
+def plan_cli(
+    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
+    plan_dir: Path = typer.Option(..., "--plan-dir", help="Folder of plan files (BestFitDataset(plan_dir=...))."),
+    split: str = typer.Option("train", "--split"),
+    epochs: int = typer.Option(1, "--epochs", help="Epochs to plan, from --first-epoch on."),
+    first_epoch: int = typer.Option(0, "--first-epoch"),
+    max_seq_len: int = typer.Option(4096, "--max-seq-len", help="Pack capacity, in tokens."),
+    batch_size: int = typer.Option(35, "--batch-size", help="Packs per microbatch."),
+    packing_buffer: int | None = typer.Option(None, "--packing-buffer", help="Chunks (default 64 / 16,384 by mode)."),
+    seed: int = typer.Option(0, "--seed"),
+    mode: str = typer.Option("buffer", "--mode", help="buffer or bfd."),
+    shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle"),
+    workers: int = typer.Option(1, "--workers", "-w", help="Epochs planned at once."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Rewrite plan files that already exist."),
+) -> None:
+    """Precompute the best-fit loader's epoch plans into --plan-dir (one file per epoch)."""
+    from .loaders.bestfit import write_plans
+
+    check_path_arg("MANIFEST", manifest)
+    check_local_manifest(manifest)
+    if not manifest.exists():
+        raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
+    check_positive("--epochs", epochs)
+    settings = dict(max_seq_len=max_seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed)
+    try:
+        paths = write_plans(
+            manifest, plan_dir, range(first_epoch, first_epoch + max(epochs, 0)), workers=workers, rebuild=rebuild,
+            split=split, mode=mode, shuffle=shuffle, **settings,
+        )  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise fail(f"plan: {e}", EXIT_USAGE) from None
+    except OSError as e:
+        raise os_failure(f"plan {plan_dir}", e) from None
+    for p in paths:
+        typer.echo(p)
+
+
 def main() -> None:
     app()
 

@@ -30,7 +30,7 @@ import numpy as np
 from .loaders import chunking
 from .loaders.batch import BatchError
 from .loaders.bestfit import BestFitDataset
-from .loaders.plan import default_packing_buffer, pack_fill
+from .loaders.epochplan import default_packing_buffer, pack_fill
 from .storage import format as fmt
 from .storage.manifest import Manifest, read_manifest
 from .storage.reader import Corpus, open_corpus
@@ -136,11 +136,11 @@ class _ChunkCounts:
 
 
 def _chunk_counts(lengths: np.ndarray, seq_len: int) -> _ChunkCounts:
-    """Chunk ``lengths`` (one shard's documents) with :func:`~h5corpus.loaders.chunking.chunk_layout`
+    """Chunk ``lengths`` (one shard's documents) with :func:`~h5corpus.loaders.chunking.document_chunks`
     and count what breaks the rule: inside each document chunks start at 0 and each starts where
     the previous ended; lengths lie in [1, seq_len]; every pair is covered once; the last chunk's
     last target is the document's last token."""
-    doc, start, length = chunking.chunk_layout(lengths, seq_len)
+    doc, start, length = chunking.document_chunks(lengths, seq_len)
     pairs = np.maximum(lengths - 1, 0)
     per_doc = np.bincount(doc, weights=length, minlength=lengths.size).astype(np.int64)
     first = np.r_[True, doc[1:] != doc[:-1]] if doc.size else np.zeros(0, bool)
@@ -354,7 +354,7 @@ def _epoch_figures(lengths: np.ndarray, seq_len: int, batch_size: int, packing_b
     pf = pack_fill(
         lengths, max_seq_len=seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed, mode=mode
     )
-    _, _, clen = chunking.chunk_layout(lengths, seq_len)
+    _, _, clen = chunking.document_chunks(lengths, seq_len)
     pairs = int(clen.sum())
     padded_rows = clen.size * seq_len
     # dynamic padding: segments in shuffled order, batch_size rows per microbatch, each row
@@ -398,7 +398,7 @@ def _split_figures(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: di
         {
             "document": int(i),
             "tokens": int(n),
-            "chunk_lengths": chunking.chunk_layout(np.array([n]), seq_len)[2].tolist(),
+            "chunk_lengths": chunking.document_chunks(np.array([n]), seq_len)[2].tolist(),
         }
         for i, n in zip(scan.longest_idx[:LONG_EXAMPLES][long], scan.longest_len[:LONG_EXAMPLES][long])
     ]

@@ -82,8 +82,8 @@ def test_figures_agree_with_independent_computation_on_dev_corpus(dev_manifest):
 
 def test_seed_examples_chunk_lengths():
     """8,991 tokens with EOS -> 4096, 4096, 798 (seed 002); 9,000 text tokens + EOS -> 4096, 4096, 808."""
-    _, _, l1 = chunking.chunk_layout(np.array([8991]), 4096)
-    _, _, l2 = chunking.chunk_layout(np.array([9001]), 4096)
+    _, _, l1 = chunking.document_chunks(np.array([8991]), 4096)
+    _, _, l2 = chunking.document_chunks(np.array([9001]), 4096)
     assert l1.tolist() == [4096, 4096, 798] and l2.tolist() == [4096, 4096, 808]
 
 
@@ -129,7 +129,7 @@ def test_document_in_both_splits_fails_the_leakage_check(tmp_path):
 
 
 def test_chunking_that_drops_a_pair_fails(small_manifest, monkeypatch):
-    real = chunking.chunk_layout
+    real = chunking.document_chunks
 
     def lossy(lengths, max_seq_len):
         doc, start, length = real(lengths, max_seq_len)
@@ -138,7 +138,7 @@ def test_chunking_that_drops_a_pair_fails(small_manifest, monkeypatch):
         length[last & (length > 1)] -= 1  # forget each document's final pair (the one predicting EOS)
         return doc, start, length
 
-    monkeypatch.setattr(chunking, "chunk_layout", lossy)
+    monkeypatch.setattr(chunking, "document_chunks", lossy)
     rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
     assert "chunking neither drops nor duplicates a pair and keeps the real EOS" in _failed(rep)
 

@@ -17,9 +17,9 @@ import torch
 
 from h5corpus import BestFitDataset, open_corpus, split_tokens
 from h5corpus.loaders.batch import concat_batches
-from h5corpus.loaders.chunking import ChunkTable, chunk_layout
+from h5corpus.loaders.chunking import ChunkTable, document_chunks
 from h5corpus.loaders.packers import BufferPacker, best_fit_packs, bfd_packs, shuffled_bfd_block
-from h5corpus.loaders.plan import epoch_order, pack_fill
+from h5corpus.loaders.epochplan import epoch_order, pack_fill
 from h5corpus.storage.format import TokenizerIdentity
 from h5corpus.storage.manifest import Manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
@@ -147,26 +147,26 @@ def test_split_tokens_long_documents_of_the_docs_table(n_tokens, expected):
     assert [c.start for c in chunks] == [4096 * i for i in range(len(expected))]
 
 
-def test_chunk_table_is_chunk_layout():
-    """The plan's compact chunk table (corpus order) holds exactly chunk_layout's chunks."""
+def test_chunk_table_is_document_chunks():
+    """The plan's compact chunk table (corpus order) holds exactly document_chunks's chunks."""
     rng = np.random.default_rng(3)
     for L in (1, 5, 64):
         lengths = np.concatenate([[0, 1, 2, L, L + 1, 3 * L + 2], rng.integers(0, 6 * L, 300)])
         t = ChunkTable.build(lengths, L)
-        doc, start, n = chunk_layout(lengths, L)
+        doc, start, n = document_chunks(lengths, L)
         ids = np.arange(t.num_chunks)
         assert np.array_equal(t.doc, doc) and np.array_equal(t.length, n) and np.array_equal(t.starts(ids), start)
         assert t.doc.dtype == np.int32 and t.length.dtype == np.int32 and t.first[-1] == t.num_chunks
 
 
-def test_chunk_layout_and_split_tokens_follow_the_documented_rule():
-    """chunk_layout equals the rule of docs/PACKING.md written as a loop (tests.helpers.naive_chunks),
+def test_document_chunks_and_split_tokens_follow_the_documented_rule():
+    """document_chunks equals the rule of docs/PACKING.md written as a loop (tests.helpers.naive_chunks),
     documents of 0 or 1 tokens yielding none; split_tokens cuts each document's own tokens at those
     chunks: inputs = tokens[start : start + n], targets one token ahead, positions 0 .. n-1."""
     rng = np.random.default_rng(0)
     for L in (1, 2, 7, 64):
         lengths = np.concatenate([[0, 1, 2, L, L + 1, L + 2, 2 * L + 1], rng.integers(0, 5 * L, 200)])
-        doc, start, n = chunk_layout(lengths, L)
+        doc, start, n = document_chunks(lengths, L)
         want = naive_chunks(lengths.tolist(), L)
         assert list(zip(doc.tolist(), start.tolist(), n.tolist())) == want
         assert 0 not in doc.tolist() and 1 not in doc.tolist()
@@ -494,7 +494,7 @@ def assert_equals_reference(manifest, **kw):
 def crossing_chunks(corpus, max_seq_len) -> int:
     """Chunks whose tokens cross a shard end or a gap between file-contiguous HDF5 chunk runs
     (read apart from the others)."""
-    doc, start, n = chunk_layout(corpus.doc_lengths(), max_seq_len)
+    doc, start, n = document_chunks(corpus.doc_lengths(), max_seq_len)
     _, _, room = corpus.run_table().locate(np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start)
     return int(np.count_nonzero(n + 1 > room))
 
@@ -536,7 +536,7 @@ def test_only_chunks_that_span_two_runs_leave_the_memory_map(stdlib_manifest, mo
     earlier run); only a chunk whose tokens really span two runs is read through Corpus.tokens."""
     corpus = open_corpus(stdlib_manifest, "train")
     table = corpus.run_table()
-    doc, start, n = chunk_layout(corpus.doc_lengths(), 512)
+    doc, start, n = document_chunks(corpus.doc_lengths(), 512)
     pos = np.asarray(corpus.doc_offsets, dtype=np.int64)[doc] + start
     first_run = table.locate(pos)[0]
     last_run = table.locate(pos + n)[0]  # the run of each chunk's lookahead token

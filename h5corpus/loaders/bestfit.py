@@ -2,13 +2,13 @@
 
 Per epoch, :class:`BestFitDataset` yields its share of one global sequence of microbatches:
 
-1. the plan (:mod:`~h5corpus.loaders.plan`): chunks of every document, the epoch's chunk order,
+1. the plan (:mod:`~h5corpus.loaders.epochplan`): chunks of every document, the epoch's chunk order,
    packing (:mod:`~h5corpus.loaders.packers`), microbatches of ``batch_size`` packs: chunk ids only,
    from document lengths, no tokens read, the same in every process;
 2. the schedule (:mod:`~h5corpus.loaders.partition`): rank ``r`` of ``W`` takes microbatches
    ``r, r + W, ...``, DataLoader workers take turns within a rank, the remainder rule makes every
    rank's count equal;
-3. the reads (:class:`_ChunkReads`, here): each microbatch this process yields becomes one compact
+3. the reads (:class:`_SegmentReads`, here): each microbatch this process yields becomes one compact
    :class:`~h5corpus.loaders.batch.VarlenBatch` of real tokens only: ``cu_seqlens`` over every
    segment, positions restarting per segment, ``pack_lengths`` per pack, each segment's inputs plus
    its lookahead token copied from the memory-mapped shards by one ``bytearray.join`` of byte views
@@ -22,43 +22,47 @@ number of next-token pairs).
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from operator import getitem
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from ..storage.protocols import CorpusLike
+from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
 from .chunking import ChunkTable
+from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, epoch_order
 from .mixture import Mixture, mix
-from .plan import EpochPlan, MicrobatchGroup, PlanSettings, epoch_order
-from .sequence import GlobalSequenceDataset
+from .partition import integer_arg
+from .planfile import PlanArrays, SharedPlan, ensure_plan_file, materialize
+from .sequence import GlobalSequenceDataset, check_epoch
 
 
 class MappedRuns(NamedTuple):
     """A fully memory-mapped split's run table (:class:`~h5corpus.storage.reader.RunTable`) with a
-    byte view of each run, for the loaders' copies (:class:`_ChunkReads`, the window loader)."""
+    byte view of each run, for the loaders' copies (:class:`_SegmentReads`, the window loader)."""
 
     table: Any
     views: list[memoryview]
 
 
-def mapped_runs(corpus: Any) -> MappedRuns | None:
+def mapped_runs(corpus: CorpusLike) -> MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
     (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
-    if not hasattr(corpus, "run_table"):
-        return None
     table = corpus.run_table()
     if table is None:
         return None
     return MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
 
 
-class _ChunkReads:
-    """Token reads of one plan's chunks into compact batches: chunk ``i`` is ``chunk_len[i] + 1``
-    consecutive tokens of its document (its inputs plus the lookahead).
+class _SegmentReads:
+    """Token reads of a plan's segments into compact batches: segment ``i`` is ``seg_len[i] + 1``
+    consecutive tokens from global token ``seg_start[i]`` (its inputs plus the lookahead).
 
     Memory-mapped corpus (``table`` given): a microbatch's rows are one byte view per segment
     into the run holding it, joined with the header into the batch's one buffer by
@@ -67,131 +71,59 @@ class _ChunkReads:
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
     ``Corpus.gather_ranges`` call."""
 
-    def __init__(self, corpus: Any, chunks: ChunkTable, table: MappedRuns | None) -> None:
-        self.corpus, self.chunks, self.table = corpus, chunks, table
+    def __init__(self, corpus: CorpusLike, table: MappedRuns | None) -> None:
+        self.corpus, self.table = corpus, table
         self.dtype = np.dtype(corpus.dtype)
-        self.doc_offsets = np.asarray(corpus.doc_offsets, dtype=np.int64)
 
-    def _starts(self, chunks: np.ndarray) -> np.ndarray:
-        """Global token position of each chunk's first input."""
-        t = self.chunks
-        doc = t.doc[chunks]
-        return self.doc_offsets[doc] + (chunks - t.first[doc]) * t.max_seq_len
-
-    def prepare(self, g: MicrobatchGroup) -> list[_Prepared]:
-        """Per-microbatch inputs of :meth:`batch` for a whole group, with one numpy call per
-        quantity for the group instead of one per microbatch."""
-        S, K = g.chunks.size, len(g.mb_packs) - 1
-        seg = np.empty(K + 1, dtype=np.int64)  # each microbatch's first segment
-        seg[:K] = g.pack_starts[g.mb_packs[:-1]]
-        seg[K] = S
-        cum = np.cumsum(g.lengths)
-        before = np.zeros(K + 1, dtype=np.int64)  # inputs before each microbatch
-        before[1:] = cum[seg[1:] - 1]
-        row_ends = (cum - np.repeat(before[:-1], np.diff(seg))).astype(np.int32)
-        pack_len = np.add.reduceat(g.lengths, g.pack_starts).astype(np.int32)
-        longest = np.maximum.reduceat(g.lengths, seg[:-1]).tolist()
-        tokens = np.diff(before).tolist()
-        bounds = seg.tolist()
-        t = self.table
-        if t is not None:
-            pos = self._starts(g.chunks)
-            run, off, room = t.table.locate(pos)
-            w = self.dtype.itemsize
-            lo = off * w
-            hi = lo + (g.lengths + 1) * w
-            # A chunk that crosses a gap between runs is read through the corpus instead (its
-            # slice of its first run is replaced in the batch's rows: see :meth:`batch`).
-            cross = np.flatnonzero(g.lengths + 1 > room)
-            run_l, lo_l, hi_l = run.tolist(), lo.tolist(), hi.tolist()
-            cut = np.searchsorted(cross, seg).tolist()
-            if cross.size:
-                cross_starts = pos[cross].tolist()
-                cross_l = cross.tolist()
-        out = []
-        for j in range(K):
-            a, b = bounds[j], bounds[j + 1]
-            ranges = None
-            if t is not None:
-                c0, c1 = cut[j], cut[j + 1]
-                patch = [(k - a, cross_starts[m]) for m, k in enumerate(cross_l[c0:c1], c0)] if c1 > c0 else None
-                ranges = (run_l[a:b], lo_l[a:b], hi_l[a:b], patch)
-            out.append(
-                _Prepared(
-                    g.chunks[a:b],
-                    g.lengths[a:b],
-                    row_ends[a:b],
-                    pack_len[g.mb_packs[j] : g.mb_packs[j + 1]],
-                    tokens[j],
-                    longest[j],
-                    ranges,
-                )
-            )
-        return out
-
-    def batch(self, mb: _Prepared) -> VarlenBatch:
-        """The compact batch of one prepared microbatch."""
-        if mb.ranges is None:
-            parts = alloc_compact(mb.lengths.size, mb.num_tokens, self.dtype, packs=mb.pack_lengths.size)
+    def batch(self, mb: PlanArrays) -> VarlenBatch:
+        """The compact batch of one microbatch (:meth:`~h5corpus.loaders.planfile.SharedPlan.microbatch`)."""
+        lengths = mb.seg_len.astype(np.int64)
+        cum = np.cumsum(lengths)
+        total = int(cum[-1])
+        if total >= 2**31:
+            raise ValueError(f"microbatch of {total:,} tokens is too large for int32 cu_seqlens")
+        pack_len = np.add.reduceat(lengths, mb.pack_starts[:-1]).astype(np.int32)
+        longest = int(lengths.max())
+        if self.table is None:
+            parts = alloc_compact(lengths.size, total, self.dtype, packs=pack_len.size)
             parts.row_cu[0] = 0
-            parts.row_cu[1:] = mb.row_ends
-            parts.pack_lengths[:] = mb.pack_lengths
-            self.corpus.gather_ranges(self._starts(mb.chunks), mb.lengths + 1, out=parts.tokens)
-            return parts.batch(mb.max_seqlen)
-        run, lo, hi, patch = mb.ranges
-        views = self.table.views  # type: ignore[union-attr]
-        rows = list(map(getitem, map(views.__getitem__, run), map(slice, lo, hi)))
-        if patch is not None:  # segments that leave their first run: read through the corpus
-            tokens, w = self.corpus.tokens, self.dtype.itemsize
-            for k, g in patch:
-                rows[k] = tokens(g, g + (hi[k] - lo[k]) // w)
-        return VarlenBatch.from_row_bytes(rows, mb.row_ends, mb.pack_lengths, self.dtype, mb.max_seqlen)
+            parts.row_cu[1:] = cum
+            parts.pack_lengths[:] = pack_len
+            self.corpus.gather_ranges(mb.seg_start, lengths + 1, out=parts.tokens)
+            return parts.batch(longest)
+        run, off, room = self.table.table.locate(mb.seg_start)
+        w = self.dtype.itemsize
+        lo = off * w
+        hi = lo + (lengths + 1) * w
+        views = self.table.views
+        rows = list(map(getitem, map(views.__getitem__, run.tolist()), map(slice, lo.tolist(), hi.tolist())))
+        for k in np.flatnonzero(lengths + 1 > room).tolist():  # leaves its first run: read through the corpus
+            g = int(mb.seg_start[k])
+            rows[k] = self.corpus.tokens(g, g + int(lengths[k]) + 1)
+        return VarlenBatch.from_row_bytes(rows, cum.astype(np.int32), pack_len, self.dtype, longest)
 
-    def segments(self, mb: _Prepared) -> torch.Tensor:
+    @staticmethod
+    def segments(mb: PlanArrays) -> torch.Tensor:
         """(S, 3) int64 ``(document index, start, length)`` of the microbatch's segments."""
-        t = self.chunks
-        doc = t.doc[mb.chunks].astype(np.int64)
-        return torch.from_numpy(np.stack([doc, t.starts(mb.chunks), mb.lengths], axis=1))
+        cols = [mb.seg_doc, mb.seg_within, mb.seg_len]
+        return torch.from_numpy(np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=1))
 
 
-class _Prepared(NamedTuple):
-    """One microbatch of a group, with what :meth:`_ChunkReads.batch` needs."""
-
-    chunks: np.ndarray
-    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows)."""
-    lengths: np.ndarray
-    """(S,) int64 inputs per segment."""
-    row_ends: np.ndarray
-    """(S,) int32 cumulative inputs after each segment (``cu_seqlens[1:]``)."""
-    pack_lengths: np.ndarray
-    """(P,) int32 real inputs per pack."""
-    num_tokens: int
-    """T, real inputs of the microbatch."""
-    max_seqlen: int
-    """Its longest segment, in inputs."""
-    ranges: tuple[list[int], list[int], list[int], list[tuple[int, int]] | None] | None
-    """Memory-mapped corpus: run, first byte and end byte of every segment in its run's view,
-    then ``(segment, global start token)`` of the segments that leave their first run (read
-    through the corpus instead), or None."""
-
-
-def as_source(corpus: Any, split: str) -> Any:
-    """A loader's ``corpus`` argument as something it reads: a ``Corpus`` or a
-    :class:`~h5corpus.loaders.mixture.Mixture` as given, a manifest path opened at ``split``, a
-    list or tuple of sources mixed in proportion to their tokens (:func:`~h5corpus.loaders.mixture.mix`)."""
-    if hasattr(corpus, "doc_offsets"):
-        return corpus
+def as_source(corpus: CorpusLike | str | os.PathLike | list | tuple, split: str) -> CorpusLike:
+    """A loader's ``corpus`` argument as something it reads: a manifest path opened at ``split``,
+    a list or tuple of sources mixed in proportion to their tokens (:func:`~h5corpus.loaders.mixture.mix`),
+    anything else (a ``Corpus``, a :class:`~h5corpus.loaders.mixture.Mixture`) as given."""
     if isinstance(corpus, (list, tuple)):
         return mix(list(corpus), split=split)
-    from ..storage.reader import open_corpus
-
-    return open_corpus(corpus, split)
+    if isinstance(corpus, (str, os.PathLike)):
+        return open_corpus(corpus, split)
+    return corpus
 
 
 class BestFitDataset(GlobalSequenceDataset):
     """Padding-free microbatches of whole documents (or chunks of long ones), best-fit packed.
 
-    What to iterate (the plan's settings, :class:`~h5corpus.loaders.plan.PlanSettings`):
+    What to iterate (the plan's settings, :class:`~h5corpus.loaders.epochplan.PlanSettings`):
         corpus: a :class:`~h5corpus.storage.reader.Corpus`, a manifest path (opened with ``split``),
             a :class:`~h5corpus.loaders.mixture.Mixture` (:func:`h5corpus.mix`), or a list of
             sources (mixed in proportion to their tokens).
@@ -215,6 +147,10 @@ class BestFitDataset(GlobalSequenceDataset):
         with_segments: set ``batch.segments`` of every yielded batch to an (S, 3) int64 tensor
             of ``(document index, start, length)`` per segment (start = offset of its first input
             in the document, in tokens); otherwise it is None.
+        plan_dir: a folder for plan files (:mod:`~h5corpus.loaders.planfile`): each epoch's plan
+            is computed once, by the first process that needs it (or offline by ``h5corpus
+            plan``), and memory-mapped by every rank and worker, so no process pays
+            O(documents) for it again; None (default): each process computes it in memory.
 
     Yields one :class:`~h5corpus.loaders.batch.VarlenBatch` per microbatch; use with
     ``torch.utils.data.DataLoader`` or torchdata's ``StatefulDataLoader`` with ``batch_size=None``.
@@ -242,17 +178,21 @@ class BestFitDataset(GlobalSequenceDataset):
         world_size: int | None = None,
         epoch: int = 0,
         with_segments: bool = False,
+        plan_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
         st = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle)  # validates
+        if plan_dir is not None and not isinstance(plan_dir, (str, os.PathLike)):
+            raise TypeError(f"plan_dir must be a folder path or None, got {type(plan_dir).__name__}")
         self.corpus = as_source(corpus, split)
         self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
         self.max_seq_len, self.batch_size, self.packing_buffer = st.max_seq_len, st.batch_size, st.packing_buffer
         self.seed, self.mode, self.shuffle = st.seed, st.mode, st.shuffle
         self.with_segments = bool(with_segments)
+        self.plan_dir = None if plan_dir is None else os.fspath(plan_dir)
         self._fingerprint: str | None = None
         self._counts: dict[int, int] = {}  # microbatches per epoch (small; travels into workers)
-        self._cache: dict[str, Any] = {}  # this process's chunk table, probe plan, mapped runs (never pickled)
+        self._cache: dict[str, Any] = {}  # this process's plans and mapped runs (never pickled)
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -272,27 +212,31 @@ class BestFitDataset(GlobalSequenceDataset):
 
     @property
     def fingerprint(self) -> str:
-        """Hex sha256 of the corpus's own fingerprint (split + shard hashes) and the split's
-        document boundaries (what the plan depends on); checkpoints from another corpus are refused."""
+        """Hex sha256 of the corpus's own fingerprint (split + shard hashes), its document and
+        token counts (O(1)); checkpoints and plan files of another corpus are refused."""
         if self._fingerprint is None:
-            h = hashlib.sha256(str(getattr(self.corpus, "fingerprint", "")).encode())
-            h.update(np.ascontiguousarray(self.corpus.doc_offsets, dtype="<i8").tobytes())
-            self._fingerprint = h.hexdigest()
+            c = self.corpus
+            key = f"{c.fingerprint}\0{c.num_documents}\0{c.num_tokens}\0plan v{PLAN_VERSION}"
+            self._fingerprint = hashlib.sha256(key.encode()).hexdigest()
         return self._fingerprint
+
+    def plan_identity(self, epoch: int) -> dict[str, Any]:
+        """What ``epoch``'s plan depends on (a plan file's header): fingerprint, settings, epoch."""
+        d = self.settings.as_dict()
+        d["mixture"] = None if self.mixture is None else self.mixture.settings()
+        return {"fingerprint": self.fingerprint, "settings": d, "epoch": int(epoch)}
 
     # -- the plan -------------------------------------------------------------------------------
     def chunk_table(self) -> ChunkTable:
-        """Every chunk of the corpus in corpus order (this process's, cached)."""
-        key = (self.corpus.num_documents, self.corpus.num_tokens, self.max_seq_len)
-        hit = self._cache.get("chunks")
-        if hit is None or hit[0] != key:
-            hit = self._cache["chunks"] = (key, ChunkTable.build(self.corpus.doc_lengths(), self.max_seq_len))
-        return hit[1]
+        """Every chunk of the corpus in corpus order (O(documents): only to compute a plan)."""
+        return ChunkTable.build(self.corpus.doc_lengths(), self.max_seq_len)
 
-    def plan(self, epoch: int | None = None) -> EpochPlan:
-        """A fresh global plan of ``epoch`` (default: the current one); nothing planned yet."""
-        e = self.epoch if epoch is None else int(epoch)
-        table = self.chunk_table()
+    def plan(self, epoch: int | None = None, table: ChunkTable | None = None) -> EpochPlan:
+        """A fresh lazy global plan of ``epoch`` (default: the current one) over ``table``
+        (default: :meth:`chunk_table`); nothing planned yet. O(documents): iteration reads
+        :meth:`shared_plan`."""
+        e = self.epoch if epoch is None else check_epoch(epoch)
+        table = self.chunk_table() if table is None else table
         if self.mixture is None:
             stream, bases = epoch_order(table.num_chunks, self.seed, e, self.shuffle), None
         else:
@@ -301,22 +245,37 @@ class BestFitDataset(GlobalSequenceDataset):
             stream = sel.items.astype(np.int32 if table.num_chunks < 2**31 else np.int64)
         return EpochPlan(table, stream, self.settings, epoch=e, source_bases=bases)
 
-    def _probe(self, epoch: int) -> EpochPlan:
-        """This process's fully planned epoch (counts and tokens; no microbatch kept)."""
-        hit = self._cache.get("probe")
-        if hit is None or hit[0] != (epoch, self.chunk_table().num_chunks):
-            plan = self.plan(epoch)
-            plan.plan_all()
-            hit = self._cache["probe"] = ((epoch, self.chunk_table().num_chunks), plan)
-        return hit[1]
+    def plan_arrays(self, epoch: int | None = None) -> PlanArrays:
+        """``epoch``'s whole plan as flat arrays (what a plan file holds); O(documents)."""
+        lengths = self.corpus.doc_lengths()
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        plan = self.plan(epoch, ChunkTable.build(lengths, self.max_seq_len))
+        return materialize(plan, offsets, None if self.mixture is None else self.mixture.token_bases)
+
+    def shared_plan(self, epoch: int | None = None) -> SharedPlan:
+        """``epoch``'s plan in this process: from its plan file in ``plan_dir`` (written by the
+        first process that needs it, reused by every other and by later runs), or computed in
+        memory without ``plan_dir``. Cached per process for the two latest epochs."""
+        e = self.epoch if epoch is None else check_epoch(epoch)
+        plans = self._cache.setdefault("plans", {})
+        if e not in plans:
+            if self.plan_dir is None:
+                sp = SharedPlan.of(self.plan_arrays(e))
+            else:
+                sp, _ = ensure_plan_file(self.plan_dir, self.plan_identity(e), lambda: self.plan_arrays(e))
+            for old in sorted(plans)[:-1]:
+                del plans[old]
+            plans[e] = sp
+        return plans[e]
 
     def _num_microbatches(self, epoch: int) -> int:
         if epoch not in self._counts:
-            self._counts[epoch] = int(self._probe(epoch).total or 0)
+            self._counts[epoch] = self.shared_plan(epoch).num_microbatches
         return self._counts[epoch]
 
     def _tokens_at(self, epoch: int, position: int) -> tuple[int, tuple[int, ...]]:
-        return self._probe(epoch).tokens_at(position)
+        return self.shared_plan(epoch).tokens_at(position)
 
     def mixture_summary(self, epoch: int | None = None) -> list[dict[str, Any]]:
         """Per mixture source, what ``epoch`` (default: the current one) reads: name, weight,
@@ -326,7 +285,7 @@ class BestFitDataset(GlobalSequenceDataset):
             raise ValueError("mixture_summary: this dataset reads one corpus, not a mixture")
         table = self.chunk_table()
         bases = table.first[self.mixture.doc_bases]
-        e = self.epoch if epoch is None else int(epoch)
+        e = self.epoch if epoch is None else check_epoch(epoch)
         return self._with_consumed(
             e, self.mixture.describe(self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle))
         )
@@ -334,82 +293,23 @@ class BestFitDataset(GlobalSequenceDataset):
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[VarlenBatch]:
         live = self._begin()
-        plan = self.plan(live.epoch)
-        first, stride = live.schedule.first_wanted()
-        plan.want(first, stride)
-        live.tokens_at = plan.tokens_at
-        reads = _ChunkReads(self.corpus, plan.table, self._table())
-        return self._run(live, plan, reads)
+        sp = self.shared_plan(live.epoch)
+        live.tokens_at = sp.tokens_at
+        return self._run(live, sp, _SegmentReads(self.corpus, self._table()))
 
-    #: Microbatches read per group (numpy work per group, not per microbatch)
-    GROUP = 8
-
-    def _indices(self, live: Any, plan: EpochPlan) -> Iterator[tuple[int, bool]]:
-        """(global microbatch, wrapped) of every item this consumer yields, in order: the schedule
-        and the remainder rule (a wrapped one is microbatch ``g mod M`` of the epoch's start).
-        Checked a group of items at a time while the epoch is far from its end."""
-        sched = live.schedule
-        K, G = sched.consumer.num_workers, self.GROUP
-        items = sched.local_items()
-        for j in items:
-            last = j + K * (G - 1)
-            if plan.reach(sched.needed(last) + sched.consumer.world_size):  # the whole group is inside the epoch
-                yield from ((sched.global_index(i), False) for i in range(j, last + 1, K))
-                for _ in range(G - 1):
-                    next(items)
-                continue
-            if not plan.reach(sched.needed(j)):
+    def _run(self, live: Any, sp: SharedPlan, reads: _SegmentReads) -> Iterator[VarlenBatch]:
+        """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
+        item is microbatch ``g mod M``, :mod:`~h5corpus.loaders.partition`); O(1) per item."""
+        sched, M = live.schedule, sp.num_microbatches
+        for j in sched.local_items():
+            if M == 0 or sched.needed(j) > M:
                 return
-            g = sched.global_index(j)
-            if plan.reach(g + 1):
-                yield g, False
-            else:
-                yield g % int(plan.total or 1), True
-
-    def _groups(self, live: Any, plan: EpochPlan) -> Iterator[MicrobatchGroup]:
-        """This consumer's microbatches in yield order, up to :attr:`GROUP` per group."""
-        wrapped: EpochPlan | None = None
-        items = self._indices(live, plan)
-        while True:
-            batch = [x for _, x in zip(range(self.GROUP), items)]
-            if not batch:
-                return
-            main = [g for g, w in batch if not w]
-            if main:
-                yield plan.take_group(main)
-            late = [g for g, w in batch if w]
-            if late:
-                if wrapped is None:  # the epoch's last step: at most world_size - 1 microbatches again
-                    rest = list(items)  # all wrapped too
-                    items = iter(rest)
-                    wrapped = self.plan(live.epoch)
-                    wrapped.want_only(late + [g for g, _ in rest])
-                wrapped.reach(max(late) + 1)
-                yield wrapped.take_group(late)
-
-    def _run(self, live: Any, plan: EpochPlan, reads: _ChunkReads) -> Iterator[VarlenBatch]:
-        for group in self._groups(live, plan):
-            for mb in reads.prepare(group):
-                out = self._read(reads, mb)
-                live.yielded += 1
-                yield out
-
-    def _read(self, reads: _ChunkReads, mb: _Prepared) -> VarlenBatch:
-        """Tokens of one microbatch's segments -> compact VarlenBatch.
-
-        Each segment is one row of the batch's row storage: its ``n`` inputs plus the one-token
-        lookahead, ``n + 1`` consecutive tokens of its document, copied straight into the batch
-        (the corpus's own width, no int64 copies; :class:`_ChunkReads`). ``row_cu`` =
-        ``cu_seqlens`` = cumulative inputs per segment, ``pack_lengths`` per pack, nothing ignored
-        (a chunk's lookahead is still inside its document). The int64 fields materialize lazily
-        where the batch is used (:class:`~h5corpus.loaders.batch.VarlenBatch`).
-        """
-        if mb.num_tokens >= 2**31:
-            raise ValueError(f"microbatch of {mb.num_tokens:,} tokens is too large for int32 cu_seqlens")
-        batch = reads.batch(mb)
-        if self.with_segments:
-            batch.segments = reads.segments(mb)
-        return batch
+            mb = sp.microbatch(sched.global_index(j) % M)
+            batch = reads.batch(mb)
+            if self.with_segments:
+                batch.segments = reads.segments(mb)
+            live.yielded += 1
+            yield batch
 
     def _table(self) -> MappedRuns | None:
         """This process's mapped runs of the corpus (cached per process and corpus size)."""
@@ -435,3 +335,35 @@ class BestFitDataset(GlobalSequenceDataset):
             f"BestFitDataset(mode={self.mode!r}, max_seq_len={self.max_seq_len}, batch_size={self.batch_size}, "
             f"packing_buffer={self.packing_buffer}, seed={self.seed}, epoch={self.epoch}, corpus={self.corpus!r})"
         )
+
+
+def _ensure_one(args: tuple[Any, str, int, dict[str, Any], bool]) -> str:
+    corpus, plan_dir, epoch, kw, rebuild = args
+    ds = BestFitDataset(corpus, plan_dir=plan_dir, **kw)
+    identity = ds.plan_identity(epoch)
+    return os.fspath(ensure_plan_file(plan_dir, identity, lambda: ds.plan_arrays(epoch), rebuild=rebuild)[1])
+
+
+def write_plans(
+    corpus: Any,
+    plan_dir: str | os.PathLike,
+    epochs: Sequence[int],
+    *,
+    workers: int = 1,
+    rebuild: bool = False,
+    **settings: Any,
+) -> list[str]:
+    """Write the plan files of ``epochs`` (what :class:`BestFitDataset` with ``plan_dir`` and the
+    same ``settings``, e.g. ``max_seq_len``, ``batch_size``, ``mode``, ``split``, reads), ``workers``
+    epochs at once in separate processes; an existing valid file is kept unless ``rebuild``.
+    Returns the files' paths, in ``epochs`` order. ``corpus``: a manifest path or an opened corpus."""
+    if not isinstance(plan_dir, (str, os.PathLike)):
+        raise TypeError(f"plan_dir must be a folder path, got {type(plan_dir).__name__}")
+    es = [check_epoch(e, "epochs[]") for e in epochs]
+    n = integer_arg("workers", workers, 1)
+    BestFitDataset(corpus, **settings)  # validates the settings once, before any process starts
+    jobs = [(corpus, os.fspath(plan_dir), e, settings, bool(rebuild)) for e in es]
+    if n == 1 or len(jobs) < 2:
+        return [_ensure_one(j) for j in jobs]
+    with ProcessPoolExecutor(min(n, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_ensure_one, jobs))

@@ -13,6 +13,7 @@ Units: lengths and offsets are in tokens; a chunk's length is its number of *inp
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,7 +36,7 @@ class Chunk:
     """The document id passed to :func:`split_tokens`, if any."""
 
 
-def chunk_layout(doc_lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def document_chunks(doc_lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Vectorized chunking of many documents at once (no tokens read).
 
     ``doc_lengths``: tokens per document (EOS included). Returns three equal-length int64 arrays,
@@ -57,11 +58,20 @@ def chunk_layout(doc_lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray,
     return doc, start, length
 
 
+def chunk_layout(doc_lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deprecated name of :func:`document_chunks` (``chunk_layout`` means HDF5 chunk byte offsets
+    in :mod:`h5corpus.storage.format`)."""
+    warnings.warn(
+        "h5corpus.loaders.chunking.chunk_layout is deprecated: use document_chunks", DeprecationWarning, stacklevel=2
+    )
+    return document_chunks(doc_lengths, max_seq_len)
+
+
 class ChunkTable(NamedTuple):
     """Every chunk of a split in corpus order (documents in order, a document's chunks in order),
     compact: what a plan needs at 8 bytes per chunk plus 8 per document. Chunk ``c`` is
     ``length[c]`` inputs of document ``doc[c]`` from input offset :meth:`starts` ``(c)``; the rule
-    is :func:`chunk_layout`'s (tested equal)."""
+    is :func:`document_chunks`'s (tested equal)."""
 
     doc: np.ndarray
     """(C,) int32 (int64 from 2**31 documents on) document of each chunk."""
@@ -125,7 +135,7 @@ def split_tokens(*args: Any, max_seq_len: int = 4096) -> list[Chunk]:
     a = np.asarray(tokens)
     if a.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
-    _, start, length = chunk_layout(np.array([a.size]), max_seq_len)
+    _, start, length = document_chunks(np.array([a.size]), max_seq_len)
     return [
         Chunk(
             inputs=a[s : s + n],

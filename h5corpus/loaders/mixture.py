@@ -32,7 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from ..storage.protocols import CorpusLike
+from ..storage.reader import open_corpus
 from ..storage.readpaths import RunTable
+from .partition import integer_arg
 
 _TAG_SOURCE = 0x5352  # "SR": a source's own stream
 _TAG_MIX = 0x4D49  # "MI": the interleaving of an epoch's selections
@@ -47,16 +50,18 @@ class MixtureSource:
     weight: float
 
 
-def _open(src: Any, split: str, read_path: str) -> Any:
-    if hasattr(src, "doc_offsets"):
-        return src
+def _open(src: CorpusLike | str | os.PathLike | tuple, split: str, read_path: str) -> CorpusLike:
+    """A mixture source as an opened corpus: a manifest path opened at ``split``, a
+    ``(manifest, split)`` pair, anything else (a ``Corpus``) as given."""
     if isinstance(src, tuple) and len(src) == 2:
         src, split = src
-    from ..storage.reader import open_corpus
-
-    if not isinstance(src, (str, os.PathLike)):
+        if not isinstance(src, (str, os.PathLike)):
+            raise TypeError(f"a (manifest, split) mixture source needs a manifest path, got {type(src).__name__}")
+    if isinstance(src, (str, os.PathLike)):
+        return open_corpus(src, split, read_path=read_path)  # type: ignore[arg-type]
+    if not isinstance(src, CorpusLike):
         raise TypeError(f"a mixture source is a Corpus, a manifest path or (manifest, split), got {type(src).__name__}")
-    return open_corpus(src, split, read_path=read_path)  # type: ignore[arg-type]
+    return src
 
 
 def mix(
@@ -133,13 +138,13 @@ class Mixture:
                     f"mixture source {s.name!r}: tokenizer {ta.name!r} (sha256 {ta.sha256[:12]}) gives other ids "
                     f"than {tb.name!r} of {names[0]!r}"
                 )
-        if tokens_per_epoch is not None and (isinstance(tokens_per_epoch, bool) or int(tokens_per_epoch) < 1):
-            raise ValueError(f"tokens_per_epoch must be an integer >= 1, got {tokens_per_epoch!r}")
-        self.tokens_per_epoch = None if tokens_per_epoch is None else int(tokens_per_epoch)
+        self.tokens_per_epoch = (
+            None if tokens_per_epoch is None else integer_arg("tokens_per_epoch", tokens_per_epoch, 1)
+        )
         total = sum(Fraction(s.weight) for s in self.sources)
         self.shares = [Fraction(s.weight) / total for s in self.sources]
         self.dtype = np.dtype(first.dtype)
-        self.eos_id = getattr(first, "eos_id", None)
+        self.eos_id = first.eos_id
         self.tokenizer = getattr(first, "tokenizer", None)
         self._index()
 
@@ -247,7 +252,7 @@ class Mixture:
         key = (os.getpid(), self.num_tokens)
         if self._rtab is not None and self._rtab[0] == key:
             return self._rtab[1]
-        tabs = [s.corpus.run_table() if hasattr(s.corpus, "run_table") else None for s in self.sources]
+        tabs = [s.corpus.run_table() for s in self.sources]
         tab = None
         if all(t is not None for t in tabs):
             tab = RunTable.concatenate(tabs, self.token_bases[:-1])  # type: ignore[arg-type]

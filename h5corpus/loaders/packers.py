@@ -40,7 +40,7 @@ def _check_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
         bad = int(np.flatnonzero((a < 1) | (a > capacity))[0])
         raise ValueError(
             f"chunk {bad:,} has {int(a[bad]):,} tokens; every chunk must hold 1..{capacity:,} "
-            "(split documents with chunk_layout first)"
+            "(split documents with document_chunks first)"
         )
     return a
 

@@ -22,8 +22,24 @@ to the ``M - P`` microbatches left.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+
+def integer_arg(name: str, value: Any, lo: int = 0, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (``hi`` None: unbounded), or ValueError naming ``name``.
+
+    The one rule for every count, index and epoch the loaders take (arguments and state fields
+    alike): an ``int`` or numpy integer, not a bool, float, string, None, NaN or infinity."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        span = f">= {lo:,}" if hi is None else f"in [{lo:,}, {hi:,}]"
+        raise ValueError(f"{name} must be an integer {span}, got {v:,}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -61,9 +77,9 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
 
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
-    rank = 0 if rank is None else int(rank)
-    world_size = 1 if world_size is None else int(world_size)
-    if world_size < 1 or not 0 <= rank < world_size:
+    world_size = 1 if world_size is None else integer_arg("world_size", world_size, 1)
+    rank = 0 if rank is None else integer_arg("rank", rank)
+    if rank >= world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
     return rank, world_size
 

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch.utils.data import IterableDataset
 
-from .partition import Consumer, Schedule, current_consumer, distributed_initialized, resolve_rank
+from .partition import Consumer, Schedule, current_consumer, distributed_initialized, integer_arg, resolve_rank
 from .state import (
     LoaderState,
     LoaderStateError,
@@ -24,6 +25,13 @@ from .state import (
     merge_dataloader_state,
     parse_state,
 )
+
+
+def check_epoch(epoch: Any, name: str = "epoch") -> int:
+    """``epoch`` as an int >= 0, or ValueError naming ``name`` (bools, floats, strings, None,
+    NaN, infinities and negatives refused alike)."""
+    return integer_arg(name, epoch, 0)
+
 
 TokensAt = Callable[[int], tuple[int, tuple[int, ...]]]
 
@@ -61,13 +69,14 @@ class GlobalSequenceDataset(IterableDataset):
 
     def __init__(self, *, rank: int | None, world_size: int | None, drop_last: bool, epoch: int) -> None:
         super().__init__()
-        if isinstance(epoch, bool) or int(epoch) != epoch or epoch < 0:
-            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        epoch = check_epoch(epoch)
         if rank is not None or world_size is not None:
             resolve_rank(0 if rank is None else rank, world_size)  # validates what was given
         self.rank, self.world_size = rank, world_size
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise ValueError(f"drop_last must be a bool, got {type(drop_last).__name__} {drop_last!r}")
         self.drop_last = bool(drop_last)
-        self.epoch = int(epoch)
+        self.epoch = epoch
         self._pending: _Pending | None = None
         self._live: _Live | None = None
 
@@ -95,7 +104,7 @@ class GlobalSequenceDataset(IterableDataset):
     # -- sizes and epochs -----------------------------------------------------------------------
     def num_microbatches(self, epoch: int | None = None) -> int:
         """Microbatches in the global sequence of ``epoch`` (default: the current one), all ranks."""
-        return self._num_microbatches(self.epoch if epoch is None else int(epoch))
+        return self._num_microbatches(self.epoch if epoch is None else check_epoch(epoch))
 
     def __len__(self) -> int:
         """Microbatches this rank yields in a whole epoch (the current one): ``ceil(M / W)``, or
@@ -107,9 +116,7 @@ class GlobalSequenceDataset(IterableDataset):
         """Select the epoch the next iteration plays (call before each epoch, as with
         ``DistributedSampler``; with ``persistent_workers=True`` workers keep the epoch they started
         with). A loaded state or :meth:`seek` of the same epoch is kept, of another one dropped."""
-        if isinstance(epoch, bool) or int(epoch) != epoch or epoch < 0:
-            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-        epoch = int(epoch)
+        epoch = check_epoch(epoch)
         if self._pending is not None and self._pending.epoch != epoch:
             self._pending = None
         if epoch != self.epoch:
@@ -120,12 +127,12 @@ class GlobalSequenceDataset(IterableDataset):
         """Start the next iteration at global microbatch ``position`` of ``epoch`` (default: the
         current one) without reading the ones before it: rank ``r`` then yields microbatch
         ``position + r`` first. A step ``s`` of a ``W``-rank run starts at position ``s * W``."""
-        e = self.epoch if epoch is None else int(epoch)
+        e = self.epoch if epoch is None else check_epoch(epoch)
+        integer_arg("position", position, 0)
         M = self._num_microbatches(e)
-        if isinstance(position, bool) or int(position) != position or not 0 <= position <= M:
-            raise ValueError(f"position must be an integer in [0, {M:,}] (microbatches of epoch {e}), got {position!r}")
+        p = integer_arg(f"position (microbatches of epoch {e})", position, 0, M)
         self.set_epoch(e)
-        self._pending = _Pending(e, int(position))
+        self._pending = _Pending(e, p)
         self._live = None
 
     def _with_consumed(self, epoch: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

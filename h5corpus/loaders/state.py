@@ -28,9 +28,21 @@ its epoch and the tokens against its plan (docs/PACKING.md, "State").
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+#: How deep a settings value may nest (lists / dicts); the loaders' own settings nest 2 levels.
+MAX_DEPTH = 8
+
+
+def show(value: Any) -> str:
+    """A short, bounded repr of a user-given value for an error message (any nesting depth)."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlist, r.maxdict = 3, 60, 60, 6, 6
+    return r.repr(value)
+
 
 #: Version of the state layout and of the rules that map it to microbatches (order, chunking,
 #: packing, schedule); a state of another version is refused, never continued elsewhere.
@@ -113,7 +125,7 @@ def _fail(field: str, why: str) -> LoaderStateError:
 def _int(d: Mapping[str, Any], key: str, where: str, lo: int = 0) -> int:
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _fail(where, f"must be an integer, got {type(v).__name__} {v!r}")
+        raise _fail(where, f"must be an integer, got {type(v).__name__} {show(v)}")
     if v < lo:
         raise _fail(where, f"must be >= {lo}, got {v:,}")
     return v
@@ -138,16 +150,18 @@ def parse_state(state: Any, *, loader: str, num_sources: int) -> LoaderState:
     if isinstance(state, Mapping) and "version" in state and state["version"] != STATE_VERSION:
         raise _fail(
             "version",
-            f"{state['version']!r}; this h5corpus reads version {STATE_VERSION} (an older plan cannot resume)",
+            f"{show(state['version'])}; this h5corpus reads version {STATE_VERSION} (an older plan cannot resume)",
         )
     d = _fields(state, STATE_FIELDS, "")
     if d["loader"] != loader:
-        raise _fail("loader", f"the state is a {d['loader']!r}'s, this is a {loader!r}")
+        raise _fail("loader", f"the state is a {show(d['loader'])}'s, this is a {loader!r}")
     fp = d["fingerprint"]
     if not isinstance(fp, str) or len(fp) != 64 or any(ch not in "0123456789abcdef" for ch in fp):
-        raise _fail("fingerprint", f"must be 64 lowercase hex digits, got {fp!r}")
+        raise _fail("fingerprint", f"must be 64 lowercase hex digits, got {show(fp)}")
     if not isinstance(d["settings"], Mapping):
         raise _fail("settings", f"must be a dict, got {type(d['settings']).__name__}")
+    for k, v in d["settings"].items():
+        _check_plain(v, f"settings.{k}", 1)
     w = _fields(d["writer"], WRITER_FIELDS, "writer")
     writer = Writer(
         rank=_int(w, "rank", "writer.rank"),
@@ -169,11 +183,25 @@ def parse_state(state: Any, *, loader: str, num_sources: int) -> LoaderState:
     tokens = _int(d, "tokens", "tokens")
     src = d["source_tokens"]
     if not isinstance(src, list) or len(src) != num_sources:
-        raise _fail("source_tokens", f"must be a list of {num_sources} integers, got {src!r}"[:200])
+        raise _fail("source_tokens", f"must be a list of {num_sources} integers, got {show(src)}")
     per = tuple(_int(dict(enumerate(src)), i, f"source_tokens[{i}]") for i in range(num_sources))
     if sum(per) != tokens:
         raise _fail("source_tokens", f"sum to {sum(per):,}, but tokens is {tokens:,}")
     return LoaderState(loader, fp, dict(d["settings"]), _int(d, "epoch", "epoch"), position, tokens, per, writer)
+
+
+def _check_plain(v: Any, where: str, depth: int) -> None:
+    """Refuse a settings value that is not plain data nested at most :data:`MAX_DEPTH` levels."""
+    if depth > MAX_DEPTH:
+        raise _fail(where, f"nested deeper than {MAX_DEPTH} levels")
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            _check_plain(x, where, depth + 1)
+    elif isinstance(v, Mapping):
+        for x in v.values():
+            _check_plain(x, where, depth + 1)
+    elif v is not None and not isinstance(v, (bool, int, float, str)):
+        raise _fail(where, f"must be plain data (int, float, str, bool, None, list, dict), got {type(v).__name__}")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -196,9 +224,9 @@ def mismatches(st: LoaderState, fingerprint: str, settings: Mapping[str, Any]) -
         if k not in st.settings:
             out.append((k, "missing from the saved settings"))
         elif k not in settings:
-            out.append((k, f"saved {st.settings[k]!r}, not a setting of this loader"))
+            out.append((k, f"saved {show(st.settings[k])}, not a setting of this loader"))
         elif not _same(st.settings[k], settings[k]):
-            out.append((k, f"saved {st.settings[k]!r}, this dataset has {settings[k]!r}"))
+            out.append((k, f"saved {show(st.settings[k])}, this dataset has {show(settings[k])}"))
     return out
 
 
@@ -260,12 +288,14 @@ def _merge_workers(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
     n = ref["writer"].get("num_workers")
     workers = sorted(p["writer"].get("worker") for p in parts if isinstance(p["writer"].get("worker"), int))
     if workers != list(range(len(parts))) or n != len(parts):
-        raise _fail("writer.worker", f"expected the states of workers 0..{n!r} - 1, got {workers}")
+        raise _fail("writer.worker", f"expected the states of workers 0..{show(n)} - 1, got {workers}")
     top = max(parts, key=lambda p: p.get("position") if isinstance(p.get("position"), int) else -1)
     w = dict(top["writer"])
     W, start, pos = w["world_size"], w["start"], top.get("position")
     if not isinstance(pos, int) or not isinstance(W, int) or not isinstance(start, int) or W < 1 or (pos - start) % W:
-        raise _fail("position", f"{pos!r} is not a whole number of steps from start {start!r} on {W!r} ranks")
+        raise _fail(
+            "position", f"{show(pos)} is not a whole number of steps from start {show(start)} on {show(W)} ranks"
+        )
     merged = dict(top)
     merged["writer"] = {**w, "worker": 0, "num_workers": 1, "yielded": (pos - start) // W}
     return merged

@@ -1,0 +1,429 @@
+"""The best-fit loader's epoch plan: one global sequence of microbatches from document lengths alone.
+
+No tokens are read here, and nothing depends on the world size or the DataLoader workers. For an
+epoch the plan is (docs/PACKING.md, section 4):
+
+1. **Chunks** of every document in corpus order (:class:`~h5corpus.loaders.chunking.ChunkTable`):
+   chunk ids ``0 .. C-1``, a long document's chunks consecutive.
+2. **Stream**: the chunk ids in the order ``numpy.random.default_rng([seed, epoch]).permutation(C)``
+   (:func:`epoch_order`; ``shuffle=False``: corpus order), so a long document's chunks enter the
+   stream as independent segments spread over the epoch. A mixture picks and interleaves chunks of
+   its sources instead (:meth:`~h5corpus.loaders.mixture.Mixture.select`).
+3. **Packing** of that stream (:mod:`~h5corpus.loaders.packers`): ``mode="buffer"``, one
+   :class:`~h5corpus.loaders.packers.BufferPacker` over the whole stream; ``mode="bfd"``, blocks of
+   ``packing_buffer`` consecutive stream chunks, each packed best-fit-decreasing with its packs
+   shuffled (:func:`~h5corpus.loaders.packers.shuffled_bfd_block`) by one generator per epoch,
+   ``numpy.random.default_rng([seed, epoch, 0x9ACC])``, drawn once per block.
+4. **Microbatches**: ``batch_size`` consecutive packs; only the epoch's last holds fewer.
+
+:class:`EpochPlan` runs this lazily, a group of microbatches at a time (packing is sequential),
+keeping the microbatches its consumer asked for (:meth:`EpochPlan.want`) and every microbatch's
+token count (what a checkpoint's ``tokens`` is checked against). :func:`pack_fill` plans a whole
+epoch to report how full the packs are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .chunking import ChunkTable
+from .packers import BufferPacker, decode_keys, shuffled_bfd_block
+from .state import STATE_VERSION
+
+MODES = ("buffer", "bfd")
+
+#: The plan's rules (order, chunking, packing) belong to the loader state's version: a state of
+#: another version is refused instead of continuing elsewhere.
+PLAN_VERSION = STATE_VERSION
+
+#: Default ``packing_buffer`` per mode, in chunks: the candidate buffer of best fit, the block
+#: best-fit-decreasing sorts.
+DEFAULT_PACKING_BUFFER = {"buffer": 64, "bfd": 16384}
+
+_BFD_STREAM_TAG = 0x9ACC  # separates the BFD pack shuffle's random stream from the chunk order's
+
+#: Microbatches planned per step of the plan (numpy work per group, not per microbatch)
+GROUP = 8
+
+
+def default_packing_buffer(mode: str, packing_buffer: int | None) -> int:
+    """``packing_buffer`` if given, else the mode's default (:data:`DEFAULT_PACKING_BUFFER`)."""
+    if packing_buffer is not None:
+        return int(packing_buffer)
+    return DEFAULT_PACKING_BUFFER["buffer" if mode == "buffer" else "bfd"]
+
+
+def _as_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Everything a best-fit plan depends on besides the document lengths and the epoch."""
+
+    max_seq_len: int = 4096
+    """Pack capacity and longest segment, in input tokens."""
+    batch_size: int = 35
+    """Packs per microbatch."""
+    packing_buffer: int | None = None
+    """Chunks considered at once: the candidate buffer (``"buffer"``) or the block BFD sorts
+    (``"bfd"``); None: the mode's default (64 / 16,384). Always an int after construction."""
+    seed: int = 0
+    """Seeds the chunk order and BFD's pack shuffle."""
+    mode: str = "buffer"
+    """``"buffer"`` (bounded-buffer best fit) or ``"bfd"`` (best-fit-decreasing over blocks)."""
+    shuffle: bool = True
+    """Shuffle the chunk order per epoch; False keeps corpus order."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        L, B = _as_int("max_seq_len", self.max_seq_len), _as_int("batch_size", self.batch_size)
+        if not 1 <= L < 2**30 or B < 1:
+            raise ValueError(f"max_seq_len ({L}) must be in [1, 2**30) and batch_size ({B}) >= 1")
+        buf = _as_int("packing_buffer", default_packing_buffer(self.mode, self.packing_buffer))
+        if buf < 1:
+            raise ValueError(f"packing_buffer must be >= 1 chunk, got {buf}")
+        seed = _as_int("seed", self.seed)
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        for name, value in (
+            ("max_seq_len", L),
+            ("batch_size", B),
+            ("packing_buffer", buf),
+            ("seed", seed),
+            ("shuffle", bool(self.shuffle)),
+        ):
+            object.__setattr__(self, name, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as plain values (what a checkpoint records and compares)."""
+        return dataclasses.asdict(self)
+
+
+def epoch_order(num_items: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The epoch's item order: ``default_rng([seed, epoch]).permutation(num_items)`` (``shuffle=False``:
+    ``arange``), as int32 below 2**31 items (4 bytes per item; the same values). A pure function of
+    its arguments, identical in every process."""
+    a = np.arange(num_items, dtype=np.int32 if num_items < 2**31 else np.int64)
+    if shuffle:
+        np.random.default_rng([int(seed), int(epoch)]).shuffle(a)  # = permutation(num_items)
+    return a
+
+
+class Microbatch(NamedTuple):
+    """One microbatch of a plan: which chunks, how long, and where each pack begins."""
+
+    chunks: np.ndarray
+    """(S,) chunk ids (:class:`~h5corpus.loaders.chunking.ChunkTable` rows; the stream's dtype,
+    int32 below 2**31 chunks), pack after pack, each pack's chunks in pick (placement) order."""
+    lengths: np.ndarray
+    """(S,) int64 inputs per chunk."""
+    pack_starts: np.ndarray
+    """(P,) int64 offset in ``chunks`` of each pack's first chunk (``pack_starts[0] == 0``)."""
+
+    @property
+    def pack_lengths(self) -> np.ndarray:
+        """(P,) int64 real input tokens per pack."""
+        return np.add.reduceat(self.lengths, self.pack_starts)
+
+
+class MicrobatchGroup(NamedTuple):
+    """Microbatches flat (per-microbatch numpy work done once per group): microbatch ``j`` holds
+    packs ``mb_packs[j]:mb_packs[j + 1]``."""
+
+    chunks: np.ndarray
+    """(S,) chunk ids (int32 below 2**31 chunks), every microbatch's packs end to end."""
+    lengths: np.ndarray
+    """(S,) int64 inputs per chunk."""
+    pack_starts: np.ndarray
+    """(P,) int64 offset in ``chunks`` of each pack's first chunk."""
+    mb_packs: list[int]
+    """(K + 1,) offsets into ``pack_starts``."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.mb_packs) - 1
+
+    def bounds(self) -> np.ndarray:
+        """(K + 1,) offset in ``chunks`` of each microbatch's first chunk, then S."""
+        ps = self.pack_starts
+        return np.append(ps[self.mb_packs[:-1]], self.chunks.size) if ps.size else np.zeros(1, np.int64)
+
+    def microbatch(self, j: int) -> Microbatch:
+        p0, p1 = self.mb_packs[j], self.mb_packs[j + 1]
+        a = int(self.pack_starts[p0])
+        b = int(self.pack_starts[p1]) if p1 < self.pack_starts.size else self.chunks.size
+        return Microbatch(self.chunks[a:b], self.lengths[a:b], self.pack_starts[p0:p1] - a)
+
+
+def join_microbatches(mbs: list[Microbatch]) -> MicrobatchGroup:
+    """One group of consecutive entries ``mbs`` (for reads prepared per group)."""
+    chunks = np.concatenate([m.chunks for m in mbs])
+    lengths = np.concatenate([m.lengths for m in mbs])
+    offs = np.cumsum([0] + [m.chunks.size for m in mbs])
+    starts = np.concatenate([m.pack_starts + o for m, o in zip(mbs, offs[:-1].tolist())])
+    return MicrobatchGroup(chunks, lengths, starts, np.cumsum([0] + [m.pack_starts.size for m in mbs]).tolist())
+
+
+class EpochPlan:
+    """The global sequence of one epoch's microbatches, planned lazily from chunk lengths alone.
+
+    ``stream`` holds the epoch's chunk ids in stream order (module docstring). :meth:`reach` plans
+    until ``n`` microbatches exist (or the epoch ends: then :attr:`total` is M); the plan keeps the
+    microbatches :meth:`want` names for :meth:`take`, and every microbatch's input tokens, per
+    source when ``source_bases`` (chunk id where each mixture source begins) is given."""
+
+    def __init__(
+        self, table: ChunkTable, stream: np.ndarray, settings: PlanSettings, *, epoch: int, source_bases=None
+    ) -> None:
+        self.table, self.settings, self.epoch = table, settings, int(epoch)
+        self.stream = stream
+        self.lengths = table.length[stream]
+        self.source_bases = None if source_bases is None else np.asarray(source_bases, dtype=np.int64)
+        S = 1 if self.source_bases is None else self.source_bases.size - 1
+        cap = -(-self.stream.size // settings.batch_size) + 2  # M <= ceil(C / B): at most one pack per chunk
+        self._tok = np.zeros(cap, dtype=np.int64)  # _tok[g]: input tokens before microbatch g
+        self._src = np.zeros((cap, S), dtype=np.int64) if S > 1 else None
+        self.planned = 0
+        self.total: int | None = None
+        self._kept: dict[int, tuple[MicrobatchGroup, int]] = {}  # wanted microbatch -> (its group, index)
+        self._want: tuple[int, int] | frozenset[int] = frozenset()
+        self.rng = np.random.default_rng([int(settings.seed), int(epoch), _BFD_STREAM_TAG])
+        self.packer = (
+            BufferPacker(self.lengths, settings.max_seq_len, settings.packing_buffer)
+            if settings.mode == "buffer"
+            else None
+        )
+        #: BFD: packs made but not yet grouped into microbatches (stream positions, chunks per pack)
+        self._pend_chunks = np.zeros(0, np.int64)
+        self._pend_sizes = np.zeros(0, np.int64)
+        self._pend_pack = self._pend_at = 0
+        self.cursor = 0  # BFD: next stream chunk not yet packed
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.stream.size)
+
+    def want(self, first: int, stride: int = 1) -> None:
+        """Keep microbatches ``first, first + stride, ...`` for :meth:`take`."""
+        self._want = (int(first), max(int(stride), 1))
+
+    def want_only(self, indices) -> None:
+        """Keep exactly these microbatches (the wrapped ones of an epoch's last step)."""
+        self._want = frozenset(int(i) for i in indices)
+
+    # -- planning -------------------------------------------------------------------------------
+    def reach(self, n: int) -> bool:
+        """Plan until at least ``n`` microbatches exist; False if the epoch holds fewer."""
+        while (
+            self.planned < n and self.total is None
+        ):  # whole groups: a consumer of every microbatch takes them as planned
+            self._record(self.next_group(GROUP * max(1, min((n - self.planned) // GROUP, 8))))
+        return self.planned >= n
+
+    def plan_all(self) -> int:
+        """Plan the whole epoch; returns M."""
+        while self.total is None:
+            self._record(self.next_group(8 * GROUP))
+        return self.total
+
+    def _record(self, g: MicrobatchGroup | None) -> None:
+        g0 = self.planned
+        K = 0 if g is None else g.num_microbatches
+        if K:
+            bounds = g.bounds()
+            per_mb = np.add.reduceat(g.lengths, bounds[:-1]) if g.lengths.size else np.zeros(K, np.int64)
+            self._tok[g0 + 1 : g0 + K + 1] = self._tok[g0] + np.cumsum(per_mb)
+            if self._src is not None:
+                S = self._src.shape[1]
+                src = np.searchsorted(self.source_bases, g.chunks, side="right") - 1
+                mb = np.repeat(np.arange(K), np.diff(bounds))
+                add = np.bincount(mb * S + src, weights=g.lengths, minlength=K * S).reshape(K, S)
+                self._src[g0 + 1 : g0 + K + 1] = self._src[g0] + np.cumsum(add.astype(np.int64), axis=0)
+            w = self._want
+            if isinstance(w, frozenset):
+                wanted = [j for j in range(K) if g0 + j in w]
+            else:  # first, first + stride, ... inside [g0, g0 + K)
+                lo = w[0] if g0 <= w[0] else g0 + (-(g0 - w[0]) % w[1])
+                wanted = range(lo - g0, K, w[1])
+            for j in wanted:
+                self._kept[g0 + j] = (g, j)
+        self.planned = g0 + K
+        if g is None or K == 0:
+            self.total = self.planned
+
+    def take(self, g: int) -> Microbatch:
+        """Microbatch ``g`` (planned and wanted), released from the plan."""
+        grp, j = self._kept.pop(g)
+        return grp.microbatch(j)
+
+    def take_group(self, gs: list[int]) -> MicrobatchGroup:
+        """Microbatches ``gs`` (planned and wanted) as one group, released from the plan: the
+        planned group itself when ``gs`` is all of it, in order (no copy)."""
+        parts = [self._kept.pop(g) for g in gs]
+        grp = parts[0][0]
+        if len(parts) == grp.num_microbatches and all(p[0] is grp and p[1] == j for j, p in enumerate(parts)):
+            return grp
+        return join_microbatches([p[0].microbatch(p[1]) for p in parts])
+
+    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
+        """Input tokens (total, per source) in microbatches ``[0, position)``; past M the epoch
+        wraps around (the remainder rule), so ``position = q * M + r`` counts q epochs plus r."""
+        self.reach(position)
+        q, r = 0, position
+        if self.total is not None and position > self.total:
+            q, r = divmod(position, self.total) if self.total else (0, 0)
+        M = self.total if q else 0
+        tok = q * int(self._tok[M]) + int(self._tok[r])
+        if self._src is None:
+            return tok, (tok,)
+        return tok, tuple(int(x) for x in q * self._src[M] + self._src[r])
+
+    def next_group(self, k: int) -> MicrobatchGroup | None:
+        """Plan the next ``k`` microbatches (fewer at the end of the epoch); None when none is left.
+        Chunk ids are :class:`~h5corpus.loaders.chunking.ChunkTable` rows."""
+        g = self._buffer_group(self.packer, k) if self.packer is not None else self._bfd_group(k)
+        if g is None:
+            return None
+        return g._replace(chunks=self.stream[g.chunks])
+
+    def _buffer_group(self, packer: BufferPacker, k: int) -> MicrobatchGroup | None:
+        B = self.settings.batch_size
+        mb_packs = [0]
+        keys: list[int] = []
+        ends: list[int] = []
+        marks = [packer.mark]
+        for _ in range(k):
+            packer.append_packs(B, keys, ends, marks)
+            if len(ends) == mb_packs[-1]:
+                break
+            mb_packs.append(len(ends))
+        if not ends:
+            return None
+        chunks, lens = decode_keys(np.fromiter(keys, dtype=np.int64, count=len(keys)), marks)
+        starts = np.empty(len(ends), dtype=np.int64)
+        starts[0] = 0
+        starts[1:] = ends[:-1]
+        return MicrobatchGroup(chunks, lens, starts, mb_packs)
+
+    def _bfd_group(self, k: int) -> MicrobatchGroup | None:
+        B = self.settings.batch_size
+        mb_packs = [0]
+        parts, sizes_l = [], []
+        for _ in range(k):
+            while self._pend_sizes.size - self._pend_pack < B and self.cursor < self.num_chunks:
+                self._pack_block()
+            p0, a = self._pend_pack, self._pend_at
+            sizes = self._pend_sizes[p0 : p0 + B]
+            if not sizes.size:
+                break
+            n = int(sizes.sum())
+            parts.append(self._pend_chunks[a : a + n])
+            sizes_l.append(sizes)
+            self._pend_pack, self._pend_at = p0 + sizes.size, a + n
+            mb_packs.append(mb_packs[-1] + sizes.size)
+        if not parts:
+            return None
+        chunks = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        sizes = np.concatenate(sizes_l) if len(sizes_l) > 1 else sizes_l[0]
+        starts = np.cumsum(sizes) - sizes
+        return MicrobatchGroup(chunks, self.lengths[chunks].astype(np.int64), starts, mb_packs)
+
+    def _pack_block(self) -> None:
+        """BFD over the next ``packing_buffer`` chunks; its packs, shuffled, join the pending ones."""
+        stop = min(self.cursor + self.settings.packing_buffer, self.num_chunks)
+        chunks, sizes = shuffled_bfd_block(self.lengths[self.cursor : stop], self.settings.max_seq_len, self.rng)
+        chunks = chunks.astype(np.int64) + self.cursor
+        self._pend_chunks = np.concatenate([self._pend_chunks[self._pend_at :], chunks])
+        self._pend_sizes = np.concatenate([self._pend_sizes[self._pend_pack :], sizes])
+        self._pend_pack = self._pend_at = 0
+        self.cursor = stop
+
+
+def plan_epoch(doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0) -> EpochPlan:
+    """The global plan of ``epoch`` over one corpus (``doc_lengths``: tokens per document of the
+    split, EOS included); see the module docstring."""
+    table = ChunkTable.build(doc_lengths, settings.max_seq_len)
+    return EpochPlan(
+        table, epoch_order(table.num_chunks, settings.seed, epoch, settings.shuffle), settings, epoch=epoch
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Fill statistics (what `h5corpus inspect` reports)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class PackFill:
+    """Packing statistics of one planned epoch (no tokens read). Fill = real input tokens /
+    capacity, counted three ways that differ only in the epoch's final, partial microbatch
+    (``fill``, ``fill_full_microbatches``, ``fill_padded_last``). Counts are of the whole epoch
+    (the global sequence, all ranks together)."""
+
+    packs: int
+    microbatches: int
+    chunks: int
+    skipped_documents: int
+    """Documents with fewer than 2 tokens (no next-token pair)."""
+    real_tokens: int
+    """Input tokens = next-token pairs packed."""
+    capacity: int
+    """``packs * max_seq_len``, in tokens."""
+    fill: float
+    """``real_tokens / capacity`` over every pack, the final microbatch's included."""
+    fill_full_microbatches: float
+    """Fill over the microbatches holding ``batch_size`` packs (the final partial one excluded)."""
+    fill_padded_last: float
+    """Fill if the final partial microbatch were charged ``batch_size`` packs of capacity."""
+    pack_fill: np.ndarray = field(repr=False)
+    """(packs,) float64 real tokens / max_seq_len per pack, in sequence order."""
+
+
+def pack_fill(
+    lengths: np.ndarray,
+    max_seq_len: int = 4096,
+    batch_size: int = 35,
+    packing_buffer: int | None = None,
+    seed: int = 0,
+    mode: str = "buffer",
+    *,
+    epoch: int = 0,
+    shuffle: bool = True,
+) -> PackFill:
+    """Plan one epoch of :class:`~h5corpus.loaders.bestfit.BestFitDataset` over document lengths.
+
+    ``lengths`` are tokens per document, EOS included (``Corpus.doc_lengths``). The plan is the
+    dataset's own (:func:`plan_epoch`), so the packs are exactly those of its global sequence."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    settings = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle)
+    plan = plan_epoch(lengths, settings, epoch=epoch)
+    loads: list[np.ndarray] = []
+    mbs: list[int] = []
+    while (g := plan.next_group(64)) is not None:
+        mbs.extend(np.diff(g.mb_packs).tolist())
+        loads.append(np.add.reduceat(g.lengths, g.pack_starts))
+    load = np.concatenate(loads) if loads else np.zeros(0, np.int64)
+    L, B = settings.max_seq_len, settings.batch_size
+    real, cap = int(load.sum()), int(load.size) * L
+    full = np.asarray(mbs) == B
+    n_full_packs = int(np.asarray(mbs)[full].sum()) if mbs else 0
+    real_full = int(load[:n_full_packs].sum())  # only the final microbatch can be partial
+    padded_cap = len(mbs) * B * L
+    return PackFill(
+        packs=int(load.size),
+        microbatches=len(mbs),
+        chunks=plan.num_chunks,
+        skipped_documents=int(np.count_nonzero(lengths < 2)),
+        real_tokens=real,
+        capacity=cap,
+        fill=real / cap if cap else 0.0,
+        fill_full_microbatches=real_full / (n_full_packs * L) if n_full_packs else 0.0,
+        fill_padded_last=real / padded_cap if padded_cap else 0.0,
+        pack_fill=load / float(L),
+    )

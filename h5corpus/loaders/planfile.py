@@ -1,0 +1,283 @@
+"""The best-fit loader's epoch plan, materialized once and shared: every microbatch's segments as
+flat arrays (:class:`PlanArrays`), held in memory or in a **plan file** that every process memory-maps.
+
+A plan depends on the corpus (its fingerprint), the settings (:class:`~h5corpus.loaders.epochplan.PlanSettings`,
+plus the mixture's) and the epoch, never on the cluster shape. :func:`ensure_plan_file` returns
+the plan file of those three in a folder: one process writes it (under an exclusive lock, to a
+temporary name, then an atomic rename), every other process waits for the lock and maps it; a
+file left by an earlier run is reused. What a reader of the file does per microbatch is O(1)
+slices (:meth:`SharedPlan.microbatch`), and its memory is page cache, not anonymous memory.
+
+**File layout** (little-endian): a 64-byte preamble (``MAGIC``, u64 header length, the header's
+sha256, 16 zero bytes), the header (UTF-8 JSON: version, fingerprint, settings, epoch, and per
+array its dtype, shape, byte offset and one crc32 per :data:`BLOCK` bytes), then the arrays, each
+at a 64-byte aligned offset. The header is checked when the file is opened (a stale one: other
+fingerprint, settings or epoch; a damaged one: bad magic, size or sha256, is refused with
+:class:`PlanFileError` and rewritten by :func:`ensure_plan_file`); an array block is checked
+against its crc32 the first time a process reads it, so nothing unverified is served and nothing
+is hashed that is not read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import struct
+import warnings
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .chunking import ChunkTable
+from .epochplan import EpochPlan
+
+MAGIC = b"H5CPLAN\x01"
+#: Version of the file's layout and of the arrays' meaning; a file of another version is stale.
+PLANFILE_VERSION = 1
+#: Bytes per checksummed block of an array.
+BLOCK = 1 << 20
+_PREAMBLE = struct.Struct("<8sQ32s16x")
+_ALIGN = 64
+#: Array name -> numpy dtype (fixed here, never read from a file).
+DTYPES = {
+    "mb_packs": np.dtype("<i8"),
+    "pack_starts": np.dtype("<i8"),
+    "seg_start": np.dtype("<i8"),
+    "seg_len": np.dtype("<i4"),
+    "seg_doc": np.dtype("<i8"),
+    "seg_within": np.dtype("<i8"),
+    "source_tokens": np.dtype("<i8"),
+}
+
+
+class PlanFileError(ValueError):
+    """A plan file that must not be used: stale (another corpus, settings or epoch) or damaged."""
+
+
+class PlanArrays(NamedTuple):
+    """One epoch's microbatches, flat: microbatch ``g`` holds packs ``mb_packs[g]:mb_packs[g+1]``,
+    pack ``p`` holds segments ``pack_starts[p]:pack_starts[p+1]``; a segment is ``seg_len`` inputs
+    (plus one lookahead token) from global token ``seg_start``, i.e. input offset ``seg_within`` of
+    document ``seg_doc``. ``source_tokens[g]``: input tokens per source of microbatches ``[0, g)``."""
+
+    mb_packs: np.ndarray
+    """(M + 1,) int64."""
+    pack_starts: np.ndarray
+    """(P + 1,) int64."""
+    seg_start: np.ndarray
+    """(S,) int64 global token position of each segment's first input."""
+    seg_len: np.ndarray
+    """(S,) int32 inputs per segment, in ``[1, max_seq_len]``."""
+    seg_doc: np.ndarray
+    """(S,) int64 document index (in the corpus or mixture)."""
+    seg_within: np.ndarray
+    """(S,) int64 offset of the segment's first input inside its document, in tokens."""
+    source_tokens: np.ndarray
+    """(M + 1, K) int64 cumulative input tokens per source (K = 1 for one corpus)."""
+
+
+def materialize(plan: EpochPlan, doc_offsets: np.ndarray, token_bases: np.ndarray | None = None) -> PlanArrays:
+    """Plan ``plan``'s whole epoch into :class:`PlanArrays`. ``doc_offsets``: (N + 1,) global token
+    offset of each document (of the plan's chunk table); ``token_bases``: a mixture's (K + 1,)
+    first global token of each source (None: one source). O(chunks) time and memory."""
+    table: ChunkTable = plan.table
+    parts: dict[str, list[np.ndarray]] = {"mb": [], "ps": [], "chunks": [], "len": []}
+    packs = segs = 0
+    while (g := plan.next_group(64)) is not None:
+        parts["mb"].append(np.asarray(g.mb_packs[1:], dtype=np.int64) + packs)
+        parts["ps"].append(g.pack_starts + segs)
+        parts["chunks"].append(np.asarray(g.chunks, dtype=np.int64))
+        parts["len"].append(g.lengths)
+        packs += g.pack_starts.size
+        segs += g.chunks.size
+    chunks = _cat(parts["chunks"], np.int64)
+    seg_len = _cat(parts["len"], np.int64)
+    doc = table.doc[chunks].astype(np.int64)
+    within = table.starts(chunks)
+    start = np.asarray(doc_offsets, dtype=np.int64)[doc] + within
+    mb_packs = np.concatenate([[0], _cat(parts["mb"], np.int64)]).astype(np.int64)
+    pack_starts = np.concatenate([_cat(parts["ps"], np.int64), [segs]]).astype(np.int64)
+    seg_mb = np.repeat(np.arange(mb_packs.size - 1), np.diff(pack_starts[mb_packs]))
+    bases = np.zeros(2, np.int64) if token_bases is None else np.asarray(token_bases, dtype=np.int64)
+    K = bases.size - 1
+    src = np.searchsorted(bases, start, side="right") - 1 if K > 1 else np.zeros(segs, np.int64)
+    M = mb_packs.size - 1
+    per = np.bincount(seg_mb * K + src, weights=seg_len, minlength=M * K).astype(np.int64).reshape(M, K)
+    source_tokens = np.zeros((M + 1, K), np.int64)
+    np.cumsum(per, axis=0, out=source_tokens[1:])
+    return PlanArrays(mb_packs, pack_starts, start, seg_len.astype(np.int32), doc, within, source_tokens)
+
+
+def _cat(xs: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(xs).astype(dtype, copy=False) if xs else np.zeros(0, dtype)
+
+
+class SharedPlan:
+    """An epoch's :class:`PlanArrays`, in memory or memory-mapped from a plan file (blocks
+    verified on first read). Reads are O(1) slices per microbatch."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], crcs: Mapping[str, list[int]] | None = None, path: str = ""):
+        self._arrays = dict(arrays)
+        self._crcs = crcs
+        self._ok: dict[str, np.ndarray] = {}  # per array: which blocks this process verified
+        self.path = path
+        self.num_microbatches = int(self._arrays["mb_packs"].shape[0]) - 1
+
+    @classmethod
+    def of(cls, arrays: PlanArrays) -> SharedPlan:
+        """An in-memory plan (nothing to verify)."""
+        return cls(arrays._asdict())
+
+    def _get(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of array ``name``, each block they touch verified once."""
+        a = self._arrays[name]
+        if self._crcs is not None and hi > lo:
+            row = a.itemsize * (a.shape[1] if a.ndim == 2 else 1)
+            b0, b1 = lo * row // BLOCK, ((hi * row) - 1) // BLOCK + 1
+            ok = self._ok.setdefault(name, np.zeros(len(self._crcs[name]), dtype=bool))
+            for b in np.flatnonzero(~ok[b0:b1]).tolist():
+                self._verify(name, b0 + b, a)
+                ok[b0 + b] = True
+        return a[lo:hi]
+
+    def _verify(self, name: str, block: int, a: np.ndarray) -> None:
+        raw = a.reshape(-1).view(np.uint8)
+        crc = zlib.crc32(raw[block * BLOCK : (block + 1) * BLOCK])
+        if crc != self._crcs[name][block]:  # type: ignore[index]
+            raise PlanFileError(
+                f"plan file {self.path}: array {name!r} block {block} fails its crc32 (damaged after it was "
+                "written): delete the file, or rerun `h5corpus plan`"
+            )
+
+    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
+        """Input tokens (total, per source) in microbatches ``[0, position)``; past M the epoch
+        wraps around (the remainder rule): ``position = q * M + r`` counts q epochs plus r."""
+        M = self.num_microbatches
+        q, r = divmod(int(position), M) if M and position > M else (0, int(position))
+        src = self._get("source_tokens", r, r + 1)[0].astype(np.int64)
+        if q:
+            src = src + q * self._get("source_tokens", M, M + 1)[0]
+        return int(src.sum()), tuple(int(x) for x in src)
+
+    def microbatch(self, g: int) -> PlanArrays:
+        """Microbatch ``g``: its segments and packs (``pack_starts`` relative, ending with S)."""
+        p0, p1 = (int(x) for x in self._get("mb_packs", g, g + 2))
+        ps = self._get("pack_starts", p0, p1 + 1)
+        a, b = int(ps[0]), int(ps[-1])
+        return PlanArrays(
+            np.array([0, p1 - p0], np.int64),
+            ps - a,
+            self._get("seg_start", a, b),
+            self._get("seg_len", a, b),
+            self._get("seg_doc", a, b),
+            self._get("seg_within", a, b),
+            np.zeros((0, 1), np.int64),
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The file
+# ------------------------------------------------------------------------------------------------
+def plan_file_name(fingerprint: str, settings: Mapping[str, Any], epoch: int) -> str:
+    """The file name of a plan: a digest of its fingerprint and settings, then the epoch."""
+    key = hashlib.sha256(json.dumps([fingerprint, dict(settings)], sort_keys=True).encode()).hexdigest()[:24]
+    return f"bestfit-{key}-e{int(epoch)}.h5cplan"
+
+
+def write_plan_file(path: str | os.PathLike, arrays: PlanArrays, identity: Mapping[str, Any]) -> None:
+    """Write ``arrays`` to ``path`` atomically (a temporary name in the same folder, fsync, rename).
+    ``identity``: fingerprint, settings and epoch, stored in the header and compared on open."""
+    path = Path(path)
+    layout, offset = {}, 0
+    for name, a in arrays._asdict().items():
+        a = np.ascontiguousarray(a, dtype=DTYPES[name])
+        raw = a.reshape(-1).view(np.uint8)
+        crc = [zlib.crc32(raw[i : i + BLOCK]) for i in range(0, raw.size, BLOCK)]
+        layout[name] = {"shape": list(a.shape), "offset": offset, "nbytes": int(raw.size), "crc": crc}
+        offset += -(-raw.size // _ALIGN) * _ALIGN
+    header = json.dumps({"version": PLANFILE_VERSION, **identity, "arrays": layout}, sort_keys=True).encode()
+    body0 = -(-(_PREAMBLE.size + len(header)) // _ALIGN) * _ALIGN
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_PREAMBLE.pack(MAGIC, len(header), hashlib.sha256(header).digest()))
+        f.write(header)
+        for name, a in arrays._asdict().items():
+            f.seek(body0 + layout[name]["offset"])
+            f.write(np.ascontiguousarray(a, dtype=DTYPES[name]).tobytes())
+        f.truncate(body0 + offset)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def open_plan_file(path: str | os.PathLike, identity: Mapping[str, Any]) -> SharedPlan:
+    """Memory-map the plan file at ``path``; :class:`PlanFileError` if it is damaged (magic,
+    header sha256, sizes) or stale (its fingerprint, settings or epoch differ from ``identity``)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _PREAMBLE.size:
+            raise PlanFileError(f"plan file {path}: {size} bytes, shorter than its preamble (damaged)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    magic, hlen, digest = _PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC or _PREAMBLE.size + hlen > size:
+        raise PlanFileError(f"plan file {path}: not a plan file of this version, or truncated (damaged)")
+    header = bytes(buf[_PREAMBLE.size : _PREAMBLE.size + hlen])
+    if hashlib.sha256(header).digest() != digest:
+        raise PlanFileError(f"plan file {path}: header fails its sha256 (damaged)")
+    h = json.loads(header)
+    for key in ("version", *identity):
+        want = PLANFILE_VERSION if key == "version" else identity[key]
+        if h.get(key) != json.loads(json.dumps(want)):
+            raise PlanFileError(f"plan file {path}: stale, its {key} is {h.get(key)!r}, this plan's is {want!r}")
+    return _map_arrays(buf, h["arrays"], -(-(_PREAMBLE.size + hlen) // _ALIGN) * _ALIGN, size, str(path))
+
+
+def _map_arrays(buf: mmap.mmap, layout: Mapping[str, Any], body0: int, size: int, path: str) -> SharedPlan:
+    arrays, crcs = {}, {}
+    for name, dt in DTYPES.items():
+        e = layout.get(name)
+        if e is None:
+            raise PlanFileError(f"plan file {path}: array {name!r} missing (damaged)")
+        shape, n = tuple(int(x) for x in e["shape"]), int(np.prod(e["shape"])) * dt.itemsize
+        start = body0 + int(e["offset"])
+        if n != int(e["nbytes"]) or start + n > size or len(e["crc"]) != -(-n // BLOCK):
+            raise PlanFileError(f"plan file {path}: array {name!r} does not fit the file (damaged)")
+        arrays[name] = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=start).reshape(shape)
+        crcs[name] = [int(c) for c in e["crc"]]
+    return SharedPlan(arrays, crcs, path)
+
+
+def ensure_plan_file(
+    folder: str | os.PathLike, identity: Mapping[str, Any], build: Any, *, rebuild: bool = False
+) -> tuple[SharedPlan, Path]:
+    """The plan of ``identity`` (fingerprint, settings, epoch) from its file in ``folder``,
+    written first if missing, stale or damaged (``rebuild``: always) by calling ``build()`` (->
+    :class:`PlanArrays`) in exactly one process: the others wait on the folder's lock file."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / plan_file_name(identity["fingerprint"], identity["settings"], identity["epoch"])
+    if not rebuild:
+        try:
+            return open_plan_file(path, identity), path
+        except FileNotFoundError:
+            pass
+        except PlanFileError as e:
+            warnings.warn(f"{e}; writing it again", stacklevel=2)
+    with open(path.with_name(path.name + ".lock"), "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if not rebuild and path.exists():
+                try:
+                    return open_plan_file(path, identity), path  # written while this process waited
+                except PlanFileError:
+                    pass
+            write_plan_file(path, build(), identity)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return open_plan_file(path, identity), path
