@@ -17,16 +17,16 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
 * ``open``: seconds of :func:`~h5corpus.storage.reader.open_corpus` of the train split;
 * ``window_first``: the first batch of a :class:`~h5corpus.loaders.window.SlidingWindowDataset`
   (``seq_len`` 2,048, 8 windows), seconds after the open;
+* ``plan``: :func:`~h5corpus.loaders.bestfit.write_plans` of epoch 0 into ``plans/`` beside the
+  shards (rewritten), seconds; then, untimed, the per-rank figures' plan;
 * ``bestfit_first``: the first microbatch of a :class:`~h5corpus.loaders.bestfit.BestFitDataset`
-  (4,096 x 35, buffer 64), seconds after the open, once the plan exists (the plan step runs first
-  in its own process where the loaders offer one; otherwise the first batch plans what it needs);
+  (4,096 x 35, buffer 64, ``plan_dir`` = that folder), seconds after the open;
 * ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
 * ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
   memory-mapped shards is shared and not counted);
 * ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512 (2 packs
   per microbatch), over its first 16 microbatches (planning included);
-* ``plan_s_per_million_docs``: the plan's one-off cost (the whole epoch's best-fit plan), per
-  million documents;
+* ``plan_s_per_million_docs``: the plan's one-off cost (``plan``), per million documents;
 * ``inspect`` / ``inspect_peak_rss_anon_mb``: :func:`~h5corpus.inspection.inspect_corpus` of the
   train split, seconds and the highest ``RssAnon`` sampled every 20 ms while it runs.
 
@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from h5corpus.inspection import inspect_corpus  # noqa: E402
-from h5corpus.loaders.bestfit import BestFitDataset  # noqa: E402
+from h5corpus.loaders.bestfit import BestFitDataset, write_plans  # noqa: E402
 from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
@@ -81,7 +81,9 @@ BESTFIT = dict(max_seq_len=4096, batch_size=35)
 #: microbatches of the 1 M-document corpus (~15,600 microbatches in its epoch).
 RANKS = dict(max_seq_len=4096, batch_size=2)
 RANK_STEPS = 16  # microbatches timed from the start for the per-rank figures
+#: "plan" first: it writes the plan files every best-fit figure then reads.
 FIGURES = (
+    "plan",
     "open",
     "window_first",
     "window_len",
@@ -89,7 +91,6 @@ FIGURES = (
     "bestfit_len",
     "rank_1",
     "rank_512",
-    "plan",
     "inspect",
 )
 RSS_POLL_S = 0.02  # seconds between RssAnon samples while inspect runs
@@ -171,6 +172,11 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def plan_dir(manifest: Path) -> Path:
+    """The plan files' folder of the corpus of ``manifest`` (beside its shards)."""
+    return manifest.parent.parent / "plans"
+
+
 def peak_rss(fn: Any) -> tuple[float, float]:
     """(seconds of ``fn()``, highest RssAnon in MB sampled every RSS_POLL_S while it ran)."""
     peak = [rss_anon_mb()]
@@ -198,15 +204,15 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
         ds = SlidingWindowDataset(c, seed=0, rank=0, world_size=1, **WINDOW)
         out[figure] = timed(lambda: len(ds) if figure == "window_len" else next(iter(ds)))[1]
     elif figure in ("bestfit_first", "bestfit_len"):
-        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, **BESTFIT)
+        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, plan_dir=plan_dir(manifest), **BESTFIT)
         out[figure] = timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))[1]
     elif figure.startswith("rank_"):
-        ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), **RANKS)
+        ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), plan_dir=plan_dir(manifest), **RANKS)
         it = iter(ds)
         out[figure] = timed(lambda: [next(it) for _ in range(RANK_STEPS)])[1] / RANK_STEPS
-    elif figure == "plan":
-        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, **BESTFIT)
-        out[figure] = timed(lambda: ds.plan().plan_all())[1]
+    elif figure == "plan":  # epoch 0's plan files, written afresh; the per-rank settings' untimed
+        out[figure] = timed(lambda: write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT))[1]
+        write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **RANKS)
     elif figure == "inspect":
         out[figure], out["inspect_peak_rss_anon_mb"] = peak_rss(lambda: inspect_corpus(manifest, splits=["train"]))
     out["rss_anon_mb"] = rss_anon_mb()
