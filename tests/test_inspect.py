@@ -10,6 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from h5corpus import inspection
 from h5corpus.inspection import format_report, inspect_corpus
@@ -144,17 +145,15 @@ def test_chunking_that_drops_a_pair_fails(small_manifest, monkeypatch):
 
 
 def test_padded_batches_fail_the_input_length_check(small_manifest, monkeypatch):
-    real = packing.BestFitDataset._read
+    real = packing._SegmentReads.batch
+    capacity = 2 * 100_000  # batch_size x seq_len below: what a padding loader materializes
 
-    def padded(self, plan, mb):
-        b = real(self, plan, mb)
-        import torch
-
-        pad = self.batch_size * self.max_seq_len - b.num_tokens  # a padding loader materializes capacity
-        b.input_ids = torch.cat([b.input_ids, torch.zeros(pad, dtype=torch.int64)])
+    def padded(self, mb):
+        b = real(self, mb)
+        b.input_ids = torch.cat([b.input_ids, torch.zeros(capacity - b.num_tokens, dtype=torch.int64)])
         return b
 
-    monkeypatch.setattr(packing.BestFitDataset, "_read", padded)
+    monkeypatch.setattr(packing._SegmentReads, "batch", padded)
     rep = inspect_corpus(small_manifest, seq_len=100_000, batch_size=2)  # whole documents leave room in packs
     assert "model input length = real input count; positions restart per segment" in _failed(rep)
 
