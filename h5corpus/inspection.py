@@ -356,8 +356,8 @@ def inspect_corpus(
 
     # -- the seed's checks --------------------------------------------------------------------
     if "train" in corpora and "validation" in corpora:
-        a = corpora["train"].doc_ids.view("V32").ravel()
-        b = corpora["validation"].doc_ids.view("V32").ravel()
+        a, b = (corpora[k].doc_ids for k in ("train", "validation"))
+        a, b = (ids.view(f"V{ids.shape[1]}").ravel() for ids in (a, b))  # one opaque value per id (16 or 32 bytes)
         both = int(np.intersect1d(a, b).size)
         rep.checks.append(
             Check(
