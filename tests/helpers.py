@@ -194,7 +194,7 @@ def write_jsonl(path: Path, texts) -> Path:
 
 def read_built(manifest: Path) -> dict[str, list[tuple[bytes, np.ndarray, int]]]:
     """Every stored document per split, in manifest order, read with h5py alone (independent of
-    the reader): (doc id, tokens, flags)."""
+    the reader): (stored doc id: the first 16 bytes of the sha256 from format v3, tokens, flags)."""
     m = json.loads(manifest.read_text())
     out: dict[str, list] = {s: [] for s in fmt.SPLITS}
     for s in m["shards"]:

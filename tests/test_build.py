@@ -136,7 +136,7 @@ def check_content(manifest: Path, ex: Expected, encode, eos: int, mdt: int | Non
     got = read_built(manifest)
     for split in fmt.SPLITS:
         texts = ex.docs[split]
-        assert [d[0] for d in got[split]] == [sha(t) for t in texts], split
+        assert [d[0] for d in got[split]] == [sha(t)[:16] for t in texts], split  # 128 bits stored (format v3)
         for (_doc_id, toks, flags), text in zip(got[split], texts):
             ref = np.append(np.asarray(encode(text), dtype=np.int64), eos)
             if mdt and ref.size > mdt:

@@ -534,7 +534,7 @@ def test_a_zst_cut_at_a_block_boundary_fails_the_build_naming_truncation(tmp_pat
     assert m["build"]["skip_reasons"] == {"truncated": 1}
     assert m["build"]["skipped_records"][0].startswith(f"{p}:3001: truncated")
     stored = {d[0] for s in read_built(root / "manifests" / "shards.json").values() for d in s}
-    assert stored == {hashlib.sha256(t.encode()).digest() for t in texts[:3000]}
+    assert stored == {hashlib.sha256(t.encode()).digest()[:16] for t in texts[:3000]}
     assert rep.documents == 3000
 
 
@@ -553,7 +553,7 @@ def test_a_truncated_gzip_keeps_every_complete_record_under_skip(tmp_path):
         build_corpus(fault_config(root, [p], workers=1))
     build_corpus(fault_config(root, [p], workers=1, on_error="skip", overwrite=True))
     stored = {d[0] for s in read_built(root / "manifests" / "shards.json").values() for d in s}
-    assert stored == {hashlib.sha256(t.encode()).digest() for t in texts[:complete]}
+    assert stored == {hashlib.sha256(t.encode()).digest()[:16] for t in texts[:complete]}
 
 
 def test_a_bom_at_the_start_of_a_jsonl_file_is_not_part_of_the_first_record(tmp_path):
@@ -567,7 +567,7 @@ def test_a_bom_at_the_start_of_a_jsonl_file_is_not_part_of_the_first_record(tmp_
         root = tmp_path / f.name.replace(".", "-")
         rep = build_corpus(fault_config(root, [f], workers=1))
         got = [d[0] for s in fmt.SPLITS for d in read_built(root / "manifests" / "shards.json")[s]]
-        assert rep.documents == 50 and sorted(got) == sorted(hashlib.sha256(t.encode()).digest() for t in texts)
+        assert rep.documents == 50 and sorted(got) == sorted(hashlib.sha256(t.encode()).digest()[:16] for t in texts)
 
 
 # -- 4. one manifest, two builds ----------------------------------------------------------------------

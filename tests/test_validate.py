@@ -30,10 +30,12 @@ def _edit_tokens_and_rehash(manifest: Path, k: int, edits: dict[int, int]) -> st
         toks, C = f["tokens"][:].astype("<u2"), f["tokens"].chunks[0]
         sums = np.array([xxhash.xxh3_64_intdigest(toks[a : a + C].tobytes()) for a in range(0, toks.size, C)], "<u8")
         f["chunk_xxh3"][:] = sums  # the buggy writer checksums what it wrote
-        index = b"".join(f[n][:].tobytes() for n in ("doc_offsets", "doc_ids", "doc_flags")) + sums.tobytes()
+        osums = f["offsets_xxh3"][:].astype("<u8").tobytes()  # offsets unchanged: their checksums hold
+        index = b"".join(f[n][:].tobytes() for n in ("doc_offsets", "doc_ids", "doc_flags")) + sums.tobytes() + osums
     raw = json.loads(manifest.read_text())
     raw["shards"][k]["sha256"] = hashlib.sha256(toks.tobytes()).hexdigest()
     raw["shards"][k]["index_sha256"] = hashlib.sha256(index).hexdigest()
+    raw["shards"][k]["sums_sha256"] = hashlib.sha256(sums.tobytes() + osums).hexdigest()
     raw["shards"][k]["bytes"] = p.stat().st_size
     manifest.write_text(json.dumps(raw))
     return m.shards[k].path
@@ -55,12 +57,14 @@ def test_document_without_eos_is_named_even_when_hashes_agree(stdlib_manifest):
 
 
 def test_deep_scan_finds_what_only_a_buggy_writer_could_write(stdlib_manifest):
-    """An id >= vocab_size or an EOS inside a document, under matching hashes, passes the default
-    check (the sha256 proves the tokens are the ones written; the writer refuses both) and is
-    named by ``deep=True`` / ``--deep``."""
+    """Under matching hashes, an id >= vocab_size is named by the default check (a max per block),
+    an EOS inside a document only by ``deep=True`` / ``--deep`` (the sha256 proves the tokens are
+    the ones written; the writer refuses both)."""
     offs = _offsets(stdlib_manifest, 0)
     name = _edit_tokens_and_rehash(stdlib_manifest, 0, {int(offs[2]) + 1: BYTE_IDENTITY.eos_id, int(offs[7]) + 3: 300})
-    assert validate_corpus(stdlib_manifest, workers=2).ok
+    default = validate_corpus(stdlib_manifest, workers=2)
+    assert [(f.shard, f.code) for f in default.findings] == [(name, "range")], default.findings
+    assert "token id 300 >= vocab_size 257" in default.findings[0].message
     deep = validate_corpus(stdlib_manifest, workers=2, deep=True)
     assert {(f.shard, f.code) for f in deep.findings} == {(name, "range"), (name, "eos")}, deep.findings
     cli = subprocess.run(

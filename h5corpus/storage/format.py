@@ -1,4 +1,4 @@
-"""The on-disk contract of an h5corpus corpus (shard format v2, reading v1 too; manifest v1). See ``docs/FORMAT.md``.
+"""The on-disk contract of an h5corpus corpus (shard format v3, reading v1 and v2 too; manifest v1). See ``docs/FORMAT.md``.
 
 Every fact of the layout that the writer, the reader, the validator and the build's resume rely
 on is defined here once, so that they cannot drift apart: dataset names and dtypes, the HDF5
@@ -28,9 +28,12 @@ import xxhash
 FORMAT_NAME = "h5corpus"
 #: The version this h5corpus writes. 2: per-chunk checksums (``/chunk_xxh3``), a compressed final
 #: chunk, compressed index datasets, fixed-length string attributes (docs/FORMAT.md).
-FORMAT_VERSION = 2
+#: 3: a lazily consulted, verified index: ``/doc_offsets`` in raw chunks that a reader maps,
+#: ``/offsets_xxh3`` (one checksum per offsets chunk), 128-bit stored ids, and the manifest's
+#: ``sums_sha256`` proving both checksum tables.
+FORMAT_VERSION = 3
 #: Versions this h5corpus reads (version 1 shards carry no checksums: reads are unverified).
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 #: Version of the manifest's layout (``manifest_version`` key); manifests written before the key
 #: existed are version 1.
 MANIFEST_VERSION = 1
@@ -51,15 +54,20 @@ DOC_FLAGS = "doc_flags"
 #: uint64 (chunks,), version 2: xxh3-64 of each ``/tokens`` chunk's tokens as little-endian bytes
 #: (the last chunk: only its ``T - k * chunk_tokens`` real tokens), chunk k = ``tokens[k*C:(k+1)*C]``.
 CHUNK_CHECKSUMS = "chunk_xxh3"
+#: uint64 (offsets chunks,), version 3: xxh3-64 of each ``/doc_offsets`` chunk's real entries as
+#: little-endian int64 bytes, chunk k = ``doc_offsets[k*OC:(k+1)*OC]`` (``OC`` = :data:`OFFSETS_CHUNK_V3`).
+OFFSETS_CHECKSUMS = "offsets_xxh3"
 #: Every dataset of a version 1 shard, in the order the index hash covers the index ones.
 DATASETS_V1 = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS)
 #: Every dataset of a version 2 shard, in the order the index hash covers the index ones.
-DATASETS = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS)
+DATASETS_V2 = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS)
+#: Every dataset of a version 3 shard, in the order the index hash covers the index ones.
+DATASETS = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS, OFFSETS_CHECKSUMS)
 
 
 def datasets_of(version: int) -> tuple[str, ...]:
     """The datasets a shard of format ``version`` holds."""
-    return DATASETS_V1 if version == 1 else DATASETS
+    return {1: DATASETS_V1, 2: DATASETS_V2}.get(version, DATASETS)
 
 
 #: Stored dtypes of the index datasets (little-endian where it matters).
@@ -71,7 +79,17 @@ CHECKSUM_DTYPE = np.dtype("<u8")
 #: The document was cut at ``--max-document-tokens``: it has no EOS (a cut is never a real end).
 FLAG_TRUNCATED = 1
 
+#: Width of a document id as the build computes it: the sha256 of the document's UTF-8 text.
 DOC_ID_BYTES = 32
+#: Width of a stored id in a version 3 shard: the first 16 bytes (128 bits) of that sha256, ample
+#: for 10^12 documents (collision odds ~10^-15) at half the bytes.
+STORED_ID_BYTES_V3 = 16
+
+
+def stored_id_bytes(version: int) -> int:
+    """Bytes per row of ``/doc_ids`` in a shard of format ``version`` (32, or 16 from version 3)."""
+    return DOC_ID_BYTES if version < 3 else STORED_ID_BYTES_V3
+
 
 #: Default tokens per HDF5 chunk: 2**18 tokens = 512 KiB at uint16, inside h5py's 10 KiB-1 MiB
 #: guidance and a multiple of every power-of-two window stride up to 256Ki. ``bench/bench_storage.py``
@@ -88,6 +106,11 @@ IDS_CHUNK = 32
 FLAGS_CHUNK = 512
 #: ``/chunk_xxh3`` grows in chunks of this many checksums (one per ``/tokens`` chunk).
 CHECKSUM_CHUNK = 32
+#: Version 3: ``/doc_offsets`` entries per chunk (8 KiB): the unit a reader maps, verifies (one
+#: checksum each) and touches; the last chunk is stored whole (<= 8 KiB of padding per shard).
+OFFSETS_CHUNK_V3 = 1024
+#: Version 3: rows of ``/doc_ids`` per chunk (1 KiB of 16-byte ids).
+IDS_CHUNK_V3 = 64
 #: zlib level of a version 2 shard's final ``/tokens`` chunk (HDF5's deflate filter; level 6 is
 #: zlib's default trade-off between time and size, docs/FORMAT.md).
 DEFLATE_LEVEL = 6
@@ -118,6 +141,8 @@ PARTIAL_SUFFIX = ".partial"
 
 #: The keys of a shard record (one manifest entry), in order.
 SHARD_KEYS = ("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")
+#: Keys of a version 3 shard record: also ``sums_sha256`` (the checksum tables' hash).
+SHARD_KEYS_V3 = (*SHARD_KEYS, "sums_sha256")
 _HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 _COUNT = {"type": "integer", "minimum": 0}
 
@@ -157,6 +182,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "documents": _COUNT,
                     "sha256": _HEX64,
                     "index_sha256": _HEX64,
+                    "sums_sha256": _HEX64,
                     "bytes": _COUNT,
                 },
             },
@@ -252,12 +278,16 @@ class ShardRecord:
     sha256: str
     """Hex sha256 of the little-endian bytes of ``tokens[0:tokens]``."""
     index_sha256: str
-    """Hex sha256 of doc_offsets ++ doc_ids ++ doc_flags (:func:`index_sha256`)."""
+    """Hex sha256 of doc_offsets ++ doc_ids ++ doc_flags (++ the checksum tables; :func:`index_sha256`)."""
     bytes: int
     """File size on disk, in bytes."""
+    sums_sha256: str | None = None
+    """Version 3: hex sha256 of ``/chunk_xxh3`` ++ ``/offsets_xxh3`` (:func:`sums_sha256`), the
+    link from the manifest to every checksum a reader trusts; None for older versions."""
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in SHARD_KEYS}
+        keys = SHARD_KEYS if self.sums_sha256 is None else SHARD_KEYS_V3
+        return {k: getattr(self, k) for k in keys}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str) -> ShardRecord:
@@ -273,6 +303,7 @@ class ShardRecord:
             sha256=str(d["sha256"]),
             index_sha256=str(d["index_sha256"]),
             bytes=int(d["bytes"]),
+            sums_sha256=None if d.get("sums_sha256") is None else str(d["sums_sha256"]),
         )
 
     def with_path(self, path: str | os.PathLike[str]) -> ShardRecord:
@@ -355,14 +386,69 @@ def dataset_problems(f: Any, expect: ShardExpectation) -> list[Problem]:
     return []
 
 
-def checksum_problems(n_checksums: int, num_tokens: int, chunk_tokens: int) -> list[Problem]:
-    """A version 2 shard holds one checksum per ``/tokens`` chunk: ``ceil(num_tokens / chunk_tokens)``."""
+def v3_index_layout_problems(f: Any, num_tokens: int, num_documents: int, chunk_tokens: int) -> list[Problem]:
+    """A version 3 shard's index datasets against the manifest's counts, from their shapes and
+    chunk indexes only (nothing proportional to the counts is read): ``/doc_offsets`` 1-D
+    little-endian int64, ``num_documents + 1`` entries, unfiltered, in chunks of
+    :data:`OFFSETS_CHUNK_V3`, every chunk allocated; ``/offsets_xxh3`` 1-D ``<u8`` with one checksum
+    per offsets chunk; ``/chunk_xxh3`` with one per ``/tokens`` chunk; ``/tokens`` with every
+    chunk allocated (a dataset resized without writing its chunks reads as fill values)."""
+    o, osums, t = f[DOC_OFFSETS], f[OFFSETS_CHECKSUMS], f[TOKENS]
+    if o.dtype.str != OFFSETS_DTYPE.str or o.ndim != 1 or o.chunks != (OFFSETS_CHUNK_V3,):
+        return [
+            Problem(
+                "offsets",
+                f"/doc_offsets is {o.dtype.str} {o.shape} in chunks {o.chunks}, expected 1-D <i8 "
+                f"in chunks ({OFFSETS_CHUNK_V3},)",
+                fatal=True,
+            )
+        ]
+    if o.id.get_create_plist().get_nfilters():
+        return [Problem("offsets", "/doc_offsets is stored filtered; version 3 stores it raw", fatal=True)]
+    if o.shape[0] != num_documents + 1:
+        return [
+            Problem(
+                "offsets",
+                f"/doc_offsets lists {o.shape[0] - 1:,} documents, manifest says {num_documents:,}",
+                fatal=True,
+            )
+        ]
+    if osums.dtype.str != CHECKSUM_DTYPE.str or osums.ndim != 1:
+        return [
+            Problem(
+                "checksums", f"/{OFFSETS_CHECKSUMS} is {osums.dtype.str} {osums.shape}, expected 1-D <u8", fatal=True
+            )
+        ]
+    out = checksum_problems(f[CHUNK_CHECKSUMS].shape[0], num_tokens, chunk_tokens)
+    out += checksum_problems(osums.shape[0], num_documents + 1, OFFSETS_CHUNK_V3, OFFSETS_CHECKSUMS)
+    for name, ds, n, c in (
+        (TOKENS, t, num_tokens, chunk_tokens),
+        (DOC_OFFSETS, o, num_documents + 1, OFFSETS_CHUNK_V3),
+    ):
+        have, want = ds.id.get_num_chunks(), -(-n // c)
+        if have != want:
+            out.append(
+                Problem(
+                    "tokens" if name == TOKENS else "offsets",
+                    f"/{name} has {have:,} chunks stored, {n:,} entries need {want:,} (resized without data?)",
+                    fatal=True,
+                )
+            )
+    return out
+
+
+def checksum_problems(
+    n_checksums: int, num_tokens: int, chunk_tokens: int, name: str = CHUNK_CHECKSUMS
+) -> list[Problem]:
+    """A version 2 shard holds one checksum per ``/tokens`` chunk: ``ceil(num_tokens / chunk_tokens)``
+    (version 3 also one per ``/doc_offsets`` chunk: ``name`` = :data:`OFFSETS_CHECKSUMS`, counts in entries)."""
     want = -(-num_tokens // chunk_tokens)
     if n_checksums != want:
+        what = "tokens" if name == CHUNK_CHECKSUMS else "offsets"
         return [
             Problem(
                 "checksums",
-                f"/{CHUNK_CHECKSUMS} holds {n_checksums:,} checksums, but {num_tokens:,} tokens in chunks of "
+                f"/{name} holds {n_checksums:,} checksums, but {num_tokens:,} {what} in chunks of "
                 f"{chunk_tokens:,} make {want:,} chunks",
             )
         ]
@@ -422,18 +508,22 @@ def check_index(
     *,
     num_tokens: int,
     num_documents: int | None = None,
+    id_bytes: int = DOC_ID_BYTES,
 ) -> list[Problem]:
     """Everything the index promises that needs no token read: dtypes, shapes, offsets from 0,
-    non-decreasing, ending at ``num_tokens`` (the length of ``/tokens``), one id row and one flag
-    per document, and ``num_documents`` documents when given (the manifest's count). Empty = intact."""
+    non-decreasing, ending at ``num_tokens`` (the length of ``/tokens``), one id row of
+    ``id_bytes`` (:func:`stored_id_bytes`) and one flag per document, and ``num_documents``
+    documents when given (the manifest's count). Empty = intact."""
     out: list[Problem] = []
     docs = max(int(doc_offsets.size) - 1, 0)
     if doc_offsets.dtype != OFFSETS_DTYPE or doc_offsets.ndim != 1:
         out.append(Problem("offsets", f"/doc_offsets is {doc_offsets.dtype} {doc_offsets.shape}, expected 1-D int64"))
     if num_documents is not None and docs != num_documents:
         out.append(Problem("offsets", f"/doc_offsets lists {docs:,} documents, manifest says {num_documents:,}"))
-    if doc_ids.dtype != DOC_ID_DTYPE or doc_ids.shape != (docs, DOC_ID_BYTES):
-        out.append(Problem("index", f"/doc_ids is {doc_ids.dtype} {doc_ids.shape}, expected uint8 ({docs:,}, 32)"))
+    if doc_ids.dtype != DOC_ID_DTYPE or doc_ids.shape != (docs, id_bytes):
+        out.append(
+            Problem("index", f"/doc_ids is {doc_ids.dtype} {doc_ids.shape}, expected uint8 ({docs:,}, {id_bytes})")
+        )
     if doc_flags.dtype != FLAGS_DTYPE or doc_flags.shape != (docs,):
         out.append(Problem("index", f"/doc_flags is {doc_flags.dtype} {doc_flags.shape}, expected uint8 ({docs:,},)"))
     if doc_offsets.size == 0 or doc_offsets.ndim != 1 or doc_offsets[0] != 0:
@@ -582,15 +672,54 @@ def tokens_sha256_update(h: hashlib._Hash, tokens: np.ndarray) -> None:
 
 
 def index_sha256(
-    doc_offsets: np.ndarray, doc_ids: np.ndarray, doc_flags: np.ndarray, checksums: np.ndarray | None = None
+    doc_offsets: np.ndarray,
+    doc_ids: np.ndarray,
+    doc_flags: np.ndarray,
+    checksums: np.ndarray | None = None,
+    offsets_checksums: np.ndarray | None = None,
 ) -> str:
     """Hex sha256 of ``doc_offsets`` (int64 LE) ++ ``doc_ids`` (raw bytes) ++ ``doc_flags`` (uint8),
-    followed in version 2 by the chunk ``checksums`` (uint64 LE): the manifest's hash then proves
-    the checksums too. ``checksums=None`` is the version 1 definition."""
+    followed in version 2 by the chunk ``checksums`` (uint64 LE), in version 3 also by the
+    ``offsets_checksums`` (uint64 LE): the manifest's hash then proves the checksums too.
+    ``checksums=None`` is the version 1 definition."""
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(doc_offsets, dtype=OFFSETS_DTYPE).tobytes())
     h.update(np.ascontiguousarray(doc_ids, dtype=DOC_ID_DTYPE).tobytes())
     h.update(np.ascontiguousarray(doc_flags, dtype=FLAGS_DTYPE).tobytes())
     if checksums is not None:
         h.update(np.ascontiguousarray(checksums, dtype=CHECKSUM_DTYPE).tobytes())
+    if offsets_checksums is not None:
+        h.update(np.ascontiguousarray(offsets_checksums, dtype=CHECKSUM_DTYPE).tobytes())
     return h.hexdigest()
+
+
+def sums_sha256(chunk_sums: np.ndarray, offsets_sums: np.ndarray) -> str:
+    """Version 3: hex sha256 of ``/chunk_xxh3`` ++ ``/offsets_xxh3`` (uint64 LE): recorded in the
+    manifest, it proves every checksum a reader trusts (the trust chain: manifest -> checksum
+    tables -> chunks), at a cost of 8 bytes per chunk, not per document."""
+    h = hashlib.sha256(np.ascontiguousarray(chunk_sums, dtype=CHECKSUM_DTYPE).tobytes())
+    h.update(np.ascontiguousarray(offsets_sums, dtype=CHECKSUM_DTYPE).tobytes())
+    return h.hexdigest()
+
+
+#: Largest compression ratio a shard's size is believed to hide (deflate tops out near 1,032:1;
+#: 65,536:1 leaves room for any filter). A manifest entry claiming more tokens than its file could
+#: hold at this ratio is refused before any work proportional to the claim.
+MAX_CLAIM_RATIO = 1 << 16
+
+
+def claim_problems(entry: ShardRecord, itemsize: int, chunk_tokens: int) -> list[Problem]:
+    """Counts of a manifest entry no real file of ``entry.bytes`` could hold: more documents than
+    tokens (documents are never empty), or more token bytes than :data:`MAX_CLAIM_RATIO` times the
+    file (plus one chunk)."""
+    if entry.documents > entry.tokens:
+        return [Problem("documents", f"claims {entry.documents:,} documents in {entry.tokens:,} tokens")]
+    room = entry.bytes * MAX_CLAIM_RATIO + chunk_tokens * itemsize
+    if entry.tokens * itemsize > room:
+        return [
+            Problem(
+                "tokens",
+                f"claims {entry.tokens:,} tokens, more than a {entry.bytes:,}-byte file can hold",
+            )
+        ]
+    return []

@@ -73,20 +73,32 @@ class Manifest:
         folders += [self.shard_path(e).parent for e in self.shards]
         return list(dict.fromkeys(folders))
 
+    @property
+    def corpus_root(self) -> Path:
+        """The corpus's folder: the manifest folder's parent (it holds ``manifests/`` and
+        ``shards/`` in the default layout). Every path a manifest names must lie inside it."""
+        return Path(os.path.normpath(self.root.parent))
+
     def check_paths(self, where: str) -> None:
-        """Raise :class:`FormatError` naming ``where`` and the shard when a shard path is absolute,
-        leaves :attr:`shards_root`, or names a file already listed (compared after resolving
-        ``.``/``..`` and symbolic links)."""
+        """Raise :class:`FormatError` naming ``where`` and the shard when ``shards_dir`` or a shard
+        path is absolute, when ``shards_dir`` leaves :attr:`corpus_root`, when a shard path leaves
+        :attr:`shards_root` (both judged on the paths as written, after removing ``.`` and ``..``
+        textually, never by following them through the filesystem), or when a path names a file
+        already listed (compared after resolving symbolic links too)."""
         if self.shards_dir is not None and (os.path.isabs(self.shards_dir) or "\0" in self.shards_dir):
             raise FormatError(f"{where}: shards_dir {self.shards_dir!r} must be a relative path")
-        root = self.shards_root
+        root, corpus = self.shards_root, self.corpus_root
+        if os.path.commonpath([corpus, root]) != str(corpus):
+            raise FormatError(
+                f"{where}: shards_dir {self.shards_dir!r} leaves the corpus folder {corpus} (the manifest folder's parent)"
+            )
         seen: dict[str, str] = {}
         contents: dict[tuple[str, str], str] = {}
         for e in self.shards:
             if os.path.isabs(e.path) or "\0" in e.path:
                 raise FormatError(f"{where}: shard path {e.path!r} must be relative to the manifest's folder")
             p = self.shard_path(e)
-            if os.path.commonpath([root, p]) != str(root):
+            if p == root or os.path.commonpath([root, p]) != str(root):
                 raise FormatError(f"{where}: shard path {e.path!r} leaves the corpus's shards folder {root}")
             real = os.path.realpath(p)
             if real in seen:
@@ -96,6 +108,18 @@ class Manifest:
                 same = contents.setdefault((e.sha256, e.index_sha256), e.path)
                 if same != e.path:
                     raise FormatError(f"{where}: shard {e.path!r} holds the same documents as {same!r}")
+
+    def check_claims(self, where: str) -> None:
+        """Raise :class:`FormatError` naming ``where`` and the shard when an entry's counts are
+        ones no real file could hold (:func:`~h5corpus.storage.format.claim_problems`), or when a
+        version 3 entry lacks ``sums_sha256`` (the link from the manifest to its checksums)."""
+        itemsize = fmt.token_dtype(self.tokenizer.vocab_size).itemsize
+        for e in self.shards:
+            if self.version >= 3 and e.sums_sha256 is None:
+                raise FormatError(f"{where}: shard {e.path!r}: a version {self.version} entry needs sums_sha256")
+            bad = fmt.claim_problems(e, itemsize, self.chunk_tokens)
+            if bad:
+                raise FormatError(f"{where}: shard {e.path!r} {bad[0].message}")
 
     def shard_path(self, entry: ShardRecord) -> Path:
         """Absolute path of ``entry``'s file."""
@@ -227,6 +251,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     m = Manifest.from_json(parse_manifest_text(data, str(p)), str(p))
     m.path = p.absolute()
     m.check_paths(str(p))
+    m.check_claims(str(p))
     return m
 
 

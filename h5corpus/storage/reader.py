@@ -47,6 +47,7 @@ from .readpaths import (
     FORKS,
     READ_PATHS,
     H5Tokens,
+    MappedOffsets,
     MmapTokens,
     ReadPath,
     RunTable,
@@ -54,6 +55,10 @@ from .readpaths import (
     live_tokens,
     read_checksums,
 )
+
+#: Shards one corpus keeps open per process (each holds two descriptors, its memory maps): 10,000
+#: shards then read under the default ``ulimit -n`` of 1,024.
+MAX_OPEN_SHARDS = 128
 
 
 class UnverifiedCorpusWarning(UserWarning):
@@ -110,11 +115,15 @@ class Corpus:
         self.shard_token_starts = np.zeros(1, dtype=np.int64)
         #: (shards + 1,) global document index where each shard starts; last = num_documents.
         self.shard_doc_starts = np.zeros(1, dtype=np.int64)
-        #: (documents + 1,) int64 global token offset of each document; last = num_tokens.
-        self.doc_offsets = np.zeros(1, dtype=np.int64)
-        self._doc_ids: np.ndarray | None = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        #: (documents + 1,) int64 global token offset of each document (versions 1-2 and live
+        #: shards: read at open; version 3: None until :attr:`doc_offsets` is asked for)
+        self._doc_offsets: np.ndarray | None = np.zeros(1, dtype=np.int64)
+        id_bytes = fmt.stored_id_bytes(self.version)
+        self._doc_ids: np.ndarray | None = np.zeros((0, id_bytes), np.uint8)
         self._doc_flags: np.ndarray | None = np.zeros(0, np.uint8)
         self._readers: dict[int, MmapTokens | H5Tokens] = {}
+        #: version 3, per open shard: its verified, memory-mapped ``/doc_offsets`` (this process)
+        self._indexes: dict[int, MappedOffsets] = {}
         #: per finished shard: the identity of the file whose index this corpus holds
         self._file_ids: list[FileId | None] = []
         #: per finished shard: its ``/chunk_xxh3`` when this corpus verifies (read with the index)
@@ -155,10 +164,11 @@ class Corpus:
         self._complete = [False]
         self.shard_token_starts = np.zeros(2, dtype=np.int64)
         self.shard_doc_starts = np.zeros(2, dtype=np.int64)
-        self.doc_offsets = np.zeros(1, dtype=np.int64)
-        self._doc_ids = np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        self._doc_offsets = np.zeros(1, dtype=np.int64)
+        self._doc_ids = np.zeros((0, fmt.stored_id_bytes(self.version)), np.uint8)
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
+        self._indexes = {}
         self._file_ids = [None]
         self._chunk_sums = [None]
         self._pid, self._forks = os.getpid(), FORKS[0]
@@ -166,9 +176,29 @@ class Corpus:
         return self
 
     def _append_entries(self, entries: list) -> None:
-        """Read and check the index of manifest shards appended after the current ones."""
+        """Add manifest shards after the current ones: version 3 from the manifest's counts alone
+        (each shard is checked when this process first touches it); versions 1-2 read and check
+        every index now."""
         assert self.manifest is not None
-        offs, ids, flags = [self.doc_offsets], [], []
+        if self.version >= 3:
+            for e in entries:
+                self.entries.append(e)
+                self.paths.append(str(self.manifest.shard_path(e)))
+                self._complete.append(True)
+                self._file_ids.append(None)
+                self._chunk_sums.append(None)
+            counts = np.array([[e.tokens, e.documents] for e in entries], np.int64).reshape(-1, 2)
+            self.shard_token_starts = np.concatenate(
+                [self.shard_token_starts, self.shard_token_starts[-1] + np.cumsum(counts[:, 0])]
+            )
+            self.shard_doc_starts = np.concatenate(
+                [self.shard_doc_starts, self.shard_doc_starts[-1] + np.cumsum(counts[:, 1])]
+            )
+            self._doc_offsets = None
+            self._doc_ids = self._doc_flags = None
+            return
+        assert self._doc_offsets is not None
+        offs, ids, flags = [self._doc_offsets], [], []
         starts, dstarts = [self.shard_token_starts], [self.shard_doc_starts]
         t0, d0 = int(self.shard_token_starts[-1]), int(self.shard_doc_starts[-1])
         for e in entries:
@@ -186,7 +216,7 @@ class Corpus:
             self.entries.append(e)
             self.paths.append(path)
             self._complete.append(True)
-        self.doc_offsets = np.concatenate(offs)
+        self._doc_offsets = np.concatenate(offs)
         self.shard_token_starts = np.concatenate(starts)
         self.shard_doc_starts = np.concatenate(dstarts)
         if self._doc_ids is not None and ids:
@@ -231,7 +261,15 @@ class Corpus:
                     sums = _read_checksums(sums_ds, path)
         if stored != entry.tokens:
             problems.append(fmt.Problem("tokens", f"/tokens holds {stored:,} tokens, manifest says {entry.tokens:,}"))
-        problems += fmt.check_index(o, ids, flags, num_tokens=stored, num_documents=entry.documents)
+        problems += fmt.check_index(
+            o, ids, flags, num_tokens=stored, num_documents=entry.documents, id_bytes=fmt.stored_id_bytes(self.version)
+        )
+        if not problems and sums is not None and fmt.index_sha256(o, ids, flags, sums) != entry.index_sha256:
+            problems.append(
+                fmt.Problem(
+                    "index_sha256", "index (offsets, ids, flags, checksums) differs from the manifest's index_sha256"
+                )
+            )
         if problems:
             raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
         if _file_id(path) != before:
@@ -254,11 +292,26 @@ class Corpus:
     @property
     def num_tokens(self) -> int:
         """Tokens in the split, EOS ids included (for a live shard: of its complete documents)."""
-        return int(self.doc_offsets[-1])
+        return int(self.shard_token_starts[-1])
 
     @property
     def num_documents(self) -> int:
-        return int(self.doc_offsets.size - 1)
+        """Documents in the split (from the manifest's counts)."""
+        return int(self.shard_doc_starts[-1])
+
+    @property
+    def doc_offsets(self) -> np.ndarray:
+        """(documents + 1,) int64 global token offset of each document; last = num_tokens.
+        O(documents): a version 3 corpus reads (and verifies) every shard's offsets the first time
+        it is asked for in a process (8 bytes per document); prefer :meth:`doc_offsets_range` and
+        :meth:`doc_index_at`, which touch only what they need."""
+        if self._doc_offsets is None:
+            parts = [np.zeros(1, np.int64)]
+            for s in range(self.num_shards):
+                d = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
+                parts.append(self._index(s).slice(1, d + 1) + self.shard_token_starts[s])
+            self._doc_offsets = np.concatenate(parts)
+        return self._doc_offsets
 
     @property
     def num_shards(self) -> int:
@@ -292,12 +345,36 @@ class Corpus:
         return self._doc_index_at(pos)
 
     def _offsets_between(self, lo: int, hi: int) -> np.ndarray:
-        """Checked ``doc_offsets_range``: boundaries ``lo..hi`` as a new array."""
-        return self.doc_offsets[lo : hi + 1].copy()
+        """Checked ``doc_offsets_range``: boundaries ``lo..hi`` as a new array; version 3 reads
+        them shard by shard from the shards' verified maps."""
+        if self._doc_offsets is not None:
+            return self._doc_offsets[lo : hi + 1].copy()
+        if self.num_shards == 0:
+            return np.zeros(1, np.int64)
+        self._check_pid()
+        dst = self.shard_doc_starts
+        parts, j = [], lo
+        while j <= hi:
+            s = int(np.searchsorted(dst[:-1], j, side="right")) - 1  # dst[s] <= j <= dst[s + 1]
+            end = min(hi, int(dst[s + 1]))
+            parts.append(self._index(s).slice(j - int(dst[s]), end - int(dst[s]) + 1) + self.shard_token_starts[s])
+            j = end + 1
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _doc_index_at(self, pos: np.ndarray) -> np.ndarray:
-        """Checked ``doc_index_at`` over int64 positions."""
-        return np.searchsorted(self.doc_offsets, pos, side="right").astype(np.int64) - 1
+        """Checked ``doc_index_at`` over int64 positions; version 3 searches each shard's verified
+        map (a binary search touching ~log2(documents / 1,024) offsets chunks per position)."""
+        if self._doc_offsets is not None:
+            return np.searchsorted(self._doc_offsets, pos, side="right").astype(np.int64) - 1
+        self._check_pid()
+        flat = pos.reshape(-1)
+        shard = np.searchsorted(self.shard_token_starts, flat, side="right") - 1
+        out = np.empty(flat.size, np.int64)
+        for s in np.unique(shard).tolist():
+            sel = shard == s
+            local = self._index(s).search(flat[sel] - self.shard_token_starts[s])
+            out[sel] = local + self.shard_doc_starts[s]
+        return out.reshape(pos.shape)
 
     @property
     def doc_ids(self) -> np.ndarray:
@@ -316,13 +393,31 @@ class Corpus:
         return self._doc_flags
 
     def _load_doc_meta(self) -> None:
-        ids, flags = [np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)], [np.zeros(0, np.uint8)]
+        """Read every shard's ids and flags (O(documents)); a finished version 3 shard's are proven
+        against the manifest's ``index_sha256`` first (its offsets and checksum tables re-read)."""
+        ids, flags = [np.zeros((0, fmt.stored_id_bytes(self.version)), np.uint8)], [np.zeros(0, np.uint8)]
         for s in range(self.num_shards):
             n = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
             self._check_unchanged(s)
-            with h5open(self._open_path(s), live=not self._complete[s]) as f:
-                ids.append(f[fmt.DOC_IDS][:n])
-                flags.append(f[fmt.DOC_FLAGS][:n])
+            path = self._open_path(s)
+            try:
+                with h5open(path, live=not self._complete[s]) as f:
+                    ids.append(f[fmt.DOC_IDS][:n])
+                    flags.append(f[fmt.DOC_FLAGS][:n])
+                    if self.version >= 3 and self._complete[s] and self.verified:
+                        got = fmt.index_sha256(
+                            *(f[k][()] for k in (fmt.DOC_OFFSETS,)),
+                            ids[-1],
+                            flags[-1],
+                            *(f[k][()] for k in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS)),
+                        )
+                        if got != self.entries[s].index_sha256:
+                            raise FormatError(
+                                f"{path}: the index (/doc_offsets, /doc_ids, /doc_flags, checksums) differs from "
+                                "the manifest's index_sha256; run h5corpus validate"
+                            )
+            except (OSError, KeyError) as e:
+                raise FormatError(f"{path}: cannot read document ids and flags ({e}); run h5corpus validate") from None
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
 
     @property
@@ -378,16 +473,115 @@ class Corpus:
 
     def _check_pid(self) -> None:
         if self._forks != FORKS[0]:  # forked: never touch the parent's handles
-            self._readers = {}
+            self._readers, self._indexes = {}, {}
             self._pid, self._forks = os.getpid(), FORKS[0]
 
     def _reader(self, shard: int) -> MmapTokens | H5Tokens:
-        """This process's read path for ``shard`` (callers run :meth:`_check_pid` first)."""
+        """This process's read path for ``shard`` (callers run :meth:`_check_pid` first). At most
+        :data:`MAX_OPEN_SHARDS` shards are open per corpus and process (two descriptors each, the
+        memory maps'): opening one more first closes the older half."""
         r = self._readers.get(shard)
         if r is None:
-            r = self._open_reader(shard)
+            if len(self._readers) >= MAX_OPEN_SHARDS:
+                self._close_oldest(MAX_OPEN_SHARDS // 2)
+            if self.version >= 3 and self.manifest is not None:
+                r, self._indexes[shard] = self._open_v3(shard)
+            else:
+                r = self._open_reader(shard)
             self._readers[shard] = r
         return r
+
+    def _index(self, shard: int) -> MappedOffsets:
+        """This process's verified map of a version 3 shard's ``/doc_offsets`` (opens the shard)."""
+        idx = self._indexes.get(shard)
+        if idx is None:
+            self._check_pid()
+            self._reader(shard)
+            idx = self._indexes[shard]
+        return idx
+
+    def _close_oldest(self, n: int) -> None:
+        """Close the ``n`` shards opened first (dicts keep insertion order); their chunks are
+        verified again if they are opened again."""
+        for s in list(self._readers)[:n]:
+            self._readers.pop(s).close()
+            idx = self._indexes.pop(s, None)
+            if idx is not None:
+                idx.close()
+
+    def _open_v3(self, shard: int) -> tuple[MmapTokens | H5Tokens, MappedOffsets]:
+        """Open a finished version 3 shard the first time this process touches it, checking it at
+        a cost independent of its documents' count (8 bytes per token chunk and per 1,024
+        documents): the file's identity and size, its attributes and datasets against the manifest,
+        every chunk stored, and both checksum tables against the manifest's ``sums_sha256``.
+        Returns its token reader and its offsets map."""
+        path, e = self.paths[shard], self.entries[shard]
+        now = _file_id(path)
+        if now[2] != e.bytes:
+            raise FormatError(
+                f"{path}: file is {now[2]:,} bytes, manifest says {e.bytes:,} (truncated or replaced?); "
+                "run h5corpus validate"
+            )
+        if self._file_ids[shard] is None:
+            self._file_ids[shard] = now
+        self._check_unchanged(shard, None)
+        try:
+            with h5open(path) as f:
+                sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
+        except (OSError, KeyError, ValueError) as err:
+            if isinstance(err, FormatError):
+                raise
+            raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
+        verify, vocab = self.verified, self.tokenizer.vocab_size
+        if tok_layout is not None:
+            r: MmapTokens | H5Tokens = MmapTokens(
+                path, self.chunk_tokens, tok_layout, self.dtype, e.tokens, sums if verify else None, vocab
+            )
+        else:
+            r = H5Tokens(path, filtered, self.chunk_tokens, self.dtype, verify=verify, checksums=sums, vocab_size=vocab)
+        idx = MappedOffsets(path, off_layout, e.documents + 1, osums if verify else None, e.tokens)
+        try:
+            self._check_unchanged(shard, idx.stat)  # the file mapped is the one checked
+            idx.check_ends()
+        except FormatError:
+            r.close()
+            idx.close()
+            raise
+        return r, idx
+
+    def _check_v3(
+        self, f: h5py.File, path: str, e: ShardRecord
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, bool]:
+        """:meth:`_open_v3`'s checks of the open file; returns both checksum tables (proven
+        against the manifest), the byte layouts of ``/tokens`` (None: read through HDF5) and of
+        ``/doc_offsets``, and whether ``/tokens`` is filtered."""
+        assert self.manifest is not None
+        expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype, 3)
+        problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), self.split)
+        problems += fmt.dataset_problems(f, expect)
+        t = f[fmt.TOKENS] if not any(p.fatal for p in problems) else None
+        if t is not None and t.shape[0] != e.tokens:
+            problems.append(fmt.Problem("tokens", f"/tokens holds {t.shape[0]:,} tokens, manifest says {e.tokens:,}"))
+        if t is not None and not problems:
+            problems += fmt.v3_index_layout_problems(f, e.tokens, e.documents, self.chunk_tokens)
+        if problems or t is None:
+            raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
+        sums, osums = read_checksums(f[fmt.CHUNK_CHECKSUMS]), read_checksums(f[fmt.OFFSETS_CHECKSUMS])
+        if fmt.sums_sha256(sums, osums) != e.sums_sha256:
+            raise FormatError(
+                f"{path}: /{fmt.CHUNK_CHECKSUMS} and /{fmt.OFFSETS_CHECKSUMS} differ from the manifest's sums_sha256 "
+                "(corrupt or replaced); run h5corpus validate"
+            )
+        size = os.path.getsize(path)
+        off_layout, why = fmt.chunk_byte_layout(f[fmt.DOC_OFFSETS], e.documents + 1, size)
+        if off_layout is None:
+            raise FormatError(f"{path}: /doc_offsets cannot be mapped: {why}; run h5corpus validate")
+        tok_layout = None
+        if self.read_path != "h5py":
+            tok_layout, why = fmt.chunk_byte_layout(t, e.tokens, size)
+            if tok_layout is None and self.read_path == "mmap":
+                raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
+        return sums, osums, tok_layout, off_layout, t.id.get_create_plist().get_nfilters() != 0
 
     def _open_reader(self, shard: int) -> MmapTokens | H5Tokens:
         path = self._open_path(shard)
@@ -414,14 +608,25 @@ class Corpus:
                 raise FormatError(
                     f"{path}: {sums.size:,} chunk checksums for {offsets.size:,} chunks; run h5corpus validate"
                 )
-            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums)
+            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums, self.tokenizer.vocab_size)
             self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
             return r
         if self.read_path == "mmap" and not live:
             raise FormatError(f"{path}: read_path='mmap' impossible: {why}")
+        vocab = self.tokenizer.vocab_size
         if live:
-            return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype, verify)
-        return H5Tokens(path, filtered, max(chunk_tokens, 1), self.dtype, live=False, verify=verify)
+            return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype, verify, vocab)
+        sums = self._chunk_sums[shard] if shard < len(self._chunk_sums) else None  # proven at open (v2)
+        return H5Tokens(
+            path,
+            filtered,
+            max(chunk_tokens, 1),
+            self.dtype,
+            live=False,
+            verify=verify,
+            checksums=sums,
+            vocab_size=vocab,
+        )
 
     def read_paths(self) -> list[str]:
         """Read path (``"mmap"`` or ``"h5py"``) of every shard in this process (opens them)."""
@@ -430,13 +635,17 @@ class Corpus:
 
     def close(self) -> None:
         """Close every open shard handle and memory map in this process."""
-        for r in self._readers.values():
-            r.close()
-        self._readers = {}
+        self._close_oldest(len(self._readers))
+        for idx in self._indexes.values():
+            idx.close()
+        self._readers, self._indexes = {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_readers"] = {}
+        d["_indexes"] = {}
+        if self.version >= 3 and self.manifest is not None:
+            d["_doc_offsets"] = None  # re-readable lazily, verified, in the process that asks
         d.pop("_sts_list", None)
         d.pop("_offs_view", None)
         d.pop("_rtab", None)
@@ -509,7 +718,7 @@ class Corpus:
                 if (np.diff(new[:keep]) < 0).any() or new[0] < self.doc_offsets[-1]:
                     raise FormatError(f"{final}: document offsets decrease; not an h5corpus shard being written")
                 n_docs = known + keep
-                self.doc_offsets = np.concatenate([self.doc_offsets, new[:keep]])
+                self._doc_offsets = np.concatenate([self.doc_offsets, new[:keep]])
                 assert self._doc_ids is not None and self._doc_flags is not None
                 self._doc_ids = np.concatenate([self._doc_ids, ids_ds[known:n_docs]])
                 self._doc_flags = np.concatenate([self._doc_flags, flags_ds[known:n_docs]])
@@ -701,6 +910,9 @@ class Corpus:
         if hit is not None and hit[0] is self._readers and hit[1] == key and hit[2] == len(self._readers):
             return hit[3]
         tab = None
+        if self.num_shards > MAX_OPEN_SHARDS:  # the table needs every shard open at once
+            self.__dict__["_rtab"] = (self._readers, key, len(self._readers), None)
+            return None
         readers = [self._reader(s) for s in range(self.num_shards)]
         if readers and all(r.kind == "mmap" for r in readers):
             tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
@@ -710,8 +922,13 @@ class Corpus:
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i`` (EOS included unless it was truncated at build time); verified
         like :meth:`tokens`."""
+        if self._doc_offsets is None:  # version 3: the two boundaries, from the verified map
+            if not 0 <= i < self.num_documents:
+                raise IndexError(f"document {i:,} outside [0, {self.num_documents:,})")
+            a, b = self._offsets_between(int(i), int(i) + 1).tolist()
+            return self.tokens(a, b)
         hit = self.__dict__.get("_offs_view")
-        offs = hit[1] if hit is not None and hit[0] is self.doc_offsets else self._offsets_view()
+        offs = hit[1] if hit is not None and hit[0] is self._doc_offsets else self._offsets_view()
         if not 0 <= i < len(offs) - 1:
             raise IndexError(f"document {i:,} outside [0, {self.num_documents:,})")
         return self.tokens(offs[i], offs[i + 1])

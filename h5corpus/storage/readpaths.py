@@ -61,6 +61,16 @@ def h5open(path: str | os.PathLike[str], *, live: bool = False) -> h5py.File:
         return h5py.File(path, "r", libver=fmt.LIBVER, swmr=not live)
 
 
+def check_id_range(view: np.ndarray, vocab_size: int | None, path: str, k: int, lo: int, hi: int) -> None:
+    """Refuse chunk ``k`` (tokens ``[lo, hi)`` of the shard, in ``view``) if it holds an id at or
+    above ``vocab_size``: a max over the chunk, far cheaper than its checksum."""
+    if vocab_size is None or view.size == 0 or vocab_size > np.iinfo(view.dtype).max:
+        return
+    top = int(view.max())
+    if top >= vocab_size:
+        raise ChunkChecksumError(path, k, lo, hi, f"holds token id {top:,} >= vocab_size {vocab_size:,}")
+
+
 def read_checksums(ds: h5py.Dataset) -> np.ndarray:
     """(chunks,) uint64: a version 2 shard's open ``/chunk_xxh3`` dataset, read by one low-level
     ``H5Dread`` (every process pays this once per shard it verifies; h5py's ``ds[()]`` costs
@@ -96,8 +106,11 @@ class MmapTokens:
         dtype: np.dtype,
         n_tokens: int,
         checksums: np.ndarray | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.path = path
+        #: ids at or above it are refused when a chunk is verified (None: not checked)
+        self.vocab_size = vocab_size
         self.chunk_tokens = C = chunk_tokens
         self.n_tokens = n_tokens
         self.dtype = np.dtype(dtype)
@@ -161,6 +174,7 @@ class MmapTokens:
                 raise ChunkChecksumError(
                     self.path, k, lo, hi, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})"
                 )
+            check_id_range(view, self.vocab_size, self.path, k, lo, hi)
         if not self.ready[k]:
             self.ready[k] = 1
             self.pending -= 1
@@ -332,9 +346,19 @@ class H5Tokens:
     kind = "h5py"
 
     def __init__(
-        self, path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, live: bool = False, verify: bool = False
+        self,
+        path: str,
+        filtered: bool,
+        chunk_tokens: int,
+        dtype: np.dtype,
+        live: bool = False,
+        verify: bool = False,
+        *,
+        checksums: np.ndarray | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.dtype = dtype
+        self.vocab_size = vocab_size
         self.file = h5open(path, live=live)
         self.path = path
         self.chunk_tokens = chunk_tokens
@@ -351,7 +375,10 @@ class H5Tokens:
         #: version 2: the stored checksum of every chunk published so far (read through :attr:`file`)
         self.checksums: list[int] | None = None
         self.ready = bytearray()
-        if verify:
+        if verify and checksums is not None:  # proven by the caller (a finished shard's checksums)
+            self.checksums = checksums.tolist()
+            self.ready = bytearray(len(self.checksums))
+        elif verify:
             self._load_checksums()
 
     def _load_checksums(self) -> None:
@@ -415,6 +442,7 @@ class H5Tokens:
         got, want = fmt.chunk_checksum(buf), self.checksums[k]
         if got != want:
             raise ChunkChecksumError(self.path, k, lo, hi, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})")
+        check_id_range(buf, self.vocab_size, self.path, k, lo, hi)
         self.ready[k] = 1
 
     def refresh(self) -> None:
@@ -439,12 +467,115 @@ class H5Tokens:
 _LIVE_TOKENS: weakref.WeakValueDictionary[tuple[int, str], H5Tokens] = weakref.WeakValueDictionary()
 
 
-def live_tokens(path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, verify: bool = False) -> H5Tokens:
+def live_tokens(
+    path: str, filtered: bool, chunk_tokens: int, dtype: np.dtype, verify: bool = False, vocab_size: int | None = None
+) -> H5Tokens:
     """This process's one HDF5 reader of a shard being written (see the BEWARE in H5Tokens)."""
     key = (os.getpid(), os.path.realpath(path))
     r = _LIVE_TOKENS.get(key)
     if r is None:
-        r = H5Tokens(path, filtered, chunk_tokens, dtype, live=True, verify=verify)
+        r = H5Tokens(path, filtered, chunk_tokens, dtype, live=True, verify=verify, vocab_size=vocab_size)
         r.shared = True
         _LIVE_TOKENS[key] = r
     return r
+
+
+class IndexChecksumError(FormatError):
+    """A chunk of a version 3 shard's ``/doc_offsets`` fails its checksum or its bounds: the shard's
+    index is corrupt. Names the shard file (:attr:`path`) and the chunk (:attr:`chunk`)."""
+
+    def __init__(self, path: str, chunk: int, detail: str) -> None:
+        self.path, self.chunk = path, chunk
+        super().__init__(
+            f"{path}: chunk {chunk:,} of /doc_offsets {detail}: the shard's index is corrupt; run h5corpus validate"
+        )
+
+
+class MappedOffsets:
+    """A finished version 3 shard's ``/doc_offsets`` (shard-local, int64) through a read-only memory
+    map of its raw chunks, consulted lazily: each chunk of :data:`~h5corpus.storage.format.OFFSETS_CHUNK_V3`
+    entries is verified against its ``/offsets_xxh3`` checksum (and its entries checked to lie in
+    ``[0, num_tokens]``, non-decreasing) the first time this process touches it.
+
+    ``byte_offsets``: file offset of every chunk (:func:`~h5corpus.storage.format.chunk_byte_layout`);
+    ``checksums`` None reads unverified (``verify=False``)."""
+
+    def __init__(
+        self, path: str, byte_offsets: np.ndarray, n_entries: int, checksums: np.ndarray | None, num_tokens: int
+    ) -> None:
+        self.path, self.n_entries, self.num_tokens = path, int(n_entries), int(num_tokens)
+        self.chunk = fmt.OFFSETS_CHUNK_V3
+        with open(path, "rb") as fh:
+            self.stat = os.fstat(fh.fileno())
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._bytes = np.frombuffer(self._mm, np.uint8)
+        self._base = np.asarray(byte_offsets, dtype=np.int64)
+        self._sums = checksums
+        self.ready = np.zeros(self._base.size, bool) if checksums is not None else np.ones(self._base.size, bool)
+
+    def _view(self, k: int) -> np.ndarray:
+        n = min(self.chunk, self.n_entries - k * self.chunk)
+        return np.frombuffer(self._mm, fmt.OFFSETS_DTYPE, count=n, offset=int(self._base[k]))
+
+    def ensure(self, chunks: np.ndarray) -> None:
+        """Verify every chunk in ``chunks`` (int array) not verified yet in this process."""
+        todo = chunks[~self.ready[chunks]]
+        for k in np.unique(todo).tolist():
+            v = self._view(k)
+            assert self._sums is not None
+            got, want = fmt.chunk_checksum(v), int(self._sums[k])
+            if got != want:
+                raise IndexChecksumError(self.path, k, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})")
+            if v.size and (int(v[0]) < 0 or int(v[-1]) > self.num_tokens or (np.diff(v) < 0).any()):
+                raise IndexChecksumError(self.path, k, f"holds offsets outside [0, {self.num_tokens:,}] or decreasing")
+            self.ready[k] = True
+
+    def take(self, j: np.ndarray) -> np.ndarray:
+        """Entries at int64 indices ``j`` (any shape), verified."""
+        k = j // self.chunk
+        self.ensure(k.reshape(-1))
+        at = self._base[k] + (j - k * self.chunk) * fmt.OFFSETS_DTYPE.itemsize
+        raw = self._bytes[at.reshape(-1, 1) + np.arange(fmt.OFFSETS_DTYPE.itemsize)]
+        return raw.view(fmt.OFFSETS_DTYPE).reshape(j.shape).astype(np.int64)
+
+    def slice(self, a: int, b: int) -> np.ndarray:
+        """Entries ``[a, b)`` as a new int64 array, verified."""
+        if b <= a:
+            return np.zeros(0, np.int64)
+        k0, k1 = a // self.chunk, (b - 1) // self.chunk
+        self.ensure(np.arange(k0, k1 + 1))
+        parts = [self._view(k) for k in range(k0, k1 + 1)]
+        whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return whole[a - k0 * self.chunk : b - k0 * self.chunk].astype(np.int64)
+
+    def search(self, pos: np.ndarray) -> np.ndarray:
+        """Shard-local document holding each shard-local token position (int64, in
+        ``[0, num_tokens)``): the ``d`` with ``offsets[d] <= pos < offsets[d + 1]``, by a vectorized
+        binary search that touches (and verifies) about log2(documents / chunk) chunks per position."""
+        lo = np.zeros(pos.shape, np.int64)
+        hi = np.full(pos.shape, self.n_entries - 1, np.int64)
+        while True:
+            open_ = hi - lo > 1
+            if not open_.any():
+                return lo
+            mid = np.where(open_, (lo + hi) // 2, lo)
+            go = self.take(mid) <= pos
+            lo = np.where(open_ & go, mid, lo)
+            hi = np.where(open_ & ~go, mid, hi)
+
+    def check_ends(self) -> None:
+        """The first entry is 0 and the last the shard's token count (verifies those chunks)."""
+        first, last = self.take(np.array([0, self.n_entries - 1], np.int64)).tolist()
+        if first != 0 or last != self.num_tokens:
+            raise IndexChecksumError(
+                self.path,
+                0 if first else self._base.size - 1,
+                f"runs from {first:,} to {last:,}, expected 0 to {self.num_tokens:,}",
+            )
+
+    def close(self) -> None:
+        self._bytes = np.zeros(0, np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive; the map closes when it is collected
+            pass

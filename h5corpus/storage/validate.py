@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import stat
 import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -138,7 +139,7 @@ class TokenScan:
     eos_count: int | None
     """EOS ids anywhere in the tokens; None unless ``deep``."""
     max_id: int | None
-    """Largest token id (-1 for no tokens); None unless ``deep``."""
+    """Largest token id (-1 for no tokens)."""
     bad_chunks: tuple[int, ...] = ()
     """Chunks whose tokens do not match their stored checksum (version 2)."""
 
@@ -161,8 +162,9 @@ def hash_shard_tokens(
     cache, so the default pass costs about what sha256 alone does (one read of the data, one
     thread: with N workers on N cores, any second scan would show up as lost throughput).
 
-    ``deep`` adds two full scans per block (largest id, EOS count) on the calling thread while a
-    helper thread hashes: about 20% more CPU, on the 2nd core when there is one to spare.
+    The largest id is taken from each block too (a max: a few percent of the sha256's cost), so
+    the default pass refuses ids at or above ``vocab_size``. ``deep`` adds a full scan per block
+    (EOS count) on the calling thread while a helper thread hashes.
     """
     h = hashlib.sha256()
     bad_ends, first_bad = 0, -1
@@ -191,11 +193,14 @@ def hash_shard_tokens(
                 bad_ends += int(miss.size)
 
     if not deep:
+        max_id = -1
         for a, view in _token_blocks(ds, path, n_tokens):
             fmt.tokens_sha256_update(h, view)
             gather(a, view)
             check_chunks(a, view)
-        return TokenScan(h.hexdigest(), bad_ends, first_bad, None, None, tuple(bad_chunks))
+            if view.size:
+                max_id = max(max_id, int(view.max()))
+        return TokenScan(h.hexdigest(), bad_ends, first_bad, None, max_id, tuple(bad_chunks))
 
     eos_count, max_id = 0, -1
     # sha256 releases the GIL: one helper thread digests blocks in order while this thread scans them
@@ -256,113 +261,158 @@ def _check_shard(
     path: str, entry: ShardRecord, expect: ShardExpectation, deep: bool, scratch: _Scratch, defer_filtered: bool
 ) -> tuple[list[Finding], int] | None:
     """:func:`check_shard`; None when ``defer_filtered`` and ``/tokens`` is compressed (decoding
-    holds h5py's global lock, so the caller checks such shards in processes instead)."""
+    holds h5py's global lock, so the caller checks such shards in processes instead). Any OS error
+    on the path is one finding naming it."""
     name = entry.path
-    out: list[Finding] = []
-
-    def bad(code: str, msg: str) -> tuple[list[Finding], int]:
-        out.append(Finding(name, code, msg))
-        return out, 0
-
-    p = Path(path)
-    if not p.exists():
-        return bad("missing", f"shard file not found at {p}")
-    if not p.is_file():
-        return bad("unreadable", f"{p} is not a regular file")
-    size = p.stat().st_size
-    if size != entry.bytes:
-        out.append(
-            Finding(name, "size", f"file is {size:,} bytes, manifest says {entry.bytes:,} (truncated or replaced?)")
-        )
     try:
-        f = h5py.File(p, "r")
+        st = os.stat(path)
+    except FileNotFoundError:
+        return [Finding(name, "missing", f"shard file not found at {path}")], 0
     except OSError as e:
-        return bad("unreadable", f"cannot open as HDF5 ({e})")
+        return [Finding(name, "unreadable", f"cannot stat {path} ({e.strerror or e})")], 0
+    if not stat.S_ISREG(st.st_mode):
+        return [Finding(name, "unreadable", f"{path} is not a regular file")], 0
+    out: list[Finding] = []
+    if st.st_size != entry.bytes:
+        msg = f"file is {st.st_size:,} bytes, manifest says {entry.bytes:,} (truncated or replaced?)"
+        out.append(Finding(name, "size", msg))
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        return [*out, Finding(name, "unreadable", f"cannot open as HDF5 ({e})")], 0
     with f:
         try:
-            attrs = fmt.check_attrs(f.attrs, name)
+            return _check_open_shard(f, path, entry, expect, deep, scratch, defer_filtered, out)
         except FormatError as e:
-            return bad("format", str(e).split(": ", 1)[-1])
-        out.extend(Finding(name, pr.code, pr.message) for pr in expect.attr_problems(attrs, entry.split))
-        try:
-            layout = fmt.dataset_problems(f, expect)
-            out.extend(Finding(name, pr.code, pr.message) for pr in layout)
-            if any(pr.fatal for pr in layout):
-                return out, 0
-            dsets = {k: f[k] for k in fmt.datasets_of(expect.version)}
-            tokens = dsets[fmt.TOKENS]
-            n = tokens.shape[0]
-            if n != entry.tokens:
-                out.append(Finding(name, "tokens", f"/tokens holds {n:,} tokens, manifest says {entry.tokens:,}"))
-            if defer_filtered and tokens.id.get_create_plist().get_nfilters():
-                return None
-            offsets = scratch.read(dsets[fmt.DOC_OFFSETS])
-            ids = scratch.read(dsets[fmt.DOC_IDS])
-            flags = scratch.read(dsets[fmt.DOC_FLAGS])
-            docs = offsets.size - 1
-            if docs != entry.documents:
-                out.append(
-                    Finding(
-                        name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}"
-                    )
-                )
-            index_problems = fmt.check_index(offsets, ids, flags, num_tokens=n)
-            sums = None
-            if expect.version >= 2:
-                sums = scratch.read(dsets[fmt.CHUNK_CHECKSUMS])
-                index_problems += fmt.checksum_problems(sums.size, n, expect.chunk_tokens)
-            out.extend(Finding(name, pr.code, pr.message) for pr in index_problems)
-            if fmt.index_sha256(offsets, ids, flags, sums) != entry.index_sha256:
-                covered = "doc_offsets, doc_ids, doc_flags" + (", chunk_xxh3" if sums is not None else "")
-                out.append(Finding(name, "index_sha256", f"index hash ({covered}) differs from the manifest"))
-            structure_ok = not index_problems
-            ends = np.zeros(0, dtype=np.int64)
-            if structure_ok and docs > 0:
-                ends = np.subtract(offsets[1:], 1, out=scratch.array("ends", docs, np.int64))
-                whole = (flags & fmt.FLAG_TRUNCATED) == 0
-                if not whole.all():
-                    ends = ends[whole]
-                ends = ends[int(np.searchsorted(ends, 0)) :]  # sorted: only a leading empty document is < 0
-            if sums is not None and sums.size != -(-n // expect.chunk_tokens):
-                sums = None  # already reported; nothing to compare chunk by chunk
-            scan = hash_shard_tokens(tokens, path, n, expect.eos_id, ends, deep=deep, checksums=sums)
+            return [*out, Finding(name, "format", str(e).split(": ", 1)[-1])], 0
         except (OSError, KeyError, ValueError) as e:
-            return bad("unreadable", f"read failed ({e})")
-        if scan.sha256 != entry.sha256:
-            out.append(
-                Finding(
-                    name,
-                    "sha256",
-                    f"token hash {scan.sha256[:16]}... differs from the manifest's {entry.sha256[:16]}...",
-                )
-            )
-        if scan.bad_chunks:
-            k = scan.bad_chunks[0]
-            C = expect.chunk_tokens
-            out.append(
-                Finding(
-                    name,
-                    "chunk_checksum",
-                    f"{len(scan.bad_chunks):,} chunks of /tokens fail their checksum (first: chunk {k:,}, "
-                    f"tokens [{k * C:,}, {min((k + 1) * C, n):,}))",
-                )
-            )
-        if scan.max_id is not None and scan.max_id >= expect.vocab_size:
-            out.append(Finding(name, "range", f"token id {scan.max_id} >= vocab_size {expect.vocab_size}"))
-        if structure_ok:
-            if scan.bad_ends:
-                doc = int(np.searchsorted(offsets, scan.first_bad_end, side="right")) - 1
-                out.append(
-                    Finding(
-                        name,
-                        "eos",
-                        f"{scan.bad_ends:,} documents do not end with EOS {expect.eos_id} "
-                        f"(first: document {doc:,}, token {scan.first_bad_end:,})",
-                    )
-                )
-            elif scan.eos_count is not None and scan.eos_count != ends.size:
-                out.append(Finding(name, "eos", f"{scan.eos_count - ends.size:,} EOS ids inside documents"))
+            return [*out, Finding(name, "unreadable", f"read failed ({e})")], 0
+
+
+def _stored_problems(f: h5py.File, expect: ShardExpectation, entry: ShardRecord, n: int) -> list[fmt.Problem]:
+    """What the file stores against what it claims, from shapes and chunk indexes alone, before
+    any work proportional to the claim: every ``/tokens`` chunk allocated (a dataset resized
+    without writing chunks reads as fill values), and (version 3) the index layout."""
+    if expect.version >= 3:
+        return fmt.v3_index_layout_problems(f, n, entry.documents, expect.chunk_tokens)
+    t = f[fmt.TOKENS]
+    have, want = t.id.get_num_chunks(), -(-n // expect.chunk_tokens)
+    if have != want:
+        return [fmt.Problem("tokens", f"/tokens has {have:,} chunks stored, {n:,} tokens need {want:,}", fatal=True)]
+    return []
+
+
+def _check_open_shard(
+    f: h5py.File,
+    path: str,
+    entry: ShardRecord,
+    expect: ShardExpectation,
+    deep: bool,
+    scratch: _Scratch,
+    defer_filtered: bool,
+    out: list[Finding],
+) -> tuple[list[Finding], int] | None:
+    """:func:`_check_shard` on the open file: attributes, datasets, index, then one pass over the
+    tokens (hashes, chunk checksums, EOS at every end, the id range)."""
+    name = entry.path
+    attrs = fmt.check_attrs(f.attrs, name)
+    out.extend(Finding(name, pr.code, pr.message) for pr in expect.attr_problems(attrs, entry.split))
+    layout = fmt.dataset_problems(f, expect)
+    out.extend(Finding(name, pr.code, pr.message) for pr in layout)
+    if any(pr.fatal for pr in layout):
+        return out, 0
+    tokens = f[fmt.TOKENS]
+    n = tokens.shape[0]
+    if n != entry.tokens:
+        out.append(Finding(name, "tokens", f"/tokens holds {n:,} tokens, manifest says {entry.tokens:,}"))
+    stored = _stored_problems(f, expect, entry, n)
+    out.extend(Finding(name, pr.code, pr.message) for pr in stored)
+    if any(pr.fatal for pr in stored):
+        return out, 0
+    if defer_filtered and tokens.id.get_create_plist().get_nfilters():
+        return None
+    offsets, flags, sums, structure_ok = _check_index(f, entry, expect, n, scratch, out)
+    ends = np.zeros(0, dtype=np.int64)
+    docs = offsets.size - 1
+    if structure_ok and docs > 0:
+        ends = np.subtract(offsets[1:], 1, out=scratch.array("ends", docs, np.int64))
+        whole = (flags & fmt.FLAG_TRUNCATED) == 0
+        if not whole.all():
+            ends = ends[whole]
+        ends = ends[int(np.searchsorted(ends, 0)) :]  # sorted: only a leading empty document is < 0
+    if sums is not None and sums.size != -(-n // expect.chunk_tokens):
+        sums = None  # already reported; nothing to compare chunk by chunk
+    scan = hash_shard_tokens(tokens, path, n, expect.eos_id, ends, deep=deep, checksums=sums)
+    out.extend(_scan_findings(scan, entry, expect, n, offsets if structure_ok else None, ends.size))
     return out, n * np.dtype(expect.dtype).itemsize
+
+
+def _check_index(
+    f: h5py.File, entry: ShardRecord, expect: ShardExpectation, n: int, scratch: _Scratch, out: list[Finding]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]:
+    """The index datasets: structure, the chunk checksum tables (version 3: each offsets chunk's
+    checksum recomputed, both tables against ``sums_sha256``) and ``index_sha256``. Appends
+    findings to ``out``; returns offsets, flags, token chunk checksums and whether the structure
+    holds."""
+    name, v = entry.path, expect.version
+    offsets, ids, flags = (scratch.read(f[k]) for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+    docs = offsets.size - 1
+    if docs != entry.documents:
+        out.append(
+            Finding(name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}")
+        )
+    problems = fmt.check_index(offsets, ids, flags, num_tokens=n, id_bytes=fmt.stored_id_bytes(v))
+    sums = scratch.read(f[fmt.CHUNK_CHECKSUMS]) if v >= 2 else None
+    osums = scratch.read(f[fmt.OFFSETS_CHECKSUMS]) if v >= 3 else None
+    if sums is not None:
+        problems += fmt.checksum_problems(sums.size, n, expect.chunk_tokens)
+    if osums is not None:
+        problems += fmt.checksum_problems(osums.size, offsets.size, fmt.OFFSETS_CHUNK_V3, fmt.OFFSETS_CHECKSUMS)
+        want = fmt.chunk_checksums(offsets, fmt.OFFSETS_CHUNK_V3)
+        if want.size == osums.size and (want != osums).any():
+            k = int(np.flatnonzero(want != osums)[0])
+            out.append(Finding(name, "offsets_checksum", f"chunk {k:,} of /doc_offsets fails its checksum"))
+        if sums is not None and fmt.sums_sha256(sums, osums) != entry.sums_sha256:
+            out.append(
+                Finding(name, "sums_sha256", "checksum tables (chunk_xxh3, offsets_xxh3) differ from the manifest")
+            )
+    out.extend(Finding(name, pr.code, pr.message) for pr in problems)
+    if fmt.index_sha256(offsets, ids, flags, sums, osums) != entry.index_sha256:
+        covered = ", ".join(fmt.datasets_of(v)[1:])
+        out.append(Finding(name, "index_sha256", f"index hash ({covered}) differs from the manifest"))
+    return offsets, flags, sums, not problems
+
+
+def _scan_findings(
+    scan: TokenScan, entry: ShardRecord, expect: ShardExpectation, n: int, offsets: np.ndarray | None, n_ends: int
+) -> list[Finding]:
+    """Findings of one pass over a shard's tokens (``offsets`` None: the index is broken, so
+    document ends are not judged; ``n_ends``: the EOS ids the documents should hold)."""
+    name, out = entry.path, []
+    if scan.sha256 != entry.sha256:
+        msg = f"token hash {scan.sha256[:16]}... differs from the manifest's {entry.sha256[:16]}..."
+        out.append(Finding(name, "sha256", msg))
+    if scan.bad_chunks:
+        k, C = scan.bad_chunks[0], expect.chunk_tokens
+        msg = (
+            f"{len(scan.bad_chunks):,} chunks of /tokens fail their checksum (first: chunk {k:,}, "
+            f"tokens [{k * C:,}, {min((k + 1) * C, n):,}))"
+        )
+        out.append(Finding(name, "chunk_checksum", msg))
+    if scan.max_id is not None and scan.max_id >= expect.vocab_size:
+        out.append(Finding(name, "range", f"token id {scan.max_id:,} >= vocab_size {expect.vocab_size:,}"))
+    if offsets is None:
+        return out
+    if scan.bad_ends:
+        doc = int(np.searchsorted(offsets, scan.first_bad_end, side="right")) - 1
+        msg = (
+            f"{scan.bad_ends:,} documents do not end with EOS {expect.eos_id} "
+            f"(first: document {doc:,}, token {scan.first_bad_end:,})"
+        )
+        out.append(Finding(name, "eos", msg))
+    elif scan.eos_count is not None and scan.eos_count != n_ends:
+        out.append(Finding(name, "eos", f"{scan.eos_count - n_ends:,} EOS ids inside documents"))
+    return out
 
 
 def _check_shard_job(args: tuple[str, ShardRecord, ShardExpectation, bool]) -> tuple[list[Finding], int]:
@@ -371,13 +421,38 @@ def _check_shard_job(args: tuple[str, ShardRecord, ShardExpectation, bool]) -> t
     return check_shard(path, entry, expect, deep=deep)
 
 
-def unlisted_shard_files(manifest: Manifest) -> list[Path]:
-    """``*.h5`` files the manifest does not list in the corpus's folders: each split's folder under
-    the recorded ``shards_dir`` and the folder of every listed shard (not recursive: a build writes
-    nothing deeper, and a folder above could hold anything)."""
+def unlisted_shard_files(manifest: Manifest, pattern: str = "*.h5") -> list[Path]:
+    """Files matching ``pattern`` (default ``*.h5``) that the manifest does not list, in the
+    corpus's folders: each split's folder under the recorded ``shards_dir`` and the folder of every
+    listed shard (not recursive: a build writes nothing deeper, and a folder above could hold
+    anything). OSError when a folder cannot be listed."""
     listed = {manifest.shard_path(s) for s in manifest.shards}
-    found = (p.absolute() for d in manifest.split_folders() if d.is_dir() for p in d.glob("*.h5"))
+    found = (p.absolute() for d in manifest.split_folders() if d.is_dir() for p in d.glob(pattern))
     return sorted(p for p in dict.fromkeys(found) if p not in listed and p.is_file())
+
+
+def stray_findings(m: Manifest) -> list[Finding]:
+    """Files in the corpus's folders that are not its shards: unlisted ``*.h5`` files, and
+    ``.partial`` files (unfinished writes), beside a listed shard or matching none. An OS error
+    (a path too long, a folder without permission) is one finding naming the path."""
+    out: list[Finding] = []
+    try:
+        for p in unlisted_shard_files(m):
+            out.append(
+                Finding(os.path.relpath(p, m.root), "unlisted", "shard file present but not listed in the manifest")
+            )
+        beside = {m.shard_path(s).with_name(m.shard_path(s).name + PARTIAL_SUFFIX): s.path for s in m.shards}
+        for p in unlisted_shard_files(m, "*" + PARTIAL_SUFFIX):
+            if p in beside:
+                out.append(Finding(beside[p], "partial", f"an unfinished write is lying beside it ({p.name})"))
+            else:
+                msg = "an unfinished write (.partial) matching no listed shard: a build died or is running"
+                out.append(Finding(os.path.relpath(p, m.root), "partial", msg))
+    except OSError as e:
+        out.append(
+            Finding(None, "unreadable", f"cannot list the corpus's folders: {e.filename or ''} ({e.strerror or e})")
+        )
+    return out
 
 
 def validate_corpus(
@@ -415,17 +490,7 @@ def validate_corpus(
                 report.findings.append(
                     Finding(None, "manifest", f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}")
                 )
-    for p in unlisted_shard_files(m):
-        report.findings.append(
-            Finding(os.path.relpath(p, m.root), "unlisted", "shard file present but not listed in the manifest")
-        )
-    for s in m.shards:
-        pp = m.shard_path(s)
-        partial = pp.with_name(pp.name + PARTIAL_SUFFIX)
-        if partial.exists():
-            report.findings.append(
-                Finding(s.path, "partial", f"an unfinished write is lying beside it ({partial.name})")
-            )
+    report.findings.extend(stray_findings(m))
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize

@@ -13,11 +13,13 @@ offsets that point at them). ``close()`` writes the final partial chunk, publish
 index, fsyncs, and only then renames the file to ``path``. A writer that dies leaves only a
 ``.partial`` file, which nothing treats as a shard.
 
-Format version 2 (docs/FORMAT.md): every full chunk of ``/tokens`` is written raw (HDF5 direct
+Format version 3 (docs/FORMAT.md): every full chunk of ``/tokens`` is written raw (HDF5 direct
 chunk write, the pipeline's deflate filter skipped: the reader maps these bytes), the final
 partial chunk deflate-compressed (its zero padding then costs nothing on disk), one xxh3-64
 checksum per chunk in ``/chunk_xxh3`` (published before the documents that the chunk completes),
-the index datasets deflate-compressed, string attributes fixed-length (no global heap).
+the index datasets unfiltered (``/doc_offsets`` in raw chunks a reader maps), one xxh3-64 per
+``/doc_offsets`` chunk in ``/offsets_xxh3`` (written at close, when the offsets are final), ids
+stored as their first 16 bytes, string attributes fixed-length (no global heap).
 
 ``fsync=False`` skips the two fsyncs (file, then folder after the rename), about 3-4 ms each on
 ext4. The bytes are the same, and a killed process still never leaves a half-written file under
@@ -169,15 +171,15 @@ class ShardWriter:
             shape=(1,),
             maxshape=(None,),
             dtype=fmt.OFFSETS_DTYPE,
-            chunks=(fmt.OFFSETS_CHUNK,),
+            chunks=(fmt.OFFSETS_CHUNK_V3,),
             track_times=False,
         )
         self._ids = f.create_dataset(
             fmt.DOC_IDS,
-            shape=(0, fmt.DOC_ID_BYTES),
-            maxshape=(None, fmt.DOC_ID_BYTES),
+            shape=(0, fmt.STORED_ID_BYTES_V3),
+            maxshape=(None, fmt.STORED_ID_BYTES_V3),
             dtype=fmt.DOC_ID_DTYPE,
-            chunks=(fmt.IDS_CHUNK, fmt.DOC_ID_BYTES),
+            chunks=(fmt.IDS_CHUNK_V3, fmt.STORED_ID_BYTES_V3),
             track_times=False,
         )
         self._flags = f.create_dataset(
@@ -190,6 +192,14 @@ class ShardWriter:
         )
         self._sums_ds = f.create_dataset(
             fmt.CHUNK_CHECKSUMS,
+            shape=(0,),
+            maxshape=(None,),
+            dtype=fmt.CHECKSUM_DTYPE,
+            chunks=(fmt.CHECKSUM_CHUNK,),
+            track_times=False,
+        )
+        self._offsets_sums_ds = f.create_dataset(
+            fmt.OFFSETS_CHECKSUMS,
             shape=(0,),
             maxshape=(None,),
             dtype=fmt.CHECKSUM_DTYPE,
@@ -242,12 +252,13 @@ class ShardWriter:
     # -- appending ------------------------------------------------------------------------------
     def add_document(self, tokens: np.ndarray | list[int], doc_id: bytes, *, truncated: bool = False) -> None:
         """Append one document. ``tokens`` must end with ``eos_id`` (unless ``truncated``) and hold
-        no other ``eos_id``; ``doc_id`` is the 32-byte sha256 of the document's UTF-8 text."""
+        no other ``eos_id``; ``doc_id`` is the 32-byte sha256 of the document's UTF-8 text (or the
+        16 bytes a version 3 shard stores of it)."""
         a = np.asarray(tokens)
         self.add_documents(
             a,
             np.array([a.size], dtype=np.int64),
-            np.frombuffer(doc_id, dtype=np.uint8).reshape(1, fmt.DOC_ID_BYTES),
+            np.frombuffer(doc_id, dtype=np.uint8).reshape(1, -1),
             np.array([fmt.FLAG_TRUNCATED if truncated else 0], dtype=np.uint8),
         )
 
@@ -256,7 +267,8 @@ class ShardWriter:
     ) -> None:
         """Append a batch of documents given as one flat id array and per-document ``lengths`` (tokens).
 
-        ``doc_ids`` is uint8 (n, 32); ``flags`` uint8 (n,) of ``FLAG_*`` bits (default 0). The batch is
+        ``doc_ids`` is uint8 (n, 32) (sha256 of each text; the shard stores the first 16 bytes) or
+        (n, 16) (ids read from a version 3 shard); ``flags`` uint8 (n,) of ``FLAG_*`` bits (default 0). The batch is
         checked as a whole (ids in range, EOS exactly at each untruncated end) before anything is
         buffered, so a bad document leaves the shard as it was.
         """
@@ -266,7 +278,10 @@ class ShardWriter:
             raise RuntimeError(f"{self.final_path}: the final partial chunk is written; no document can follow it")
         lengths = np.asarray(lengths, dtype=np.int64)
         n = lengths.size
-        doc_ids = np.asarray(doc_ids, dtype=np.uint8).reshape(n, fmt.DOC_ID_BYTES)
+        doc_ids = np.asarray(doc_ids, dtype=np.uint8).reshape(n, -1) if n else np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        if doc_ids.shape[1] not in (fmt.DOC_ID_BYTES, fmt.STORED_ID_BYTES_V3):
+            raise ValueError(f"{self.final_path}: document ids must be 32 or 16 bytes, got {doc_ids.shape[1]}")
+        doc_ids = doc_ids[:, : fmt.STORED_ID_BYTES_V3]
         flags = np.zeros(n, dtype=np.uint8) if flags is None else np.asarray(flags, dtype=np.uint8)
         flat = np.asarray(flat)
         if n == 0:
@@ -360,7 +375,7 @@ class ShardWriter:
             _write_rows(sums, self._sums_published, np.array(self._sums[self._sums_published :], fmt.CHECKSUM_DTYPE))
             sums.flush()
             self._sums_published = len(self._sums)
-        ids.set_extent((upto, fmt.DOC_ID_BYTES))
+        ids.set_extent((upto, fmt.STORED_ID_BYTES_V3))
         _write_rows(ids, lo, self._id_blocks[0][lo:upto])
         flags.set_extent((upto,))
         _write_rows(flags, lo, self._flag_blocks[0][lo:upto])
@@ -381,14 +396,20 @@ class ShardWriter:
         self._flush_buffer()
         ends = self._all_ends()
         offsets = np.concatenate([np.zeros(1, dtype=np.int64), ends])
-        ids = self._id_blocks[0] if self._id_blocks else np.zeros((0, fmt.DOC_ID_BYTES), np.uint8)
+        ids = self._id_blocks[0] if self._id_blocks else np.zeros((0, fmt.STORED_ID_BYTES_V3), np.uint8)
         flags = self._flag_blocks[0] if self._flag_blocks else np.zeros(0, np.uint8)
+        offsets_sums = fmt.chunk_checksums(offsets, fmt.OFFSETS_CHUNK_V3)
+        osums = self._offsets_sums_ds.id
+        osums.set_extent((offsets_sums.size,))
+        _write_rows(osums, 0, offsets_sums)
+        osums.flush()
         self._f.close()
         self._closed = True
         if self.fsync:
             with open(self.path, "rb+") as fh:
                 os.fsync(fh.fileno())
         nbytes = self.path.stat().st_size
+        chunk_sums = np.array(self._sums, fmt.CHECKSUM_DTYPE)
         os.replace(self.path, self.final_path)
         if self.fsync:
             fsync_dir(self.final_path.parent)
@@ -398,8 +419,9 @@ class ShardWriter:
             tokens=self._written,
             documents=self._n_docs,
             sha256=self._hash.hexdigest(),
-            index_sha256=fmt.index_sha256(offsets, ids, flags, np.array(self._sums, fmt.CHECKSUM_DTYPE)),
+            index_sha256=fmt.index_sha256(offsets, ids, flags, chunk_sums, offsets_sums),
             bytes=nbytes,
+            sums_sha256=fmt.sums_sha256(chunk_sums, offsets_sums),
         )
         return self.info
 
