@@ -387,3 +387,52 @@ def test_executor_flags_are_checked(tmp_path):
         p = _cli("build", "stdlib", "--tokenizer", "bytes", *args, cwd=tmp_path)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     assert not (tmp_path / "shards").exists()
+
+
+def test_a_plan_naming_a_module_never_runs_its_code(tmp_path):
+    """Hostile (issue 30, class 6): the state folder holds a planted module and plan.json names it as
+    the filters' class. ``build-stage`` must refuse the plan with one line and exit 2, and the
+    module's code must never run, even where the module is importable (on PYTHONPATH, in the cwd)."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
+    out = ["--shards-dir", "s/shards", "--manifest", "s/manifests/shards.json"]
+    dry = _cli(
+        "build",
+        "docs.jsonl",
+        "--tokenizer",
+        "bytes",
+        "--near-dedup",
+        *out,
+        "--executor",
+        "slurm",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    assert dry.returncode == 0, dry.stderr
+    state = tmp_path / "s" / "shards" / ".build"
+    plan = json.loads((state / "plan.json").read_text())
+    assert plan["filters"]["kind"] == "document-filter"  # the honest plan names a kind, not a module
+    ran = tmp_path / "payload-ran"
+    payload = (
+        f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\nclass Payload:\n    from_description = print\n"
+    )
+    for where in (state, tmp_path):
+        (where / "planted.py").write_text(payload)
+    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join([str(state), subprocess_env().get("PYTHONPATH", "")])}
+    for filters in (
+        {"factory": "planted:Payload", "description": {}},  # the old plan's form: a module:class
+        {"kind": "planted:Payload", "description": {}},
+        {"kind": "planted", "class": "Payload", "description": {}},
+    ):
+        (state / "plan.json").write_text(json.dumps({**plan, "filters": filters}))
+        r = subprocess.run(
+            [sys.executable, "-m", "h5corpus", "build-stage", "read", "--state", str(state), "--task-index", "0"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 2, (filters, r.stdout, r.stderr)
+        assert "cannot be rebuilt from the plan" in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not ran.exists(), f"the planted module ran for {filters}"

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
+from ...filters.pipeline import DocumentFilter
 from ...storage.format import TokenizerIdentity
 from ..config import BuildConflict, SplitRule
 from ..input.sources import Task
@@ -76,7 +77,7 @@ class BuildPlan:
     shard_tokens: int
     max_document_tokens: int | None
     filters: dict[str, Any] | None = None
-    """``{"factory": "module:Class", "description": {...}}`` of the filters object, or None."""
+    """``{"kind": FilterKind, "description": {...}}`` of the filters object, or None."""
     want_signatures: bool = False
     """The read stage computes near-dedup signatures (the decide stage has an index to feed)."""
     record_lang: bool = False
@@ -151,39 +152,47 @@ def read_plan_run(state: StateDir) -> dict[str, Any] | None:
     return d.get("run") if isinstance(d, dict) else None
 
 
+class FilterKind(str, Enum):
+    """The filter classes a stage in another process can rebuild from a plan: a fixed registry
+    (:data:`FILTER_KINDS`). A plan names a kind, never a module, so nothing read from the state
+    folder chooses the code that runs."""
+
+    DOCUMENT_FILTER = "document-filter"
+
+
+FILTER_KINDS: dict[FilterKind, type[DocumentFilter]] = {FilterKind.DOCUMENT_FILTER: DocumentFilter}
+"""Kind -> class (with ``describe()`` and the ``from_description`` classmethod)."""
+
+
 def filters_spec(filters: Any) -> dict[str, Any] | None:
-    """How to rebuild ``filters`` in another process (see :meth:`StageContext.load`)."""
+    """How to rebuild ``filters`` in another process (see :meth:`StageContext.load`): its
+    :class:`FilterKind` and description; kind None for a class outside the registry (such filters
+    run only with the local executor, whose workers inherit the object)."""
     if filters is None:
         return None
-    cls = type(filters)
-    desc = dict(filters.describe()) if callable(getattr(filters, "describe", None)) else None
-    return {"factory": f"{cls.__module__}:{cls.__qualname__}", "description": desc}
+    kind = next((k for k, c in FILTER_KINDS.items() if type(filters) is c), None)
+    desc = dict(filters.describe()) if kind is not None else None
+    return {"kind": None if kind is None else kind.value, "class": type(filters).__qualname__, "description": desc}
 
 
 def rebuild_filters(spec: Mapping[str, Any] | None) -> Any:
-    """The filters object ``spec`` (:func:`filters_spec`) describes, via its class's
-    ``from_description``; raises :class:`BuildConflict` when it cannot be rebuilt or describes itself
-    otherwise than the plan says."""
+    """The filters object ``spec`` (:func:`filters_spec`) describes, made by the registry's class
+    for its kind (:data:`FILTER_KINDS`); raises :class:`BuildConflict` for a kind outside the
+    registry, or filters that describe themselves otherwise than the plan says."""
     if spec is None:
         return None
-    mod, _, qual = str(spec["factory"]).partition(":")
     try:
-        obj: Any = importlib.import_module(mod)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise BuildConflict(f"the build's filters ({spec['factory']}) cannot be imported here: {e}") from None
-    make = getattr(obj, "from_description", None)
-    if not callable(make) or spec.get("description") is None:
+        cls = FILTER_KINDS[FilterKind(spec.get("kind"))]
+    except ValueError:
         raise BuildConflict(
-            f"the build's filters ({spec['factory']}) cannot be rebuilt from the plan: give the class describe() "
-            "and a from_description(description) classmethod, or run the build with the local executor"
-        )
-    filters = make(spec["description"])
+            f"the build's filters (kind {spec.get('kind')!r}, class {spec.get('class')!r}) cannot be rebuilt from "
+            f"the plan: only {', '.join(k.value for k in FilterKind)} can; run such a build with the local executor"
+        ) from None
+    if not isinstance(spec.get("description"), Mapping):
+        raise BuildConflict(f"the build plan's filters field has no description (kind {spec.get('kind')!r})")
+    filters = cls.from_description(spec["description"])
     if json.loads(json.dumps(dict(filters.describe()))) != json.loads(json.dumps(spec["description"])):
-        raise BuildConflict(
-            f"the build's filters ({spec['factory']}) describe themselves otherwise here than in the plan"
-        )
+        raise BuildConflict(f"the build's filters ({spec['kind']}) describe themselves otherwise here than in the plan")
     return filters
 
 
