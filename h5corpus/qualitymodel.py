@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from .build.input.records import BadRecord, TaskReader
 from .build.input.sources import Input, plan_tasks, resolve_sources
@@ -139,8 +140,6 @@ def score_sources(
     report = ScoreReport(str(model) if not isinstance(model, NgramModel) else "<in memory>", lm.sha256)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=max_documents, unit="doc", desc="quality-model score", leave=False)
     batch: list[str] = []
 

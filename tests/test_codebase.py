@@ -29,8 +29,6 @@ ALLOWED_LONG = {
     "h5corpus/build/stages/commit.py:commit",
     "h5corpus/build/stages/merge.py:merge_buckets",
     "h5corpus/build/tokenize/tokenizer.py:load_tokenizer",
-    "h5corpus/cli.py:inspect_cli",
-    "h5corpus/cli.py:build_cli",
     "h5corpus/filters/pipeline.py:DocumentFilter.process_batch",
     "h5corpus/filters/quality.py:_quality_group",
     "h5corpus/filters/quality.py:_text_rule_fails",

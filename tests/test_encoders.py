@@ -116,7 +116,7 @@ def test_fastokens_loads_byte_level_families_and_gives_the_tokenizers_ids(famili
     assert [i for i, (a, b) in enumerate(zip(refs, got)) if not np.array_equal(a, b)] == []
     assert [a.tolist() for a in fast.encode_batch(held_out[:5])] == [r.tolist() for r in refs[:5]]
     assert tok.eos_id not in flat.tolist() and fast.fallbacks == 0
-    assert prove_same_ids(tok.reference_encoder(), fast, held_out[:20], cache=False) is None
+    assert prove_same_ids(HFEncoder(tok), fast, held_out[:20], cache=False) is None
 
 
 @pytest.mark.parametrize("family", LOADS)

@@ -35,11 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from .sources import DATASETS_KIND_PREFIX, Input, SourceError, SourceFile, Task
+from .inputs import (
+    FILE_KIND_PREFIX,
+    OBJECT_KIND,
+    TABLE_KIND,
+    Input,
+    SourceError,
+    SourceFile,
+    Task,
+)
 
-TABLE_KIND = DATASETS_KIND_PREFIX + "table"
-OBJECT_KIND = DATASETS_KIND_PREFIX + "object"
-FILE_KIND_PREFIX = DATASETS_KIND_PREFIX + "file:"
 #: Hub file name ending -> (format, as the manifest records it; the ``datasets`` builder reading it).
 HUB_FORMATS = {
     ".parquet": ("parquet", None),

@@ -13,38 +13,27 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .hfdatasets import BATCH_ROWS, FILE_KIND_PREFIX, OBJECT_KIND, TABLE_KIND, builder_options
-from .records import BadRecord, Doc
-from .sources import SourceError, Task
+from .hfdatasets import BATCH_ROWS, builder_options
+from .inputs import (
+    FILE_KIND_PREFIX,
+    OBJECT_KIND,
+    TABLE_KIND,
+    BadRecord,
+    Doc,
+    SourceError,
+    Task,
+    datasets_record_location,
+    datasets_task_label,
+    in_process_only,
+)
+
+# Their names before they moved to .inputs.
+task_label = datasets_task_label
+record_location = datasets_record_location
+__all__ = ["in_process_only", "read_records", "record_location", "task_label"]
 
 
 # -- reading ------------------------------------------------------------------------------------
-def in_process_only(task: Task) -> bool:
-    """True for a task that only the planning process (and the local executor's forked workers)
-    can run: it reads an in-memory object the plan cannot hold."""
-    return task.kind == OBJECT_KIND
-
-
-def task_label(task: Task) -> str:
-    """Short description of a ``datasets-*`` task for messages."""
-    if task.kind.startswith(FILE_KIND_PREFIX):
-        return task.files[0].name
-    name = task.extra.get("name", task.files[0].name)
-    if "num_shards" in task.extra:
-        return f"{name} [shard {task.start}/{task.extra['num_shards']}]"
-    return f"{name} [rows {task.start:,}-{task.stop:,}]"
-
-
-def record_location(task: Task, ordinal: int) -> tuple[str, str | None, int | None]:
-    """Where record ``ordinal`` (0-based, bad records included) of a ``datasets-*`` task is:
-    ``(dataset or file, "row", row)``: the dataset's row, or the row within the shard or file."""
-    if task.kind.startswith(FILE_KIND_PREFIX):
-        return task.files[0].name, "row", ordinal
-    if "num_shards" in task.extra:
-        return f"{task.extra['name']} shard {task.start}/{task.extra['num_shards']}", "row", ordinal
-    return str(task.extra["name"]), "row", task.start + ordinal
-
-
 def read_records(task: Task, text_field: str) -> Iterator[Doc | BadRecord]:
     """Stream a ``datasets-*`` task's records: ``(text, utf8_bytes)`` or :class:`BadRecord`, in row order."""
     if task.kind == TABLE_KIND:

@@ -14,15 +14,20 @@ stream handling and are meant to be read side by side.
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
-from .sources import DATASETS_KIND_PREFIX, SourceFile, Task, open_parquet
+import numpy as np
+
+from .hfrecords import read_records as read_dataset_records
+from .inputs import DATASETS_KIND_PREFIX, BadRecord, Doc, SourceFile, Task, datasets_record_location
+from .sources import open_parquet
 from .zstdframes import StreamError as _StreamError
 from .zstdframes import Truncated as _Truncated
 from .zstdframes import zstd_end_problem
@@ -41,28 +46,8 @@ except ImportError:  # pragma: no cover - orjson is a dependency; the json modul
     _fast_loads = None
 
 
-@dataclass(frozen=True)
-class BadRecord:
-    """A record that is not a usable document. ``where`` names file and line/row."""
-
-    where: str
-    reason: str
-    code: str
-    """Kind: invalid_utf8, invalid_unicode, malformed_json, not_object, missing_field, not_string,
-    unreadable."""
-    fatal: bool = False
-    """True when the rest of the task could not be read (corrupt stream, unreadable file)."""
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.reason}"
-
-
 def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
-
-
-#: A document as read: its text and the text's UTF-8 bytes (``data`` hashes to the document id).
-Doc = tuple[str, bytes]
 
 
 def _utf8(text: str) -> bytes | None:
@@ -101,9 +86,6 @@ class _JsonlStream:
             fh = open(f.path, "rb")
             return cls(fh, fh.read, "jsonl", f.path)
         if f.kind == "jsonl.gz":
-            import gzip
-            import zlib
-
             gz = gzip.open(f.path, "rb")
             return cls(gz, gz.read1, "gzip", f.path, (zlib.error,))
         if f.kind == "jsonl.zst":
@@ -210,9 +192,7 @@ class TaskReader:
         if k == "text":
             return self._text()
         if k.startswith(DATASETS_KIND_PREFIX):
-            from .hfrecords import read_records
-
-            return read_records(self.task, self.text_field)
+            return read_dataset_records(self.task, self.text_field)
         raise ValueError(f"unknown task kind {k!r}")
 
     # jsonl --------------------------------------------------------------------------------------
@@ -489,7 +469,6 @@ DocChunk = tuple[list[str], list[Any]]
 def _utf8_views(col: Any) -> list[Any] | None:
     """Each value's UTF-8 bytes as a view of a string array's data buffer, or None for an array
     without that layout (string views)."""
-    import numpy as np
     import pyarrow as pa
 
     if pa.types.is_string(col.type):
@@ -577,9 +556,7 @@ class LocatingReader(TaskReader):
         """Where record number ``ordinal`` (0-based, bad records included) of the task is."""
         t = self.task
         if t.kind.startswith(DATASETS_KIND_PREFIX):
-            from .hfrecords import record_location
-
-            return record_location(t, ordinal)
+            return datasets_record_location(t, ordinal)
         if t.kind == "parquet":
             return t.files[0].name, "row", t.first_row + ordinal
         if t.kind == "text":

@@ -35,16 +35,26 @@ parquet footers only; no document is read while planning. A task serializes to J
 from __future__ import annotations
 
 import glob as globlib
-import hashlib
-import json
 import os
 import re
 import sys
 import sysconfig
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..hub import hf_cache_dir as hub_cache_dir
+from ..hub import hub_offline
+from .hfdatasets import (
+    hub_files_to_read,
+    plan_dataset_tasks,
+    resolve_dataset_object,
+    resolve_saved_dataset,
+    warm_up_file_reader,
+)
+from .inputs import DATASETS_KIND_PREFIX, Input, SourceError, SourceFile, Task
+
+__all__ = ["DATASETS_KIND_PREFIX", "Input", "SourceError", "SourceFile", "Task", "plan_tasks", "resolve_sources"]
 
 #: File name ending -> reader kind.
 EXTENSIONS = {
@@ -56,154 +66,10 @@ EXTENSIONS = {
 }
 STDLIB_SPEC = "stdlib"
 HF_PREFIX = "hf://"
-#: Task and file kinds read through :mod:`h5corpus.build.input.hfdatasets` start with this.
-DATASETS_KIND_PREFIX = "datasets-"
 _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
 #: Files that make a folder a ``datasets`` ``save_to_disk`` folder (read as one dataset).
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-
-
-class SourceError(ValueError):
-    """A SOURCE argument cannot be resolved: missing path, unsupported type, empty match (usage error)."""
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """One input file."""
-
-    name: str
-    """Display name, stable across machines: the path as globbed/listed, ``<stdlib>/json/decoder.py``,
-    or the path inside a hub repository."""
-    path: str
-    """Where to open it: an absolute local path (so any process can open it, whatever its current
-    folder) or an ``hf://`` fsspec URL."""
-    kind: str
-    """Reader kind: jsonl, jsonl.gz, jsonl.zst, parquet, text."""
-    size: int
-    """Bytes on disk (or on the hub)."""
-    mtime_ns: int = 0
-    """Local modification time (0 for remote files); only used to notice edits between resumes."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "kind": self.kind, "size": self.size, "mtime_ns": self.mtime_ns}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> SourceFile:
-        return cls(
-            name=str(d["name"]),
-            path=str(d["path"]),
-            kind=str(d["kind"]),
-            size=int(d["size"]),
-            mtime_ns=int(d["mtime_ns"]),
-        )
-
-
-@dataclass(frozen=True)
-class Input:
-    """One resolved SOURCE argument."""
-
-    spec: str
-    """The SOURCE as given, or (a ``datasets`` object) a description of it: part of the build's identity."""
-    kind: str
-    """files | stdlib | hf | datasets"""
-    files: tuple[SourceFile, ...]
-    meta: dict[str, Any] = field(default_factory=dict)
-    """hf: repo, revision, path; stdlib: python version; datasets: fingerprint, builder, split, ..."""
-    dataset: Any = field(default=None, compare=False, repr=False)
-    """datasets: the resolved object (:class:`~h5corpus.build.input.hfdatasets.ResolvedDataset`) the
-    planner cuts into tasks; never described or persisted."""
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-able description for the manifest (no absolute paths, no mtimes)."""
-        h = hashlib.sha256()
-        for f in self.files:
-            h.update(f"{f.name}\t{f.size}\n".encode())
-        d: dict[str, Any] = {
-            "spec": self.spec,
-            "kind": self.kind,
-            "files": len(self.files),
-            "bytes": sum(f.size for f in self.files),
-            "listing_sha256": h.hexdigest(),
-        }
-        d.update(self.meta)
-        return d
-
-
-@dataclass(frozen=True)
-class Task:
-    """A unit of reading, tokenizing and shard writing. ``index`` is its place in input order."""
-
-    index: int
-    kind: str
-    files: tuple[SourceFile, ...]
-    """One file, or a run of ``.txt`` files."""
-    start: int = 0
-    """jsonl: first byte offset; parquet: first row group."""
-    stop: int = -1
-    """jsonl: end byte offset (exclusive); parquet: end row group (exclusive); -1 = to the end."""
-    first_row: int = 0
-    """parquet: index of the first row of ``start`` (for messages)."""
-    nbytes: int = 0
-    """Approximate input bytes (for scheduling and progress)."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """JSON-able reader parameters of the ``datasets-*`` kinds (column, row counts, ...); part of the key."""
-    live: Any = field(default=None, compare=False, repr=False)
-    """``datasets-object`` tasks: the in-memory object they read, held only by the planning process
-    (and the local executor's forked workers); never persisted."""
-
-    def to_json(self) -> dict[str, Any]:
-        """Everything a reader needs (the persisted plan holds this): no re-listing, no footers."""
-        d = {
-            "index": self.index,
-            "kind": self.kind,
-            "files": [f.to_json() for f in self.files],
-            "start": self.start,
-            "stop": self.stop,
-            "first_row": self.first_row,
-            "nbytes": self.nbytes,
-        }
-        if self.extra:
-            d["extra"] = dict(self.extra)
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Task:
-        return cls(
-            index=int(d["index"]),
-            kind=str(d["kind"]),
-            files=tuple(SourceFile.from_json(f) for f in d["files"]),
-            start=int(d["start"]),
-            stop=int(d["stop"]),
-            first_row=int(d["first_row"]),
-            nbytes=int(d["nbytes"]),
-            extra=dict(d.get("extra") or {}),
-        )
-
-    @property
-    def key(self) -> str:
-        """Identity of the task's input (paths, range, sizes, mtimes): a resumed build reuses a
-        task's outputs only when its key is unchanged."""
-        parts = [self.kind, str(self.start), str(self.stop)] + [f"{f.path}|{f.size}|{f.mtime_ns}" for f in self.files]
-        if self.extra:
-            parts.append(json.dumps(self.extra, sort_keys=True, separators=(",", ":")))
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-    @property
-    def label(self) -> str:
-        """Short description for messages."""
-        if self.kind.startswith(DATASETS_KIND_PREFIX):
-            from .hfrecords import task_label
-
-            return task_label(self)
-        f = self.files[0].name
-        if self.kind == "text" and len(self.files) > 1:
-            return f"{f} (+{len(self.files) - 1} files)"
-        if self.kind == "jsonl" and (self.start or self.stop >= 0):
-            return f"{f} [bytes {self.start:,}-{self.stop:,}]" if self.stop >= 0 else f"{f} [bytes {self.start:,}-]"
-        if self.kind == "parquet" and (self.start or self.stop >= 0):
-            return f"{f} [row groups {self.start}-{self.stop}]"
-        return f
 
 
 # -- resolving SOURCE specs ---------------------------------------------------------------------
@@ -269,8 +135,6 @@ def _hub_listing(local: Path, snap: Path, sub: str) -> list[tuple[str, Path]]:
 
 
 def _resolve_hf(spec: str, cache_dir: Path) -> Input:
-    from .hfdatasets import hub_files_to_read
-
     repo, rev, sub = parse_hf_spec(spec)
     meta: dict[str, Any] = {"repo": repo, "revision": rev, "path": sub}
     snap = cache_dir / f"datasets--{repo.replace('/', '--')}" / "snapshots" / rev
@@ -280,8 +144,6 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
         fmt, chosen = hub_files_to_read(spec, [n for n, _ in listing])
         files = [_local_file(listing[i][0], listing[i][1], kind) for i, kind in chosen]
         return _hub_input(spec, fmt, files, meta)
-    from ..tokenize.tokenizer import hub_offline
-
     if hub_offline():
         raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and HF_HUB_OFFLINE is set")
     try:
@@ -316,8 +178,6 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
 
 def _hub_input(spec: str, fmt: str, files: list[SourceFile], meta: dict[str, Any]) -> Input:
     if fmt != "parquet":  # read by datasets' builders (parquet by the build's own reader)
-        from .hfdatasets import warm_up_file_reader
-
         meta["format"] = fmt
         warm_up_file_reader(files[0])
     return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
@@ -331,8 +191,6 @@ def resolve_sources(
 
     A spec is a string (or path), or a ``datasets`` object (:mod:`h5corpus.build.input.hfdatasets`),
     whose text column defaults to ``text_field``."""
-    from ..tokenize.tokenizer import hf_cache_dir as _cache
-
     if not specs:
         raise SourceError("no SOURCE given")
     out: list[Input] = []
@@ -340,8 +198,6 @@ def resolve_sources(
         if isinstance(spec, os.PathLike):
             spec = os.fspath(spec)
         if not isinstance(spec, str):
-            from .hfdatasets import resolve_dataset_object
-
             out.append(resolve_dataset_object(spec, text_field))
             continue
         if spec == STDLIB_SPEC:
@@ -351,13 +207,11 @@ def resolve_sources(
             )
             continue
         if spec.startswith(HF_PREFIX):
-            out.append(_resolve_hf(spec, _cache(hf_cache_dir)))
+            out.append(_resolve_hf(spec, hub_cache_dir(hf_cache_dir)))
             continue
         p = Path(spec)
         files_l: list[SourceFile] = []
         if p.is_dir() and any((p / n).is_file() for n in SAVED_DATASET_MARKERS):
-            from .hfdatasets import resolve_saved_dataset
-
             out.append(resolve_saved_dataset(spec, p, text_field))
             continue
         if p.is_dir():
@@ -422,8 +276,6 @@ def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
 
     for inp in inputs:
         if inp.kind == "datasets":
-            from .hfdatasets import plan_dataset_tasks
-
             tasks.extend(plan_dataset_tasks(inp, task_bytes=task_bytes, first_index=len(tasks)))
             continue
         group: list[SourceFile] = []

@@ -17,7 +17,10 @@ counters, and turn the stages' named steps into test crash points (:data:`CRASH_
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 from collections import deque
@@ -30,10 +33,9 @@ from typing import Any, Protocol
 from ..config import BuildError
 from ..oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error
 from ..stages.buildplan import StageContext
-from ..stages.dispatch import run_stage
+from ..stages.dispatch import StageCall, run_stage
 from ..stages.runmarker import RunMarker
 from ..stages.state import LOCK_FILE, manifest_lock_path
-from ..stages.tasks import StageCall
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
 #: (main process and workers) the N-th time (default 1st) one process reaches that point.
@@ -56,7 +58,6 @@ class Executor(Protocol):
 
     def driver_events(self) -> LocalEvents:
         """Events of the main process (the driver's own steps: ``decided``, ``manifest-*``)."""
-        return LocalEvents(CrashPoints())
 
     def start(self, ctx: StageContext) -> None:
         """Get ready to run calls with ``ctx`` (again after :meth:`cancel`, e.g. with another encoder)."""
@@ -75,6 +76,9 @@ class Executor(Protocol):
 
     def shutdown(self, *, wait: bool) -> None:
         """No more calls: let the running ones finish (``wait``) or stop them."""
+
+    def join(self) -> None:
+        """Reap what :meth:`shutdown` stopped (after the driver's own last work)."""
 
 
 class CrashPoints:
@@ -196,9 +200,7 @@ def _refusal_of(failed: BuildOSError, folder: Path) -> BuildOSError:
     return BuildOSError("write into", folder, failed.errno, failed.strerror or "")
 
 
-def _mp_context():
-    import multiprocessing as mp
-
+def _mp_context() -> Any:
     # fork: workers inherit the loaded encoder and filters (no re-import, no pickling). Safe here:
     # the main process holds no open HDF5 file when it forks, and its threads besides the main
     # one (the run markers' heartbeats) only sleep and touch a file, holding no lock a child needs.
@@ -218,8 +220,6 @@ def _worker_main(
             pass
     if sys.platform.startswith("linux"):
         try:  # die with the main process (kill -9 of the build leaves no orphan writers)
-            import ctypes
-
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except Exception:
             pass
@@ -240,8 +240,6 @@ def _worker_main(
 
 
 def _picklable(e: BaseException) -> BaseException:
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -266,10 +264,10 @@ class LocalExecutor:
         return LocalEvents(CrashPoints())
 
     def start(self, ctx: StageContext) -> None:
-        mp = _mp_context()
+        procs = _mp_context()
         for _ in range(self.workers):
-            mine, theirs = mp.Pipe()
-            p = mp.Process(
+            mine, theirs = procs.Pipe()
+            p = procs.Process(
                 target=_worker_main, args=(ctx, theirs, self.counters, self.lock_fds, os.getpid()), daemon=True
             )
             p.start()

@@ -24,8 +24,7 @@ from typing import Any
 
 from ..config import BuildConflict, BuildError, RayOptions
 from ..stages.buildplan import StageContext
-from ..stages.dispatch import run_stage
-from ..stages.tasks import StageCall
+from ..stages.dispatch import Stage, StageCall, run_stage
 from .executor import CrashPoints, LocalEvents, StageResult
 
 _LOADED: dict[str, tuple[str, StageContext]] = {}
@@ -89,7 +88,12 @@ def finish_stage(state_dir: str, plan_sha: str, call: StageCall) -> Any:
     return _run(state_dir, plan_sha, call)
 
 
-_STAGE_FUNCTIONS = {"read": read_stage, "keys": keys_stage, "bucket": bucket_stage, "finish": finish_stage}
+_STAGE_FUNCTIONS = {
+    Stage.READ: read_stage,
+    Stage.KEYS: keys_stage,
+    Stage.BUCKET: bucket_stage,
+    Stage.FINISH: finish_stage,
+}
 
 
 def probe_state(state_dir: str, name: str, token: str) -> str | None:
@@ -175,7 +179,7 @@ class RayExecutor:
                 num_cpus=float(self.options.cpus_per_task),
                 max_retries=int(self.options.max_retries),
                 retry_exceptions=False,  # a stage's own error (bad input) is an answer, not a loss
-                name=f"{call.stage}_stage",
+                name=f"{call.stage.value}_stage",
             )
             .remote(self.state_dir, self.plan_sha, call)
         )
@@ -197,7 +201,7 @@ class RayExecutor:
                 f"the Ray task running {call.stage} of {call.index} was lost {self.options.max_retries + 1} times "
                 f"({type(e).__name__}); completed work is kept: re-run the same command to resume"
             ) from None
-        if call.stage == "read" and value is not None:
+        if call.stage == Stage.READ and value is not None:
             self.documents += int(value.documents)
             self.tokens += int(value.tokens)
         return StageResult(call, value=value)

@@ -31,14 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from ...storage.manifest import read_manifest
-from ..config import BuildConflict, BuildError
+from ..config import BuildConflict, BuildError, SlurmOptions
 from ..report import BuildReport, report_from_manifest
-from ..stages.buckets import lsh_params
 from ..stages.dispatch import stage_status
-from ..tokenize.encoders import HFEncoder
-from ..tokenize.proof import prove_fast_path
-from .runner import _Run
-from .scaled import plan_for_stages
+from .executor import BuildLock
+from .prepare import Prepared, new_report, progress_bar, prove
 
 #: The stages in chain order; ``True``: one array element per task / bucket.
 CHAIN = (("read", True), ("bucket", True), ("decide", False), ("finish", True), ("commit", False))
@@ -109,213 +106,177 @@ def job_states(jobs: Sequence[str]) -> dict[str, tuple[str, str]]:
     return states
 
 
-class SlurmRun(_Run):
-    """Plan, write the scripts, submit the chain (and follow it with ``wait``)."""
+def submit_slurm(prep: Prepared, lock: BuildLock) -> BuildReport:
+    """Plan, write the scripts, submit the chain (and follow it with ``wait``); a plain function on
+    :func:`~.prepare.prepare`'s answer. No driver watches the reads, so the fast encoder is proven
+    before anything is submitted."""
+    prove(prep)
+    t, opts = prep.target, prep.cfg.slurm
+    folder = t.state.root / "slurm"
+    prep.plan.write(t.state, t.tok.json_text)
+    report = new_report(prep)
+    report.encoder, report.encoder_note = prep.choice.encoder.name, prep.choice.note
+    todo = stage_status(t.state.root)
+    scripts = write_scripts(folder, opts, t.state.root)
+    report.submitted = True
+    if opts.dry_run:
+        report.jobs = {}
+        report.slurm = {
+            "scripts": {k: str(v) for k, v in scripts.items()},
+            "commands": sbatch_lines(folder, opts, todo),
+        }
+        return report
+    never = lock.cancel_jobs
+    if never:
+        _run_slurm(["scancel", *never], "cancelling the jobs of the earlier run that would never start")
+    jobs = submit_chain(folder, opts, todo)
+    report.jobs = jobs
+    report.slurm = {"scripts": {k: str(v) for k, v in scripts.items()}, "logs": str(folder / "logs")}
+    chain = [jobs[stage] for stage, _ in CHAIN if stage in jobs]
+    lock.update(kind="slurm", jobs=[j for ids in chain for j in ids], chain=chain, state=str(t.state.root))
+    lock.hand_over()
+    if not opts.wait:
+        return report
+    return follow(prep, report, folder, jobs)
 
-    def __init__(self, target: Any, tasks: list, resumed: bool, lock: Any, t_start: float, *, buckets: int) -> None:
-        super().__init__(target, tasks, resumed, lock.fds, t_start)
-        self.lock = lock
-        self.buckets = int(buckets)
-        self.opts = target.cfg.slurm
-        lsh_params(self.decider.index)  # refuses an index the buckets cannot reproduce
-        self.folder = target.state.root / "slurm"
-        self.report.executor, self.report.decide_buckets = "slurm", self.buckets
 
-    def _plan(self, encoder: Any) -> Any:
-        return plan_for_stages(super()._plan(encoder), self.t, self.buckets)
+# -- scripts and submission ------------------------------------------------------------------
+def stage_script(folder: Path, opts: SlurmOptions, state_root: Path, stage: str, per_element: bool) -> str:
+    """The batch script of one stage: its resources and the one ``build-stage`` command it runs."""
+    py = opts.python or sys.executable
+    logs = folder / "logs"
+    name = f"{stage}-%A_%a.out" if per_element else f"{stage}-%j.out"
+    head = ["#!/bin/bash", f"#SBATCH --job-name=h5c-{stage}", f"#SBATCH --output={logs / name}"]
+    head.append(f"#SBATCH --cpus-per-task={int(opts.cpus_per_task)}")
+    if opts.partition:
+        head.append(f"#SBATCH --partition={opts.partition}")
+    if opts.time:
+        head.append(f"#SBATCH --time={opts.time}")
+    head += [f"#SBATCH {a}" for a in opts.sbatch_args]
+    cmd = [py, "-m", "h5corpus", "build-stage", stage, "--state", str(state_root)]
+    line = " ".join(shlex.quote(c) for c in cmd)
+    if per_element:
+        line += ' --task-index "$(( ${H5CORPUS_TASK_OFFSET:-0} + SLURM_ARRAY_TASK_ID ))"'
+    return "\n".join([*head, "set -euo pipefail", f"exec {line}", ""])
 
-    def _prove(self) -> None:
-        """No driver watches the reads: prove the fast encoder before anything is submitted."""
-        if self._loading is not None:
-            self._proof_sample()  # while the fast encoder loads
-        self._take_fast_encoder()
-        if self.fast is None or self.encoder is not self.fast:
-            return
-        chosen, note = prove_fast_path(
-            HFEncoder(self.t.tok), self.fast, self._proof_sample(), names=self.cfg.fast_encoders
-        )
-        if chosen is not self.fast:
-            self.note = "; ".join(filter(None, (self.note, note)))
-            self.encoder = chosen
 
-    def run(self) -> BuildReport:
-        self._prove()
-        self.plan = self._plan(self.encoder)
-        self.plan.write(self.t.state, self.t.tok.json_text)
-        self.report.encoder, self.report.encoder_note = self.encoder.name, self.note
-        todo = stage_status(self.t.state.root)
-        scripts = self._write_scripts()
-        self.report.submitted = True
-        if self.opts.dry_run:
-            self.report.jobs = {}
-            self.report.slurm = {
-                "scripts": {k: str(v) for k, v in scripts.items()},
-                "commands": self._commands(todo, None),
-            }
-            return self.report
-        self._cancel_forever_pending()
-        jobs = self._submit(todo)
-        self.report.jobs = jobs
-        self.report.slurm = {"scripts": {k: str(v) for k, v in scripts.items()}, "logs": str(self.folder / "logs")}
-        chain = [jobs[stage] for stage, _ in CHAIN if stage in jobs]
-        flat = [j for ids in chain for j in ids]
-        self.lock.update(kind="slurm", jobs=flat, chain=chain, state=str(self.t.state.root))
-        self.lock.hand_over()
-        if not self.opts.wait:
-            return self.report
-        return self._follow(jobs, todo)
+def write_scripts(folder: Path, opts: SlurmOptions, state_root: Path) -> dict[str, Path]:
+    """``<state>/slurm/<stage>.sbatch`` for every stage of the chain."""
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    out = {}
+    for stage, per in CHAIN:
+        p = folder / f"{stage}.sbatch"
+        p.write_text(stage_script(folder, opts, state_root, stage, per))
+        out[stage] = p
+    return out
 
-    # -- scripts and submission ------------------------------------------------------------------
-    def _script(self, stage: str, per_element: bool) -> str:
-        o = self.opts
-        py = o.python or sys.executable
-        logs = self.folder / "logs"
-        name = f"{stage}-%A_%a.out" if per_element else f"{stage}-%j.out"
-        head = ["#!/bin/bash", f"#SBATCH --job-name=h5c-{stage}", f"#SBATCH --output={logs / name}"]
-        head.append(f"#SBATCH --cpus-per-task={int(o.cpus_per_task)}")
-        if o.partition:
-            head.append(f"#SBATCH --partition={o.partition}")
-        if o.time:
-            head.append(f"#SBATCH --time={o.time}")
-        head += [f"#SBATCH {a}" for a in o.sbatch_args]
-        cmd = [py, "-m", "h5corpus", "build-stage", stage, "--state", str(self.t.state.root)]
-        line = " ".join(shlex.quote(c) for c in cmd)
-        if per_element:
-            line += ' --task-index "$(( ${H5CORPUS_TASK_OFFSET:-0} + SLURM_ARRAY_TASK_ID ))"'
-        return "\n".join([*head, "set -euo pipefail", f"exec {line}", ""])
 
-    def _write_scripts(self) -> dict[str, Path]:
-        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
-        out = {}
+def wanted(todo: dict[str, Any]) -> dict[str, list[int] | bool]:
+    """What to submit per stage (:func:`~h5corpus.build.stages.dispatch.stage_status` already says "all"
+    for every stage after one with missing work)."""
+    return {stage: (list(todo[stage]) if per else bool(todo[stage])) for stage, per in CHAIN}
+
+
+def _arrays(want: list[int] | bool, per: bool, opts: SlurmOptions) -> list[tuple[int, list[int]]]:
+    """(offset, array indices) per sbatch call of one stage; one call without an array when not ``per``."""
+    return array_chunks(want, int(opts.max_array_size)) if per else [(0, [])]  # type: ignore[arg-type]
+
+
+def sbatch_lines(folder: Path, opts: SlurmOptions, todo: dict[str, Any]) -> list[str]:
+    """The sbatch command lines of a dry run (dependencies as ``$READ_JOBS`` etc.)."""
+    lines, prev = [], None
+    for stage, per in CHAIN:
+        w = wanted(todo)[stage]
+        if not w:
+            continue
+        dep = f" --dependency=afterok:${prev.upper()}_JOBS" if prev else ""
+        script = shlex.quote(str(folder / f"{stage}.sbatch"))
+        for off, idx in _arrays(w, per, opts):
+            exp = f" --export=ALL,H5CORPUS_TASK_OFFSET={off}" if off else ""
+            arr = f" --array={array_spec(idx)}" if per else ""
+            lines.append(f"sbatch --parsable{arr}{dep}{exp} {script}")
+        prev = stage
+    return lines
+
+
+def submit_chain(folder: Path, opts: SlurmOptions, todo: dict[str, Any]) -> dict[str, list[str]]:
+    """Submit the chain; on a failed ``sbatch``, cancel what was submitted and raise."""
+    want = wanted(todo)
+    jobs: dict[str, list[str]] = {}
+    prev: list[str] = []
+    try:
         for stage, per in CHAIN:
-            p = self.folder / f"{stage}.sbatch"
-            p.write_text(self._script(stage, per))
-            out[stage] = p
-        return out
-
-    @staticmethod
-    def _wanted(todo: dict[str, Any]) -> dict[str, list[int] | bool]:
-        """What to submit per stage (:func:`~h5corpus.build.stages.dispatch.stage_status` already says "all"
-        for every stage after one with missing work)."""
-        return {stage: (list(todo[stage]) if per else bool(todo[stage])) for stage, per in CHAIN}
-
-    def _commands(self, todo: dict[str, Any], job_ids: dict[str, list[str]] | None) -> list[str]:
-        """The sbatch command lines (dependencies as ``$READ_JOBS`` etc. for a dry run)."""
-        lines, prev = [], None
-        for stage, per in CHAIN:
-            w = self._wanted(todo)[stage]
-            if not w:
+            if not want[stage]:
                 continue
-            dep = f" --dependency=afterok:${prev.upper()}_JOBS" if prev else ""
-            script = self.folder / f"{stage}.sbatch"
-            if per:
-                for off, idx in array_chunks(w, int(self.opts.max_array_size)):  # type: ignore[arg-type]
-                    exp = f" --export=ALL,H5CORPUS_TASK_OFFSET={off}" if off else ""
-                    lines.append(f"sbatch --parsable --array={array_spec(idx)}{dep}{exp} {shlex.quote(str(script))}")
-            else:
-                lines.append(f"sbatch --parsable{dep} {shlex.quote(str(script))}")
-            prev = stage
-        return lines
+            dep = [f"--dependency=afterok:{':'.join(prev)}"] if prev else []
+            jobs[stage] = []
+            for off, idx in _arrays(want[stage], per, opts):
+                argv = ["sbatch", "--parsable", *dep]
+                if per:
+                    argv.append(f"--array={array_spec(idx)}")
+                if off:
+                    argv.append(f"--export=ALL,H5CORPUS_TASK_OFFSET={off}")
+                out = _run_slurm([*argv, str(folder / f"{stage}.sbatch")], f"submitting the {stage} jobs")
+                jobs[stage].append(out.strip().split(";")[0])
+            prev = jobs[stage]
+    except BaseException:
+        submitted = [j for ids in jobs.values() for j in ids]
+        if submitted:
+            subprocess.run(["scancel", *submitted], capture_output=True, timeout=120)
+        raise
+    return jobs
 
-    def _submit(self, todo: dict[str, Any]) -> dict[str, list[str]]:
-        """Submit the chain; on a failed ``sbatch``, cancel what was submitted and raise."""
-        want = self._wanted(todo)
-        jobs: dict[str, list[str]] = {}
-        prev: list[str] = []
-        try:
-            for stage, per in CHAIN:
-                w = want[stage]
-                if not w:
-                    continue
-                script = str(self.folder / f"{stage}.sbatch")
-                dep = [f"--dependency=afterok:{':'.join(prev)}"] if prev else []
-                chunks = array_chunks(w, int(self.opts.max_array_size)) if per else [(0, [])]  # type: ignore[arg-type]
-                jobs[stage] = []
-                for off, idx in chunks:
-                    argv = ["sbatch", "--parsable", *dep]
-                    if per:
-                        argv.append(f"--array={array_spec(idx)}")
-                    if off:
-                        argv.append(f"--export=ALL,H5CORPUS_TASK_OFFSET={off}")
-                    out = _run_slurm([*argv, script], f"submitting the {stage} jobs")
-                    jobs[stage].append(out.strip().split(";")[0])
-                prev = jobs[stage]
-        except BaseException:
-            submitted = [j for ids in jobs.values() for j in ids]
-            if submitted:
-                subprocess.run(["scancel", *submitted], capture_output=True, timeout=120)
-            raise
-        return jobs
 
-    def _cancel_forever_pending(self) -> None:
-        never = self.lock.cancel_jobs
-        if never:
-            _run_slurm(["scancel", *never], "cancelling the jobs of the earlier run that would never start")
-
-    # -- following ---------------------------------------------------------------------------------
-    def _follow(self, jobs: dict[str, list[str]], todo: dict[str, Any]) -> BuildReport:
-        bar = _bar(self.n) if self.cfg.progress else None
-        ids = [j for v in jobs.values() for j in v]
-        stage_of = {j: s for s, v in jobs.items() for j in v}
-        try:
-            while True:
-                states = job_states(ids)
-                self._check(states, stage_of, ids)
-                if bar is not None:
-                    done = (
-                        sum(1 for _ in (self.t.state.root / "read").glob("*.json"))
-                        if self.t.state.root.is_dir()
-                        else self.n
-                    )
-                    fin = (
-                        sum(1 for _ in (self.t.state.root / "finish").glob("*.json"))
-                        if self.t.state.root.is_dir()
-                        else self.n
-                    )
-                    bar.update(done + fin - bar.n)
-                    bar.set_postfix_str(f"read={done}/{self.n} finished={fin}", refresh=False)
-                commit_ids = jobs.get("commit", [])
-                if all(states.get(j, ("", ""))[0] == "COMPLETED" for j in commit_ids):
-                    break
-                if not states and self.t.manifest_path.exists() and not self.t.state.root.exists():
-                    break  # the jobs are gone from squeue (MinJobAge) after writing the manifest
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:  # stop following; the jobs go on
-            return self.report
-        finally:
+# -- following ---------------------------------------------------------------------------------
+def follow(prep: Prepared, report: BuildReport, folder: Path, jobs: dict[str, list[str]]) -> BuildReport:
+    """Follow the jobs until the manifest is written (Ctrl-C stops following; the jobs go on)."""
+    t, n = prep.target, len(prep.tasks)
+    bar = progress_bar("task", "slurm build", total=2 * n, every_s=0.5) if prep.cfg.progress else None
+    ids = [j for v in jobs.values() for j in v]
+    stage_of = {j: s for s, v in jobs.items() for j in v}
+    try:
+        while True:
+            states = job_states(ids)
+            check_jobs(states, stage_of, folder)
             if bar is not None:
-                bar.close()
-        m = read_manifest(self.t.manifest_path)
-        rep = report_from_manifest(m, str(self.t.shards_dir), time.perf_counter() - self.t_start)
-        rep.up_to_date = False
-        rep.executor, rep.decide_buckets, rep.jobs = "slurm", self.buckets, jobs
-        rep.encoder, rep.encoder_note, rep.tasks, rep.resumed = (
-            self.encoder.name,
-            self.note,
-            self.n,
-            self.report.resumed,
-        )
-        return rep
+                done, fin = _records(t.state.root / "read", n), _records(t.state.root / "finish", n)
+                bar.update(done + fin - bar.n)
+                bar.set_postfix_str(f"read={done}/{n} finished={fin}", refresh=False)
+            if all(states.get(j, ("", ""))[0] == "COMPLETED" for j in jobs.get("commit", [])):
+                break
+            if not states and t.manifest_path.exists() and not t.state.root.exists():
+                break  # the jobs are gone from squeue (MinJobAge) after writing the manifest
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:  # stop following; the jobs go on
+        return report
+    finally:
+        if bar is not None:
+            bar.close()
+    rep = report_from_manifest(read_manifest(t.manifest_path), str(t.shards_dir), time.perf_counter() - prep.t_start)
+    rep.up_to_date = False
+    rep.executor, rep.decide_buckets, rep.jobs = "slurm", prep.buckets, jobs
+    rep.encoder, rep.encoder_note, rep.tasks, rep.resumed = report.encoder, report.encoder_note, n, report.resumed
+    return rep
 
-    def _check(self, states: dict[str, tuple[str, str]], stage_of: dict[str, str], ids: list[str]) -> None:
-        """Raise BuildError when a job failed or can never start (then cancel what would pend forever)."""
-        bad = [(j, s) for j, (s, _) in states.items() if s in TERMINAL and s != "COMPLETED"]
-        never = [j for j, (s, r) in states.items() if s == "PENDING" and r == "DependencyNeverSatisfied"]
-        if not bad and not never:
-            return
-        # What still pends can never complete the chain now: cancel it (jobs pending on a failed
-        # dependency would pend until cancelled). Elements still running go on; their work is kept.
-        pending = [j for j, (s, _) in states.items() if s == "PENDING"]
-        if pending:
-            subprocess.run(["scancel", *pending], capture_output=True, timeout=120)
-        what = bad[0] if bad else (never[0], "PENDING forever (DependencyNeverSatisfied)")
-        job = what[0]
-        stage = stage_of.get(job.split("_")[0], "?")
-        log = self.folder / "logs" / (f"{stage}-{job}.out" if "_" in job else f"{stage}-{job}.out")
-        raise BuildError(
-            f"Slurm job {job} ({stage}) ended {what[1]}; its log: {log}. Completed work is kept: re-run the same "
-            "command to resubmit what is missing"
-        )
+
+def check_jobs(states: dict[str, tuple[str, str]], stage_of: dict[str, str], folder: Path) -> None:
+    """Raise BuildError when a job failed or can never start (then cancel what would pend forever)."""
+    bad = [(j, s) for j, (s, _) in states.items() if s in TERMINAL and s != "COMPLETED"]
+    never = [j for j, (s, r) in states.items() if s == "PENDING" and r == "DependencyNeverSatisfied"]
+    if not bad and not never:
+        return
+    # What still pends can never complete the chain now: cancel it (jobs pending on a failed
+    # dependency would pend until cancelled). Elements still running go on; their work is kept.
+    pending = [j for j, (s, _) in states.items() if s == "PENDING"]
+    if pending:
+        subprocess.run(["scancel", *pending], capture_output=True, timeout=120)
+    job, why = bad[0] if bad else (never[0], "PENDING forever (DependencyNeverSatisfied)")
+    stage = stage_of.get(job.split("_")[0], "?")
+    log = folder / "logs" / f"{stage}-{job}.out"
+    raise BuildError(
+        f"Slurm job {job} ({stage}) ended {why}; its log: {log}. Completed work is kept: re-run the same "
+        "command to resubmit what is missing"
+    )
 
 
 def _records(folder: Path, n: int) -> int:
@@ -325,10 +286,4 @@ def _records(folder: Path, n: int) -> int:
     return sum(1 for p in folder.glob("*.json") if p.stem.isdigit())
 
 
-def _bar(n: int):
-    from tqdm import tqdm
-
-    return tqdm(total=2 * n, unit="task", desc="slurm build", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-
-
-__all__ = ["SlurmRun", "array_chunks", "array_spec"]
+__all__ = ["array_chunks", "array_spec", "submit_slurm"]

@@ -23,6 +23,7 @@ from ..config import MAX_LISTED
 from ..oserrors import os_step
 from .buildplan import StageContext
 from .explain import ExplainFile
+from .scores import write_scores
 from .shards import build_file_task, our_shard_files
 from .state import FinishRecord, ReadRecord, TaskDecision
 
@@ -114,8 +115,6 @@ def commit(
         with os_step("write the drop list", explain.path):
             explain.publish()
     if plan.perplexity_scores is not None:
-        from .scores import write_scores
-
         if decisions is None:
             raise ValueError("commit: the --perplexity-scores file needs the tasks' decisions")
         with os_step("write the perplexity scores", Path(plan.perplexity_scores)):

@@ -1,9 +1,10 @@
 """Every stage by name, run from the state folder alone: what each executor's worker and each
 ``h5corpus build-stage`` command runs (docs/SCALING.md, "The stage commands").
 
-:func:`run_stage` is the dispatcher of one :class:`~h5corpus.build.stages.tasks.StageCall` in a process that
-has a :class:`~h5corpus.build.stages.buildplan.StageContext`: ``read`` (and, when the plan has decide buckets, the
-task's sorted keys), ``keys``, ``bucket``, ``finish``.
+:func:`run_stage` is the one dispatcher of a :class:`StageCall` (a :class:`Stage` and an index) in
+a process that has a :class:`~h5corpus.build.stages.buildplan.StageContext`: ``read`` (and, when
+the plan has decide buckets, the task's sorted keys), ``keys``, ``bucket``, ``finish``. The
+executors send these calls; nothing read from a file names the function that runs.
 
 The ``stage_*`` functions are the stage commands of a build driven by a scheduler (Slurm's job
 arrays, or any other): each loads the context from the state folder, does nothing when its valid
@@ -28,22 +29,58 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from ...storage.manifest import Manifest
 from ..config import BuildConflict, BuildError
-from .buckets import BucketRecord, LshParams, load_bucket_record, lsh_params, run_bucket, write_task_keys
+from .buckets import (
+    BucketRecord,
+    LshParams,
+    decide_inputs,
+    load_bucket_record,
+    lsh_params,
+    run_bucket,
+    write_task_keys,
+)
 from .buildplan import StageContext
 from .commit import add_up, commit
 from .explain import ExplainFile
 from .merge import load_decision, load_summary, merge_buckets, merge_inputs, summary_path
 from .runmarker import remove_marker_of
 from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision, manifest_lock_path
-from .tasks import StageCall, finish_task, read_task
-from .tasks import run_stage as run_read_or_finish
+from .tasks import finish_task, read_task
 
-STAGES = ("read", "bucket", "decide", "finish", "commit")
+
+class Stage(str, Enum):
+    """The build's stages by name (a stage call's ``stage``, a ``build-stage`` command)."""
+
+    READ = "read"
+    KEYS = "keys"
+    """A task's sorted decide keys again (records of an interrupted run may lack them)."""
+    BUCKET = "bucket"
+    DECIDE = "decide"
+    FINISH = "finish"
+    COMMIT = "commit"
+
+
+COMMANDS = (Stage.READ, Stage.BUCKET, Stage.DECIDE, Stage.FINISH, Stage.COMMIT)
+"""The stages ``h5corpus build-stage`` runs, in chain order."""
+STAGES = tuple(s.value for s in COMMANDS)
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One unit of work an executor runs: a stage, a task (or bucket) index, and the decision for
+    :attr:`Stage.FINISH`."""
+
+    stage: Stage
+    index: int
+    decision: TaskDecision | None = None
+
+
 #: Test hook of the scheduler tests: ``STAGE:INDEX:SECONDS`` makes that stage command sleep first
 #: (so a test can cancel a running array element).
 DELAY_ENV = "H5CORPUS_TEST_STAGE_DELAY"
@@ -59,20 +96,22 @@ def stage_lsh(ctx: StageContext) -> LshParams | None:
 
 def run_stage(ctx: StageContext, call: StageCall) -> Any:
     """Run ``call`` in this process (every executor's worker runs its calls through here)."""
-    if call.stage == "read":
+    if call.stage == Stage.READ:
         rec = read_task(ctx, call.index)
         if ctx.plan.decide_buckets:
             docs, sigs, _ = ctx.state.load_read_outputs(rec)
             write_task_keys(ctx.state, rec, docs, sigs, stage_lsh(ctx))
         return rec
-    if call.stage == "keys":
+    if call.stage == Stage.KEYS:
         rec = _read_record(ctx, call.index)
         docs, sigs, _ = ctx.state.load_read_outputs(rec)
         write_task_keys(ctx.state, rec, docs, sigs, stage_lsh(ctx))
         return None
-    if call.stage == "bucket":
+    if call.stage == Stage.BUCKET:
         return run_bucket(ctx.state, load_read_records(ctx), stage_lsh(ctx), call.index, ctx.plan.decide_buckets)
-    return run_read_or_finish(ctx, call)
+    if call.stage == Stage.FINISH and call.decision is not None:
+        return finish_task(ctx, call.index, call.decision)
+    raise ValueError(f"no stage call {call.stage!r} for task {call.index}")
 
 
 def _read_record(ctx: StageContext, index: int) -> ReadRecord:
@@ -127,9 +166,9 @@ def stage_read(state_dir: str | Path, index: int) -> ReadRecord:
     rec = _reusable_read(ctx, index)
     if rec is not None:
         if ctx.plan.decide_buckets:
-            run_stage(ctx, StageCall("keys", index))
+            run_stage(ctx, StageCall(Stage.KEYS, index))
         return rec
-    return run_stage(ctx, StageCall("read", index))
+    return run_stage(ctx, StageCall(Stage.READ, index))
 
 
 def stage_bucket(state_dir: str | Path, bucket: int) -> BucketRecord:
@@ -137,12 +176,10 @@ def stage_bucket(state_dir: str | Path, bucket: int) -> BucketRecord:
     ctx = _context(state_dir)
     _check_index(ctx, "bucket", bucket, ctx.plan.decide_buckets)
     _delay("bucket", bucket)
-    return run_stage(ctx, StageCall("bucket", bucket))
+    return run_stage(ctx, StageCall(Stage.BUCKET, bucket))
 
 
 def _bucket_records(ctx: StageContext, reads: Sequence[ReadRecord], lsh: LshParams | None) -> list[BucketRecord]:
-    from .buckets import decide_inputs
-
     inputs = decide_inputs(reads, lsh, ctx.plan.decide_buckets)
     out = []
     for b in range(ctx.plan.decide_buckets):
@@ -279,8 +316,6 @@ def stage_status(state_dir: str | Path) -> dict[str, Any]:
         return {**out, "bucket": list(range(nb)), "decide": True, "finish": list(range(n)), "commit": True}
     reads = load_read_records(ctx)
     lsh = stage_lsh(ctx)
-    from .buckets import decide_inputs
-
     inputs = decide_inputs(reads, lsh, nb)
     out["bucket"] = [b for b in range(nb) if load_bucket_record(ctx.state, b, inputs) is None]
     summary = None
@@ -310,12 +345,13 @@ def main_stage(stage: str, state_dir: str | Path, index: int | None) -> Any:
     """Run one stage command (``h5corpus build-stage``); ValueError for a bad stage or index."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGES)}")
-    needs_index = stage in ("read", "bucket", "finish")
-    if needs_index and index is None:
-        raise ValueError(f"build-stage {stage} needs --task-index")
-    if not needs_index and index is not None:
+    per_index = {Stage.READ: stage_read, Stage.BUCKET: stage_bucket, Stage.FINISH: stage_finish}
+    once = {Stage.DECIDE: stage_decide, Stage.COMMIT: stage_commit}
+    which = Stage(stage)
+    if which in per_index:
+        if index is None:
+            raise ValueError(f"build-stage {stage} needs --task-index")
+        return per_index[which](state_dir, index)
+    if index is not None:
         raise ValueError(f"build-stage {stage} runs once: no --task-index")
-    fn = {"read": stage_read, "bucket": stage_bucket, "finish": stage_finish}.get(stage)
-    if fn is not None:
-        return fn(state_dir, index)  # type: ignore[arg-type]
-    return {"decide": stage_decide, "commit": stage_commit}[stage](state_dir)
+    return once[which](state_dir)

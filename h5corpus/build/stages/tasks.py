@@ -78,25 +78,6 @@ COPY_BLOCK_TOKENS = 8 << 20
 _DIGEST = operator.methodcaller("digest")
 
 
-@dataclass(frozen=True)
-class StageCall:
-    """One unit of work an executor runs: a stage, a task index, and the decision for ``finish``."""
-
-    stage: str
-    """``read`` or ``finish``."""
-    index: int
-    decision: TaskDecision | None = None
-
-
-def run_stage(ctx: StageContext, call: StageCall) -> ReadRecord | FinishRecord | None:
-    """Run ``call`` in this process (what every executor's worker does)."""
-    if call.stage == "read":
-        return read_task(ctx, call.index)
-    if call.stage == "finish" and call.decision is not None:
-        return finish_task(ctx, call.index, call.decision)
-    raise ValueError(f"unknown stage call {call.stage!r} for task {call.index}")
-
-
 # -- the read stage -----------------------------------------------------------------------------
 @dataclass
 class _Batch:

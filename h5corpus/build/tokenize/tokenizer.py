@@ -26,19 +26,21 @@ match its key is ignored.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
 import json
 import os
+import socket
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from ...storage.format import TokenizerIdentity
-
-if TYPE_CHECKING:
-    from .encoders import HFEncoder
+from ..hub import hf_cache_dir, hub_offline
 
 GPT2_REPO = "openai-community/gpt2"
 #: The pinned revision of :data:`GPT2_REPO` that the ``gpt2`` spec loads.
@@ -108,22 +110,6 @@ def bytes_tokenizer_json() -> str:
 
 
 # -- loading --------------------------------------------------------------------------------------
-def hf_cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The Hugging Face hub cache: ``explicit``, else ``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
-    ``~/.cache/huggingface/hub`` (read at call time, so tests and callers can redirect it)."""
-    if explicit is not None:
-        return Path(explicit)
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 #: Seconds the network probe of :func:`hub_unreachable` may take (name lookup plus connect).
 HUB_PROBE_TIMEOUT_S = 3.0
 
@@ -133,10 +119,6 @@ def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str:
     reached, or "" when a TCP connection to it opens within ``timeout_s``. A name lookup that hangs
     (no route to the resolver) counts as unreachable: it runs on a daemon thread that is not waited
     for beyond the timeout."""
-    import socket
-    import threading
-    from urllib.parse import urlsplit
-
     proxy = next(
         (os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), ""
     )
@@ -282,12 +264,6 @@ class Tokenizer:
         """Reference ids of ``text`` (uint32; no EOS, no BOS)."""
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
-    def reference_encoder(self) -> HFEncoder:
-        """The ``tokenizers`` encoder every fast encoder is proven against."""
-        from .encoders import HFEncoder
-
-        return HFEncoder(self)
-
 
 def load_tokenizer(
     spec: str,
@@ -388,8 +364,6 @@ def library_versions() -> dict[str, str]:
     """Installed versions of fastokens, tiktoken and tokenizers (part of a proof's cache key)."""
     global _VERSIONS
     if _VERSIONS is None:
-        import importlib.metadata as md
-
         out = {}
         for dist in ("fastokens", "tiktoken", "tokenizers"):
             try:
