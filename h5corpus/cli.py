@@ -10,15 +10,31 @@ stderr (``error: ...``) naming the path and what failed.
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from .build import BuildConfig, BuildConflict, BuildError, BuildReport, build_corpus, format_report, parse_max_tokens
+from .build.config import EXECUTORS, RayOptions, SlurmOptions
+from .build.input.sources import SourceError
+from .build.oserrors import BuildOSError
+from .build.stages.dispatch import main_stage, stage_status
+from .build.tokenize.tokenizer import TokenizerError
+from .filters import DocumentFilter, FilterConfig, parse_lang_codes
+from .filters.perplexity import MAX_ORDER, ModelFileError
+from .inspection import format_report as format_inspection
+from .inspection import inspect_corpus, plot_report
+from .qualitymodel import BadReference, score_sources, train_from_sources
+from .storage.format import FormatError
 from .storage.manifest import DEFAULT_MANIFEST
+from .storage.validate import validate_corpus
 
 EXIT_OK = 0
 EXIT_BAD_DATA = 1
@@ -125,7 +141,6 @@ def validate_cli(
     ),
 ) -> None:
     """Recompute every shard's sha256 in parallel and check structure. Exit 1 naming each failing shard."""
-    from .storage.validate import validate_corpus
 
     check_path_arg("MANIFEST", manifest)
     check_local_manifest(manifest)
@@ -134,6 +149,52 @@ def validate_cli(
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     report = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json, deep=deep)
     raise typer.Exit(print_validation(report, as_json))
+
+
+def _check_inspect_args(
+    manifest: Path,
+    output: Path | None,
+    plot: Path | None,
+    mode: str,
+    *,
+    seq_len: int,
+    batch_size: int,
+    buffer: int | None,
+) -> None:
+    """``inspect``'s usage checks, before any work (exit 2, or 1 for an output the OS refuses)."""
+    for name, path in (("MANIFEST", manifest), ("--output", output), ("--plot", plot)):
+        check_path_arg(name, path)
+    for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--packing-buffer", buffer)):
+        check_positive(name, value)
+    check_local_manifest(manifest)
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise fail(
+                "--plot needs matplotlib: pip install 'h5corpus[plot]' (or pip install matplotlib)", EXIT_USAGE
+            ) from None
+    for name, path in (("--output", output), ("--plot", plot)):
+        check_output_file(name, path)
+    if not manifest.exists():
+        raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
+    if mode not in ("buffer", "bfd"):
+        raise fail(f"--mode must be buffer or bfd, got {mode!r}", EXIT_USAGE)
+
+
+def _write_inspection(rep: Any, data: str, output: Path | None, plot: Path | None) -> None:
+    """Write ``--output`` (the JSON ``data``) and ``--plot`` when given."""
+    try:
+        if output:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(data + "\n")
+    except OSError as e:
+        raise os_failure("write --output", e if e.filename else OSError(e.errno, e.strerror, str(output))) from None
+    try:
+        if plot:
+            plot_report(rep, plot)
+    except OSError as e:
+        raise os_failure("write --plot", e if e.filename else OSError(e.errno, e.strerror, str(plot))) from None
 
 
 @app.command("inspect")
@@ -157,27 +218,8 @@ def inspect_cli(
 
     CREATES: --output JSON and --plot PNG when given; nothing else.
     """
-    from .inspection import format_report, inspect_corpus, plot_report
-    from .storage.format import FormatError
 
-    for name, path in (("MANIFEST", manifest), ("--output", output), ("--plot", plot)):
-        check_path_arg(name, path)
-    for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--packing-buffer", packing_buffer)):
-        check_positive(name, value)
-    check_local_manifest(manifest)
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise fail(
-                "--plot needs matplotlib: pip install 'h5corpus[plot]' (or pip install matplotlib)", EXIT_USAGE
-            ) from None
-    for name, path in (("--output", output), ("--plot", plot)):
-        check_output_file(name, path)
-    if not manifest.exists():
-        raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
-    if mode not in ("buffer", "bfd"):
-        raise fail(f"--mode must be buffer or bfd, got {mode!r}", EXIT_USAGE)
+    _check_inspect_args(manifest, output, plot, mode, seq_len=seq_len, batch_size=batch_size, buffer=packing_buffer)
     try:
         rep = inspect_corpus(
             manifest,
@@ -194,161 +236,282 @@ def inspect_cli(
     except OSError as e:
         raise os_failure("inspect", e) from None
     data = json.dumps(rep.to_json(), indent=2, sort_keys=True)
-    try:
-        if output:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.write_text(data + "\n")
-    except OSError as e:
-        raise os_failure("write --output", e if e.filename else OSError(e.errno, e.strerror, str(output))) from None
-    try:
-        if plot:
-            plot_report(rep, plot)
-    except OSError as e:
-        raise os_failure("write --plot", e if e.filename else OSError(e.errno, e.strerror, str(plot))) from None
-    typer.echo(data if as_json else format_report(rep))
+    _write_inspection(rep, data, output, plot)
+    typer.echo(data if as_json else format_inspection(rep))
     raise typer.Exit(EXIT_OK if rep.ok else EXIT_BAD_DATA)
 
 
+# The options of `h5corpus build`, in --help order: (parameter, type, typer parameter). build_cli
+# takes them as keyword arguments (its signature is made from this table, which typer reads).
+BUILD_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    (
+        "sources",
+        list[str] | None,
+        typer.Argument(
+            None,
+            help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
+            "datasets save_to_disk folders, or 'stdlib' (the default: the Python standard library's sources, offline).",
+        ),
+    ),
+    (
+        "tokenizer",
+        str | None,
+        typer.Option(
+            None,
+            "--tokenizer",
+            "-t",
+            help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
+            "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib.",
+        ),
+    ),
+    (
+        "workers",
+        int | None,
+        typer.Option(None, "--workers", "-w", help="Worker processes (default: all cores); never changes the output."),
+    ),
+    ("shards_dir", Path, typer.Option(Path("shards"), "--shards-dir", help="Where shards go (shards/<split>/...).")),
+    ("manifest", Path, typer.Option(DEFAULT_MANIFEST, "--manifest", help="Manifest to write.")),
+    ("split_seed", int, typer.Option(20261003, "--split-seed", help="Seed of the hash split.")),
+    (
+        "validation_fraction",
+        float,
+        typer.Option(0.05, "--validation-fraction", help="Probability a document goes to validation."),
+    ),
+    (
+        "max_tokens",
+        str | None,
+        typer.Option(
+            None,
+            "--max-tokens",
+            help="Token budgets, e.g. train=8M,validation=100k (whole documents in input order; the last one kept whole).",
+        ),
+    ),
+    (
+        "max_document_tokens",
+        int | None,
+        typer.Option(
+            None, "--max-document-tokens", help="Cut longer documents to N tokens at write time (flagged, no EOS)."
+        ),
+    ),
+    (
+        "on_error",
+        str,
+        typer.Option(
+            "fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."
+        ),
+    ),
+    (
+        "text_field",
+        str,
+        typer.Option("text", "--text-field", help="JSON field / parquet, CSV or datasets column holding the text."),
+    ),
+    (
+        "shard_tokens",
+        int | None,
+        typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
+    ),
+    ("validate", bool, typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails).")),
+    ("as_json", bool, typer.Option(False, "--json", help="Print the report as JSON.")),
+    (
+        "overwrite",
+        bool,
+        typer.Option(False, "--overwrite", help="Delete the manifest, shards and interrupted state first."),
+    ),
+    (
+        "clean",
+        bool,
+        typer.Option(
+            False,
+            "--clean",
+            help="Filters: documents that are HTML -> their main text (trafilatura); plain text unchanged.",
+        ),
+    ),
+    (
+        "fix_unicode",
+        bool,
+        typer.Option(
+            False, "--fix-unicode", help="Filters: repair mojibake, strip control characters (ftfy, conservative)."
+        ),
+    ),
+    (
+        "normalize_whitespace",
+        bool,
+        typer.Option(
+            False, "--normalize-whitespace", help="Filters: unify line breaks, collapse spaces, at most one blank line."
+        ),
+    ),
+    (
+        "quality_filter",
+        bool,
+        typer.Option(
+            False,
+            "--quality-filter",
+            help="Filters: drop documents failing the heuristic quality rules (docs/FILTERS.md).",
+        ),
+    ),
+    (
+        "lang",
+        str | None,
+        typer.Option(
+            None,
+            "--lang",
+            help="Filters: keep documents whose detected language is one of these ISO 639-1 codes, e.g. en,de (py3langid).",
+        ),
+    ),
+    (
+        "lang_threshold",
+        float | None,
+        typer.Option(
+            None,
+            "--lang-threshold",
+            help="Filters: smallest language probability kept, in [0, 1] (default 0.5; needs --lang).",
+        ),
+    ),
+    (
+        "scrub_pii",
+        bool,
+        typer.Option(
+            False,
+            "--scrub-pii",
+            help="Filters: replace e-mails, phone numbers, IP addresses with <EMAIL>/<PHONE>/<IP>.",
+        ),
+    ),
+    (
+        "near_dedup",
+        bool,
+        typer.Option(
+            False,
+            "--near-dedup",
+            help="Filters: drop near duplicates (MinHash LSH, 5-word shingles, 128 permutations); the first in input order stays.",
+        ),
+    ),
+    (
+        "near_dedup_threshold",
+        float | None,
+        typer.Option(
+            None,
+            "--near-dedup-threshold",
+            help="Jaccard similarity from which documents are near duplicates, in (0, 1) (default 0.8; implies --near-dedup).",
+        ),
+    ),
+    (
+        "perplexity_model",
+        Path | None,
+        typer.Option(
+            None,
+            "--perplexity-model",
+            help="Filters: score every document by perplexity under this n-gram model (h5corpus quality-model train).",
+        ),
+    ),
+    (
+        "max_perplexity",
+        float | None,
+        typer.Option(
+            None,
+            "--max-perplexity",
+            help="Filters: drop documents whose perplexity is above X (needs --perplexity-model).",
+        ),
+    ),
+    (
+        "perplexity_max_chars",
+        int | None,
+        typer.Option(
+            None,
+            "--perplexity-max-chars",
+            help="Score only the first N characters of each document (cheaper; needs --perplexity-model).",
+        ),
+    ),
+    (
+        "drop_worst_fraction",
+        float | None,
+        typer.Option(
+            None,
+            "--drop-worst-fraction",
+            help="Drop this fraction, in [0, 1), of the documents left after the filters and dedup: the highest "
+            "perplexities (needs --perplexity-model; reads every task before deciding).",
+        ),
+    ),
+    (
+        "perplexity_scores",
+        Path | None,
+        typer.Option(
+            None,
+            "--perplexity-scores",
+            help="Write each scored document's id, split, perplexity and whether it was stored (TSV, input order).",
+        ),
+    ),
+    (
+        "explain_drops",
+        Path | None,
+        typer.Option(
+            None,
+            "--explain-drops",
+            help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order.",
+        ),
+    ),
+    (
+        "task_bytes",
+        int | None,
+        typer.Option(None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."),
+    ),
+    (
+        "executor",
+        str,
+        typer.Option(
+            "local", "--executor", help="Where the stages run: local (process pool), ray or slurm (docs/SCALING.md)."
+        ),
+    ),
+    (
+        "decide_buckets",
+        int | None,
+        typer.Option(
+            None,
+            "--decide-buckets",
+            help="Buckets of the decide stage (0: in memory; default: in memory on local, 1 per GiB of input otherwise).",
+        ),
+    ),
+    (
+        "ray_address",
+        str | None,
+        typer.Option(
+            None, "--ray-address", help="Ray: auto or HOST:PORT of the cluster (default $RAY_ADDRESS, else auto)."
+        ),
+    ),
+    (
+        "ray_cpus_per_task",
+        float | None,
+        typer.Option(None, "--ray-cpus-per-task", help="Ray: CPUs per stage task (1)."),
+    ),
+    ("partition", str | None, typer.Option(None, "--partition", help="Slurm: partition of every job.")),
+    ("time_limit", str | None, typer.Option(None, "--time", help="Slurm: time limit of every job, e.g. 2:00:00.")),
+    ("cpus_per_task", int | None, typer.Option(None, "--cpus-per-task", help="Slurm: CPUs per array element (1).")),
+    (
+        "max_array_size",
+        int | None,
+        typer.Option(
+            None, "--max-array-size", help="Slurm: most elements per job array, the cluster's MaxArraySize (1000)."
+        ),
+    ),
+    (
+        "sbatch_arg",
+        list[str] | None,
+        typer.Option(
+            None,
+            "--sbatch-arg",
+            help="Slurm: extra sbatch argument for every job (repeatable), e.g. --sbatch-arg=--mem=8G.",
+        ),
+    ),
+    (
+        "dry_run",
+        bool,
+        typer.Option(False, "--dry-run", help="Slurm: write the plan and scripts, print them, submit nothing."),
+    ),
+    ("wait", bool, typer.Option(False, "--wait", help="Slurm: follow the jobs until the manifest is written.")),
+)
+
+
 @app.command("build")
-def build_cli(
-    sources: list[str] | None = typer.Argument(
-        None,
-        help="Files (.jsonl[.gz|.zst], .parquet, .txt), folders, globs, hf://datasets/ORG/NAME@REV/PATH, "
-        "datasets save_to_disk folders, or 'stdlib' (the default: the Python standard library's sources, offline).",
-    ),
-    tokenizer: str | None = typer.Option(
-        None,
-        "--tokenizer",
-        "-t",
-        help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
-        "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib.",
-    ),
-    workers: int | None = typer.Option(
-        None, "--workers", "-w", help="Worker processes (default: all cores); never changes the output."
-    ),
-    shards_dir: Path = typer.Option(Path("shards"), "--shards-dir", help="Where shards go (shards/<split>/...)."),
-    manifest: Path = typer.Option(DEFAULT_MANIFEST, "--manifest", help="Manifest to write."),
-    split_seed: int = typer.Option(20261003, "--split-seed", help="Seed of the hash split."),
-    validation_fraction: float = typer.Option(
-        0.05, "--validation-fraction", help="Probability a document goes to validation."
-    ),
-    max_tokens: str | None = typer.Option(
-        None,
-        "--max-tokens",
-        help="Token budgets, e.g. train=8M,validation=100k (whole documents in input order; the last one kept whole).",
-    ),
-    max_document_tokens: int | None = typer.Option(
-        None, "--max-document-tokens", help="Cut longer documents to N tokens at write time (flagged, no EOS)."
-    ),
-    on_error: str = typer.Option(
-        "fail", "--on-error", help="fail: stop at a bad record naming file:line; skip: count and list it."
-    ),
-    text_field: str = typer.Option(
-        "text", "--text-field", help="JSON field / parquet, CSV or datasets column holding the text."
-    ),
-    shard_tokens: int | None = typer.Option(None, "--shard-tokens", help="Most tokens per shard file (default 2**27)."),
-    validate: bool = typer.Option(False, "--validate", help="Validate the corpus at the end (exit 1 if it fails)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Delete the manifest, shards and interrupted state first."
-    ),
-    clean: bool = typer.Option(
-        False,
-        "--clean",
-        help="Filters: documents that are HTML -> their main text (trafilatura); plain text unchanged.",
-    ),
-    fix_unicode: bool = typer.Option(
-        False, "--fix-unicode", help="Filters: repair mojibake, strip control characters (ftfy, conservative)."
-    ),
-    normalize_whitespace: bool = typer.Option(
-        False, "--normalize-whitespace", help="Filters: unify line breaks, collapse spaces, at most one blank line."
-    ),
-    quality_filter: bool = typer.Option(
-        False, "--quality-filter", help="Filters: drop documents failing the heuristic quality rules (docs/FILTERS.md)."
-    ),
-    lang: str | None = typer.Option(
-        None,
-        "--lang",
-        help="Filters: keep documents whose detected language is one of these ISO 639-1 codes, e.g. en,de (py3langid).",
-    ),
-    lang_threshold: float | None = typer.Option(
-        None,
-        "--lang-threshold",
-        help="Filters: smallest language probability kept, in [0, 1] (default 0.5; needs --lang).",
-    ),
-    scrub_pii: bool = typer.Option(
-        False, "--scrub-pii", help="Filters: replace e-mails, phone numbers, IP addresses with <EMAIL>/<PHONE>/<IP>."
-    ),
-    near_dedup: bool = typer.Option(
-        False,
-        "--near-dedup",
-        help="Filters: drop near duplicates (MinHash LSH, 5-word shingles, 128 permutations); the first in input order stays.",
-    ),
-    near_dedup_threshold: float | None = typer.Option(
-        None,
-        "--near-dedup-threshold",
-        help="Jaccard similarity from which documents are near duplicates, in (0, 1) (default 0.8; implies --near-dedup).",
-    ),
-    perplexity_model: Path | None = typer.Option(
-        None,
-        "--perplexity-model",
-        help="Filters: score every document by perplexity under this n-gram model (h5corpus quality-model train).",
-    ),
-    max_perplexity: float | None = typer.Option(
-        None, "--max-perplexity", help="Filters: drop documents whose perplexity is above X (needs --perplexity-model)."
-    ),
-    perplexity_max_chars: int | None = typer.Option(
-        None,
-        "--perplexity-max-chars",
-        help="Score only the first N characters of each document (cheaper; needs --perplexity-model).",
-    ),
-    drop_worst_fraction: float | None = typer.Option(
-        None,
-        "--drop-worst-fraction",
-        help="Drop this fraction, in [0, 1), of the documents left after the filters and dedup: the highest "
-        "perplexities (needs --perplexity-model; reads every task before deciding).",
-    ),
-    perplexity_scores: Path | None = typer.Option(
-        None,
-        "--perplexity-scores",
-        help="Write each scored document's id, split, perplexity and whether it was stored (TSV, input order).",
-    ),
-    explain_drops: Path | None = typer.Option(
-        None,
-        "--explain-drops",
-        help="Write one JSON line per document read but not stored (id, source, line/row, reason), in input order.",
-    ),
-    task_bytes: int | None = typer.Option(
-        None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."
-    ),
-    executor: str = typer.Option(
-        "local", "--executor", help="Where the stages run: local (process pool), ray or slurm (docs/SCALING.md)."
-    ),
-    decide_buckets: int | None = typer.Option(
-        None,
-        "--decide-buckets",
-        help="Buckets of the decide stage (0: in memory; default: in memory on local, 1 per GiB of input otherwise).",
-    ),
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", help="Ray: auto or HOST:PORT of the cluster (default $RAY_ADDRESS, else auto)."
-    ),
-    ray_cpus_per_task: float | None = typer.Option(None, "--ray-cpus-per-task", help="Ray: CPUs per stage task (1)."),
-    partition: str | None = typer.Option(None, "--partition", help="Slurm: partition of every job."),
-    time_limit: str | None = typer.Option(None, "--time", help="Slurm: time limit of every job, e.g. 2:00:00."),
-    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="Slurm: CPUs per array element (1)."),
-    max_array_size: int | None = typer.Option(
-        None, "--max-array-size", help="Slurm: most elements per job array, the cluster's MaxArraySize (1000)."
-    ),
-    sbatch_arg: list[str] | None = typer.Option(
-        None,
-        "--sbatch-arg",
-        help="Slurm: extra sbatch argument for every job (repeatable), e.g. --sbatch-arg=--mem=8G.",
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="Slurm: write the plan and scripts, print them, submit nothing."
-    ),
-    wait: bool = typer.Option(False, "--wait", help="Slurm: follow the jobs until the manifest is written."),
-) -> None:
+def build_cli(**flags: Any) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
     Exit 1 when the build could not be completed (bad input, a full disk, read-only output; what it
@@ -358,84 +521,75 @@ def build_cli(
     and while running the run markers shards/.build.lock and .<manifest>.lock beside the manifest and
     shards/.build/.
     """
-    from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
-    from .build.oserrors import BuildOSError
-    from .build.sources import SourceError
-    from .build.tokenizer import TokenizerError
-    from .storage.format import FormatError
+    raise typer.Exit(build_command(flags))
 
-    srcs = list(sources or ["stdlib"])
-    for i, src in enumerate(srcs):
-        check_path_arg(f"SOURCE {i + 1}", Path(src))
-    for name, path in (("--shards-dir", shards_dir), ("--manifest", manifest), ("--explain-drops", explain_drops)):
-        check_path_arg(name, path)
-    if tokenizer is not None:
-        check_path_arg("--tokenizer", Path(tokenizer))
-    for name, value in (
-        ("--workers", workers),
-        ("--shard-tokens", shard_tokens),
-        ("--max-document-tokens", max_document_tokens),
-        ("--task-bytes", task_bytes),
-    ):
-        check_positive(name, value)
+
+build_cli.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d, annotation=a)
+        for n, a, d in BUILD_OPTIONS
+    ]
+)
+
+
+def build_command(f: dict[str, Any]) -> int:
+    """``h5corpus build`` with its flags ``f``: check them, build, print; the exit code."""
+    srcs = list(f["sources"] or ["stdlib"])
+    _check_build_flags(f, srcs)
     executor_cfg = _executor_options(
-        executor,
-        ray_address=ray_address,
-        ray_cpus_per_task=ray_cpus_per_task,
-        partition=partition,
-        time_limit=time_limit,
-        cpus_per_task=cpus_per_task,
-        max_array_size=max_array_size,
-        sbatch_arg=sbatch_arg,
-        dry_run=dry_run,
-        wait=wait,
+        f["executor"],
+        **{k: f[k] for k in ("ray_address", "ray_cpus_per_task", "partition", "time_limit", "cpus_per_task")},
+        **{k: f[k] for k in ("max_array_size", "sbatch_arg", "dry_run", "wait")},
     )
-    if tokenizer is None:
-        tokenizer = "bytes" if all(s == "stdlib" for s in srcs) else "gpt2"
     try:
         filters = _build_filters(
-            clean=clean,
-            fix_unicode=fix_unicode,
-            normalize_whitespace=normalize_whitespace,
-            quality=quality_filter,
-            lang=lang,
-            lang_threshold=lang_threshold,
-            scrub_pii=scrub_pii,
-            near_dedup=near_dedup,
-            near_dedup_threshold=near_dedup_threshold,
-            perplexity_model=perplexity_model,
-            max_perplexity=max_perplexity,
-            perplexity_max_chars=perplexity_max_chars,
+            **{k: f[k] for k in ("clean", "fix_unicode", "normalize_whitespace", "lang", "lang_threshold")},
+            **{k: f[k] for k in ("scrub_pii", "near_dedup", "near_dedup_threshold", "perplexity_model")},
+            **{k: f[k] for k in ("max_perplexity", "perplexity_max_chars")},
+            quality=f["quality_filter"],
         )
     except (ValueError, ImportError) as e:
         raise fail(str(e), EXIT_USAGE) from None
+    tokenizer = f["tokenizer"] or ("bytes" if all(s == "stdlib" for s in srcs) else "gpt2")
+    report = _run_build(lambda: _build_config(f, srcs, tokenizer, filters, executor_cfg))
+    return _print_build(report, f)
+
+
+def _check_build_flags(f: dict[str, Any], srcs: list[str]) -> None:
+    for i, src in enumerate(srcs):
+        check_path_arg(f"SOURCE {i + 1}", Path(src))
+    for name in ("shards_dir", "manifest", "explain_drops"):
+        check_path_arg("--" + name.replace("_", "-"), f[name])
+    if f["tokenizer"] is not None:
+        check_path_arg("--tokenizer", Path(f["tokenizer"]))
+    for name in ("workers", "shard_tokens", "max_document_tokens", "task_bytes"):
+        check_positive("--" + name.replace("_", "-"), f[name])
+
+
+def _build_config(f: dict[str, Any], srcs: list[str], tokenizer: str, filters: Any, executor_cfg: dict) -> BuildConfig:
+    """The BuildConfig of the flags (raises ValueError for a bad value)."""
+    cfg = BuildConfig(
+        sources=srcs,
+        tokenizer=tokenizer,
+        max_tokens=parse_max_tokens(f["max_tokens"]) if f["max_tokens"] else None,
+        progress=sys.stderr.isatty() and not f["as_json"],
+        filters=filters,
+        **{k: f[k] for k in ("shards_dir", "manifest", "workers", "text_field", "split_seed", "validation_fraction")},
+        **{k: f[k] for k in ("max_document_tokens", "on_error", "overwrite", "explain_drops", "decide_buckets")},
+        **{k: f[k] for k in ("drop_worst_fraction", "perplexity_scores")},
+        **executor_cfg,
+    )
+    if f["shard_tokens"] is not None:
+        cfg.shard_tokens = f["shard_tokens"]
+    if f["task_bytes"] is not None:
+        cfg.task_bytes = f["task_bytes"]
+    return cfg
+
+
+def _run_build(make_config: Callable[[], BuildConfig]) -> BuildReport:
+    """Build; every library error as one line and its exit code."""
     try:
-        cfg = BuildConfig(
-            sources=srcs,
-            tokenizer=tokenizer,
-            shards_dir=shards_dir,
-            manifest=manifest,
-            workers=workers,
-            text_field=text_field,
-            split_seed=split_seed,
-            validation_fraction=validation_fraction,
-            max_tokens=parse_max_tokens(max_tokens) if max_tokens else None,
-            max_document_tokens=max_document_tokens,
-            on_error=on_error,
-            overwrite=overwrite,
-            progress=sys.stderr.isatty() and not as_json,
-            filters=filters,
-            explain_drops=explain_drops,
-            decide_buckets=decide_buckets,
-            drop_worst_fraction=drop_worst_fraction,
-            perplexity_scores=perplexity_scores,
-            **executor_cfg,
-        )
-        if shard_tokens is not None:
-            cfg.shard_tokens = shard_tokens
-        if task_bytes is not None:
-            cfg.task_bytes = task_bytes
-        report = build_corpus(cfg)
+        return build_corpus(make_config())
     except BuildError as e:
         raise fail(
             f"{e}\n(completed work is kept: fix the input and re-run the same command to resume)", EXIT_BAD_DATA
@@ -450,17 +604,20 @@ def build_cli(
         raise os_failure("build", e) from None
     except KeyboardInterrupt:
         raise fail("interrupted; re-run the same command to resume", 130) from None
-    code = EXIT_OK
+
+
+def _print_build(report: BuildReport, f: dict[str, Any]) -> int:
+    """Print the build's report (and validate with --validate); the exit code."""
+    as_json = f["as_json"]
     out = report.to_json()
     if report.submitted:
         typer.echo(json.dumps(out, indent=2, sort_keys=True) if as_json else _format_submission(report))
-        raise typer.Exit(EXIT_OK)
+        return EXIT_OK
     if not as_json:
         typer.echo(format_report(report))
-    if validate:
-        from .storage.validate import validate_corpus
-
-        vr = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json)
+    code = EXIT_OK
+    if f["validate"]:
+        vr = validate_corpus(f["manifest"], workers=f["workers"], progress=sys.stderr.isatty() and not as_json)
         if as_json:
             out["validation"] = vr.to_json()
             code = EXIT_OK if vr.ok else EXIT_BAD_DATA
@@ -468,13 +625,12 @@ def build_cli(
             code = print_validation(vr, False)
     if as_json:
         typer.echo(json.dumps(out, indent=2, sort_keys=True))
-    raise typer.Exit(code)
+    return code
 
 
 def _executor_options(executor: str, **o) -> dict:
     """The build's ``executor``/``ray``/``slurm`` settings from the flags; an engine's flag without its
     ``--executor`` is a usage error (exit 2)."""
-    from .build.config import EXECUTORS, RayOptions, SlurmOptions
 
     if executor not in EXECUTORS:
         raise fail(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}", EXIT_USAGE)
@@ -550,9 +706,6 @@ def build_stage_cli(
     CREATES: the stage's files in the state folder; finish: the task's shards; commit: the manifest
     (then the state folder is removed).
     """
-    from .build import BuildConflict, BuildError
-    from .build.stages import main_stage, stage_status
-    from .storage.format import FormatError
 
     check_path_arg("--state", state)
     try:
@@ -592,7 +745,6 @@ def _build_filters(
 ):
     """The build's filter flags -> a DocumentFilter, or None when every stage is off (the build is
     then exactly the filter-free one). Raises ValueError for bad values (exit 2)."""
-    from .filters import DocumentFilter, FilterConfig, parse_lang_codes
 
     codes = parse_lang_codes(lang) if lang is not None else ()
     if lang is not None and not codes:
@@ -649,9 +801,6 @@ def quality_train_cli(
 
     CREATES: the model file (written to a temporary name, then renamed).
     """
-    from .build.sources import SourceError
-    from .filters.perplexity import MAX_ORDER
-    from .qualitymodel import BadReference, train_from_sources
 
     check_path_arg("--output", output)
     check_positive("--max-documents", max_documents)
@@ -695,9 +844,6 @@ def quality_score_cli(
     """Print each document's perplexity (where, perplexity, units, start of the text; tab-separated)
     and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a corrupt
     model or a bad record, 2 on usage errors."""
-    from .build.sources import SourceError
-    from .filters.perplexity import ModelFileError
-    from .qualitymodel import BadReference, score_sources
 
     check_path_arg("MODEL", model)
     check_positive("--max-documents", max_documents)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from h5corpus.build import BuildConfig, BuildConflict, build_corpus
-from h5corpus.build.buckets import (
+from h5corpus.build.stages.buckets import (
     LshParams,
     Members,
     NearEdges,
@@ -29,10 +29,10 @@ from h5corpus.build.buckets import (
     positions,
     task_keys,
 )
-from h5corpus.build.merge import KeptSet, NearResolver
-from h5corpus.build.runmarker import RunMarker
-from h5corpus.build.shards import parse_shard_file_name, shard_file_name
-from h5corpus.build.state import DOC_DTYPE, StateDir
+from h5corpus.build.stages.merge import KeptSet, NearResolver
+from h5corpus.build.stages.runmarker import RunMarker
+from h5corpus.build.stages.shards import parse_shard_file_name, shard_file_name
+from h5corpus.build.stages.state import DOC_DTYPE, StateDir
 from h5corpus.filters import DocumentFilter, FilterConfig
 from h5corpus.filters.neardedup import NearDedupIndex
 from tests.helpers import subprocess_env, tree
@@ -62,7 +62,7 @@ def test_shard_names_below_the_cap_are_the_old_ones_and_all_names_sort_in_input_
 _HOLD = (
     "import sys, time\n"
     "from pathlib import Path\n"
-    "from h5corpus.build.runmarker import RunMarker\n"
+    "from h5corpus.build.stages.runmarker import RunMarker\n"
     "m = RunMarker(Path(sys.argv[1]), 'the test output').acquire()\n"
     "print('held', flush=True)\n"
     "time.sleep(600)\n"
@@ -114,7 +114,7 @@ def test_run_marker_is_taken_by_exactly_one_of_many_racing_processes(tmp_path):
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from h5corpus.build.runmarker import RunMarker\n"
+        "from h5corpus.build.stages.runmarker import RunMarker\n"
         "from h5corpus.build import BuildConflict\n"
         "while time.time() < float(sys.argv[2]): pass\n"
         "try:\n"
@@ -387,3 +387,52 @@ def test_executor_flags_are_checked(tmp_path):
         p = _cli("build", "stdlib", "--tokenizer", "bytes", *args, cwd=tmp_path)
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     assert not (tmp_path / "shards").exists()
+
+
+def test_a_plan_naming_a_module_never_runs_its_code(tmp_path):
+    """Hostile (issue 30, class 6): the state folder holds a planted module and plan.json names it as
+    the filters' class. ``build-stage`` must refuse the plan with one line and exit 2, and the
+    module's code must never run, even where the module is importable (on PYTHONPATH, in the cwd)."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
+    out = ["--shards-dir", "s/shards", "--manifest", "s/manifests/shards.json"]
+    dry = _cli(
+        "build",
+        "docs.jsonl",
+        "--tokenizer",
+        "bytes",
+        "--near-dedup",
+        *out,
+        "--executor",
+        "slurm",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    assert dry.returncode == 0, dry.stderr
+    state = tmp_path / "s" / "shards" / ".build"
+    plan = json.loads((state / "plan.json").read_text())
+    assert plan["filters"]["kind"] == "document-filter"  # the honest plan names a kind, not a module
+    ran = tmp_path / "payload-ran"
+    payload = (
+        f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\nclass Payload:\n    from_description = print\n"
+    )
+    for where in (state, tmp_path):
+        (where / "planted.py").write_text(payload)
+    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join([str(state), subprocess_env().get("PYTHONPATH", "")])}
+    for filters in (
+        {"factory": "planted:Payload", "description": {}},  # the old plan's form: a module:class
+        {"kind": "planted:Payload", "description": {}},
+        {"kind": "planted", "class": "Payload", "description": {}},
+    ):
+        (state / "plan.json").write_text(json.dumps({**plan, "filters": filters}))
+        r = subprocess.run(
+            [sys.executable, "-m", "h5corpus", "build-stage", "read", "--state", str(state), "--task-index", "0"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 2, (filters, r.stdout, r.stderr)
+        assert "cannot be rebuilt from the plan" in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not ran.exists(), f"the planted module ran for {filters}"

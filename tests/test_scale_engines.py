@@ -136,8 +136,8 @@ def test_ray_worker_killed_during_a_read_task_gives_the_same_bytes(ray_cluster, 
 def test_ray_task_that_cannot_see_the_state_folder_names_the_path_and_its_node(ray_cluster):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from h5corpus.build.ray_executor import read_stage
-    from h5corpus.build.tasks import StageCall
+    from h5corpus.build.run.ray_executor import read_stage
+    from h5corpus.build.stages.dispatch import Stage, StageCall
 
     missing = str(ray_cluster.shared_dir / "not-mounted-here" / ".build")
     with ray_cluster.connect() as ray:
@@ -145,7 +145,7 @@ def test_ray_task_that_cannot_see_the_state_folder_names_the_path_and_its_node(r
         ref = (
             ray.remote(read_stage)
             .options(scheduling_strategy=on_worker, max_retries=0)
-            .remote(missing, "0" * 64, StageCall("read", 0))
+            .remote(missing, "0" * 64, StageCall(Stage.READ, 0))
         )
         with pytest.raises(ray.exceptions.RayTaskError) as e:
             ray.get(ref, timeout=120)

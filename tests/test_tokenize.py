@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from h5corpus.build.encoders import BytesEncoder, TiktokenEncoder, fast_encoder
-from h5corpus.build.proof import prove_same_ids
-from h5corpus.build.tokenizer import (
+from h5corpus.build.tokenize.encoders import BytesEncoder, HFEncoder, TiktokenEncoder, fast_encoder
+from h5corpus.build.tokenize.proof import prove_same_ids
+from h5corpus.build.tokenize.tokenizer import (
     BYTES_REVISION,
     GPT2_REPO,
     GPT2_REVISION,
@@ -38,7 +38,7 @@ def test_bytes_fast_path_equals_tokenizers_on_stdlib_text(stdlib_corpus_texts):
     tok = load_tokenizer("bytes")
     fast, why = fast_encoder(tok)
     assert isinstance(fast, BytesEncoder), why
-    assert prove_same_ids(tok.reference_encoder(), fast, stdlib_corpus_texts[:60]) is None
+    assert prove_same_ids(HFEncoder(tok), fast, stdlib_corpus_texts[:60]) is None
 
 
 def test_special_token_text_is_encoded_as_plain_text(gpt2_json):
@@ -139,8 +139,8 @@ def test_proof_catches_a_plausible_fast_path_that_differs(tmp_path):
     assert isinstance(fast, TiktokenEncoder), why
     assert tok.encode("abc").tolist() == [256, ord("c")]
     assert fast.encode("abc").tolist() == [258]
-    assert prove_same_ids(tok.reference_encoder(), fast, ["plain text"]) is None
-    diff = prove_same_ids(tok.reference_encoder(), fast, ["the abc song"])
+    assert prove_same_ids(HFEncoder(tok), fast, ["plain text"]) is None
+    diff = prove_same_ids(HFEncoder(tok), fast, ["the abc song"])
     assert diff is not None and "differs at token" in diff
 
 
@@ -162,7 +162,7 @@ def test_a_passed_proof_is_cached_and_a_failed_one_never(tmp_path, monkeypatch):
         tok = load_tokenizer(str(p))  # a fresh Tokenizer: `tokenizers` not loaded yet
         fast, why = fast_encoder(tok, ["tiktoken"])
         assert isinstance(fast, TiktokenEncoder), why
-        return prove_same_ids(tok.reference_encoder(), fast, texts, **kw), tok._hf is not None
+        return prove_same_ids(HFEncoder(tok), fast, texts, **kw), tok._hf is not None
 
     assert prove(["plain text"]) == (None, True)  # first time: proven with tokenizers
     assert prove(["plain text"]) == (None, False)  # from the cache
@@ -192,16 +192,16 @@ def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch)
     bad = _abc_tokenizer(tmp_path)
     texts = ["the abc song"]
     tg, tb = load_tokenizer(str(good)), load_tokenizer(str(bad))
-    assert prove_same_ids(tg.reference_encoder(), fast_encoder(tg, ["tiktoken"])[0], texts) is None
-    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tb, ["tiktoken"])[0], texts) is not None
+    assert prove_same_ids(HFEncoder(tg), fast_encoder(tg, ["tiktoken"])[0], texts) is None
+    assert prove_same_ids(HFEncoder(tb), fast_encoder(tb, ["tiktoken"])[0], texts) is not None
     # reference = the bad tokenizer, candidate = the good tokenizer's (proven) encoder: not reused
-    assert prove_same_ids(tb.reference_encoder(), fast_encoder(tg, ["tiktoken"])[0], texts) is not None
+    assert prove_same_ids(HFEncoder(tb), fast_encoder(tg, ["tiktoken"])[0], texts) is not None
 
 
 def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, stdlib_corpus_texts):
     """The ranks cache (keyed by the JSON's sha256 and this module's source, payload hashed) gives
     the ranks the conversion gives; a damaged file is ignored and rewritten."""
-    from h5corpus.build import tiktoken_bpe as tk
+    from h5corpus.build.tokenize import tiktoken_bpe as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
@@ -260,7 +260,7 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
 
 def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
     """GPT-2's 50,257-entry vocabulary round-trips through the ranks cache exactly."""
-    from h5corpus.build import tiktoken_bpe as tk
+    from h5corpus.build.tokenize import tiktoken_bpe as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
