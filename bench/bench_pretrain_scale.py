@@ -39,13 +39,11 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +283,18 @@ def targets_met(row: dict[str, Any], ratio: dict[str, float]) -> dict[str, bool]
     return met
 
 
+def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The figures docs/BENCHMARKS.md shows: each corpus's open, first batches and RssAnon."""
+    units = {
+        "open": "s",
+        "window_first": "s",
+        "bestfit_first": "s",
+        "rss_anon_mb": "MB",
+        "inspect_peak_rss_anon_mb": "MB",
+    }
+    return {f"{name} {k}": f"{row[k]} {u}" for name, row in rows.items() for k, u in units.items() if k in row}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpora", nargs="+", default=["1M:100", "10M:1000", "20M:2000", "2M:10000"])
@@ -315,22 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     ratios = growth(rows)
     report = {
         "load_average": {"before": load0, "after": list(os.getloadavg())},
-        "bench": "pretrain_scale",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "settings": {
-            "window": WINDOW,
-            "bestfit": BESTFIT,
-            "ranks": RANKS,
-            "length_median": LENGTH_MEDIAN,
-            "sigma": LENGTH_SIGMA,
-        },
+        "settings": {"window": WINDOW, "bestfit": BESTFIT, "ranks": RANKS, "length_median": LENGTH_MEDIAN},
         "corpora": rows,
         "growth_vs_first": ratios,
         "targets_met": {k: targets_met(rows[k], ratios[k]) for k in rows},
     }
-    emit(report, args.out)
+    emit(report, args.out, figures=headline(rows))
     return 0
 
 
