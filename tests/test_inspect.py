@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from h5corpus import inspection
 from h5corpus.inspection import format_report, inspect_corpus
 from h5corpus.loaders import bestfit as packing
 from h5corpus.loaders import chunking
+from h5corpus.storage import format as fmt
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, reseal_chunk_checksums, stdlib_texts, write_corpus
@@ -164,6 +166,20 @@ def test_sampler_that_forgets_its_state_fails_the_restore_check(small_manifest, 
     assert _failed(rep) == {"restoring the sampler state continues with the same next batch"}
 
 
+def reseal(manifest: Path, shard) -> None:
+    """Chunk checksums rewritten to match edited tokens, and (format v3) the manifest's record of
+    them: what a writer that produced those tokens consistently would have left."""
+    m = read_manifest(manifest)
+    path = m.shard_path(shard)
+    reseal_chunk_checksums(path)
+    if shard.sums_sha256 is None:
+        return
+    with h5py.File(path, "r") as f:
+        proof = fmt.sums_sha256(f[fmt.CHUNK_CHECKSUMS][:], f[fmt.OFFSETS_CHECKSUMS][:])
+    m.shards = [dataclasses.replace(e, sums_sha256=proof) if e.path == shard.path else e for e in m.shards]
+    write_manifest(manifest, m)
+
+
 def test_misplaced_eos_fails_the_eos_check(small_manifest):
     m = read_manifest(small_manifest)
     s = m.shards_of("train")[0]
@@ -171,7 +187,7 @@ def test_misplaced_eos_fails_the_eos_check(small_manifest):
         offs = f["doc_offsets"][:]
         f["tokens"][offs[1] - 1] = ord("x")  # document 0 loses its EOS
         f["tokens"][offs[2] + 5] = 256  # document 2 gains one inside
-    reseal_chunk_checksums(m.shard_path(s))  # as if written so: the content check, not the checksum, fails
+    reseal(small_manifest, s)  # as if written so: the content check, not the checksum, fails
     rep = inspect_corpus(small_manifest, seq_len=1024, batch_size=4)
     failed = [c for c in rep.checks if not c.passed]
     assert "every document ends with EOS and no EOS elsewhere" in _failed(rep)
@@ -199,7 +215,7 @@ def test_cli_table_json_plot_and_exit_codes(small_manifest, tmp_path, monkeypatc
     corrupt = run(str(small_manifest))  # the edited chunk no longer matches its checksum
     assert corrupt.returncode == 1 and "fails its checksum" in corrupt.stderr, corrupt.stderr
     assert "Traceback" not in corrupt.stderr and str(m.shard_path(m.shards_of("train")[0])) in corrupt.stderr
-    reseal_chunk_checksums(m.shard_path(m.shards_of("train")[0]))
+    reseal(small_manifest, m.shards_of("train")[0])
     bad = run(str(small_manifest))
     assert bad.returncode == 1 and "CHECK(S) FAILED" in bad.stdout
 
