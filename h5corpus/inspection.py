@@ -14,11 +14,14 @@ loader's packing. Memory, beyond one shard:
   inspect seed and the shard), stated in the report as ``packing.sampled_documents``;
 * the split-leakage check: a 16-byte prefix of each id of the smaller split (128 bits: a chance
   collision among 10^12 documents has probability ~10^-15);
-* the restore and input-length checks iterate the best-fit loader itself, at its own cost.
+* the restore and input-length checks iterate the best-fit loader over the split's first shard
+  (they check the loader, which treats every shard alike; planning the whole split would cost
+  memory per document).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +43,7 @@ from .storage.readpaths import h5open
 BLOCK_TOKENS = 1 << 22
 #: Documents the whole-epoch figures (pack fill, padded-batch waste, the length plot) are computed
 #: over; a split with more is sampled uniformly (module docstring).
-SAMPLE_DOCUMENTS = 1 << 20
+SAMPLE_DOCUMENTS = 1 << 18
 #: Document lengths below this many tokens are counted in a dense histogram (8 bytes each).
 DENSE_LENGTHS = 1 << 20
 #: Longest documents shown with their chunk lengths, and split token by token in the chunking check.
@@ -461,13 +464,24 @@ def _leakage_check(corpora: dict[str, Corpus], splits: Sequence[str]) -> Check:
     )
 
 
-def _split_checks(split: str, c: Corpus, scan: _Scan, settings: dict[str, Any]) -> list[Check]:
-    """The per-split checks: chunking, batch input lengths, restore, EOS placement."""
+def _first_shard(m: Manifest, split: str) -> Corpus:
+    """``split``'s first shard opened as a corpus of its own (what the loader checks read)."""
+    return open_corpus(dataclasses.replace(m, shards=m.shards_of(split)[:1]), split)
+
+
+def _split_checks(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: dict[str, Any]) -> list[Check]:
+    """The per-split checks: chunking, batch input lengths and restore (on the first shard), EOS placement."""
     s = settings
     ok, fig = _check_chunking(c, scan, s["seq_len"])
-    (lok, lfig), (rok, rfig) = _check_batches(
-        c, s["seq_len"], s["batch_size"], s["packing_buffer"], s["seed"], s["mode"]
-    )
+    first = _first_shard(m, split)
+    try:
+        (lok, lfig), (rok, rfig) = _check_batches(
+            first, s["seq_len"], s["batch_size"], s["packing_buffer"], s["seed"], s["mode"]
+        )
+    finally:
+        first.close()
+    if c.num_shards > 1:
+        lfig, rfig = f"first of {c.num_shards:,} shards: {lfig}", f"first of {c.num_shards:,} shards: {rfig}"
     return [
         Check(f"[{split}] chunking neither drops nor duplicates a pair and keeps the real EOS", ok, fig),
         Check(f"[{split}] model input length = real input count; positions restart per segment", lok, lfig),
@@ -529,7 +543,7 @@ def inspect_corpus(
             rep.splits[split] = _split_figures(m, split, c, scans[split], settings, top_k)
         rep.checks.append(_leakage_check(corpora, chosen))
         for split, c in corpora.items():
-            rep.checks.extend(_split_checks(split, c, scans[split], settings))
+            rep.checks.extend(_split_checks(m, split, c, scans[split], settings))
     finally:
         if bar:
             bar.close()
