@@ -402,6 +402,11 @@ class Corpus:
             path = self._open_path(s)
             try:
                 with h5open(path, live=not self._complete[s]) as f:
+                    if self._complete[s] and (f[fmt.DOC_IDS].shape[0], f[fmt.DOC_FLAGS].shape[0]) != (n, n):
+                        raise FormatError(
+                            f"{path}: /doc_ids and /doc_flags hold {f[fmt.DOC_IDS].shape[0]:,} and "
+                            f"{f[fmt.DOC_FLAGS].shape[0]:,} rows, manifest says {n:,} documents; run h5corpus validate"
+                        )
                     ids.append(f[fmt.DOC_IDS][:n])
                     flags.append(f[fmt.DOC_FLAGS][:n])
                     if self.version >= 3 and self._complete[s] and self.verified:
