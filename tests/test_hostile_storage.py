@@ -62,7 +62,7 @@ def _open_and_touch(manifest: Path, split: str = "train") -> None:
     c = open_corpus(manifest, split)
     c.tokens(0, 1)
     c.doc_offsets_range(0, 1)
-    c.doc_ids, c.doc_flags
+    assert c.doc_ids.shape[0] == c.doc_flags.shape[0] == c.num_documents
 
 
 def _no_traceback(p: subprocess.CompletedProcess) -> None:
