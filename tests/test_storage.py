@@ -86,7 +86,16 @@ def test_layout_matches_contract(stdlib_manifest):
     raw = json.loads(stdlib_manifest.read_text())
     assert set(raw) >= {"format", "version", "tokenizer", "dtype", "chunk_tokens", "shards", "splits"}
     assert set(raw["tokenizer"]) == {"name", "revision", "sha256", "vocab_size", "eos_id"}
-    assert set(raw["shards"][0]) == {"path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes", "sums_sha256"}
+    assert set(raw["shards"][0]) == {
+        "path",
+        "split",
+        "tokens",
+        "documents",
+        "sha256",
+        "index_sha256",
+        "bytes",
+        "sums_sha256",
+    }
     for s in m.shards:
         assert s.path.startswith(f"../shards/{s.split}/")
         with h5py.File(m.shard_path(s), "r") as f:
