@@ -144,6 +144,25 @@ class TokenScan:
     """Chunks whose tokens do not match their stored checksum (version 2)."""
 
 
+def _deep_scan(ds: h5py.Dataset, path: str, n_tokens: int, eos_id: int, h: Any, visit: Any) -> tuple[int, int]:
+    """The ``deep`` pass of :func:`hash_shard_tokens`: one helper thread feeds ``h`` (sha256
+    releases the GIL) while this thread counts EOS ids, takes the largest id and calls
+    ``visit(start, block)``. Returns (EOS count, largest id or -1)."""
+    eos_count, max_id = 0, -1
+    with ThreadPoolExecutor(1) as hasher:
+        pending = []
+        for a, view in _token_blocks(ds, path, n_tokens, fresh=True):
+            if len(pending) >= 4:
+                pending.pop(0).result()
+            pending.append(hasher.submit(fmt.tokens_sha256_update, h, view))
+            eos_count += int(np.count_nonzero(view == eos_id))
+            max_id = max(max_id, int(view.max()))
+            visit(a, view)
+        for p in pending:
+            p.result()
+    return eos_count, max_id
+
+
 def hash_shard_tokens(
     ds: h5py.Dataset,
     path: str,
@@ -202,20 +221,7 @@ def hash_shard_tokens(
                 max_id = max(max_id, int(view.max()))
         return TokenScan(h.hexdigest(), bad_ends, first_bad, None, max_id, tuple(bad_chunks))
 
-    eos_count, max_id = 0, -1
-    # sha256 releases the GIL: one helper thread digests blocks in order while this thread scans them
-    with ThreadPoolExecutor(1) as hasher:
-        pending = []
-        for a, view in _token_blocks(ds, path, n_tokens, fresh=True):
-            if len(pending) >= 4:
-                pending.pop(0).result()
-            pending.append(hasher.submit(fmt.tokens_sha256_update, h, view))
-            eos_count += int(np.count_nonzero(view == eos_id))
-            max_id = max(max_id, int(view.max()))
-            gather(a, view)
-            check_chunks(a, view)
-        for p in pending:
-            p.result()
+    eos_count, max_id = _deep_scan(ds, path, n_tokens, eos_id, h, lambda a, v: (gather(a, v), check_chunks(a, v)))
     return TokenScan(h.hexdigest(), bad_ends, first_bad, eos_count, max_id, tuple(bad_chunks))
 
 
@@ -455,6 +461,33 @@ def stray_findings(m: Manifest) -> list[Finding]:
     return out
 
 
+def _check_deferred(
+    deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]],
+    n_workers: int,
+    deep: bool,
+    scratch: _Scratch,
+    record: Any,
+) -> None:
+    """Check compressed shards (decoding holds h5py's global lock): in spawned processes, never
+    forked (this process has used HDF5 and may run other threads, e.g. a progress bar's); here,
+    one at a time, when there is one or the pool breaks. ``record(findings, nbytes)`` takes each."""
+    if len(deferred) == 1:
+        record(*check_shard(*deferred[0][:3], deep=deep, scratch=scratch))
+        return
+    left = list(deferred)
+    try:
+        if deferred:
+            with ProcessPoolExecutor(min(n_workers, len(deferred)), mp_context=get_context("spawn")) as ex:
+                futs = {ex.submit(_check_shard_job, j): j for j in deferred}
+                for fut in as_completed(futs):
+                    record(*fut.result())
+                    left.remove(futs[fut])
+    except BrokenProcessPool:
+        # a child could not start (e.g. a caller's unguarded __main__ under spawn) or died
+        for j in left:
+            record(*check_shard(*j[:3], deep=deep, scratch=scratch))
+
+
 def validate_corpus(
     manifest_path: str | os.PathLike[str],
     *,
@@ -525,23 +558,7 @@ def validate_corpus(
                         deferred.append(futs[fut])
                     else:
                         record(*got)
-        if len(deferred) == 1:
-            record(*check_shard(*deferred[0][:3], deep=deep, scratch=scratch))
-        elif deferred:
-            # compressed shards decode under h5py's global lock: processes, spawned, never forked
-            # (this process has used HDF5 and may run other threads, e.g. a progress bar's)
-            left = list(deferred)
-            try:
-                with ProcessPoolExecutor(min(n_workers, len(deferred)), mp_context=get_context("spawn")) as ex:
-                    futs = {ex.submit(_check_shard_job, j): j for j in deferred}
-                    for fut in as_completed(futs):
-                        record(*fut.result())
-                        left.remove(futs[fut])
-            except BrokenProcessPool:
-                # a child could not start (e.g. a caller's unguarded __main__ under spawn) or died:
-                # check what is left here, one shard at a time
-                for j in left:
-                    record(*check_shard(*j[:3], deep=deep, scratch=scratch))
+        _check_deferred(deferred, n_workers, deep, scratch, record)
     finally:
         if bar:
             bar.close()
