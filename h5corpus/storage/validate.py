@@ -437,6 +437,18 @@ def unlisted_shard_files(manifest: Manifest, pattern: str = "*.h5") -> list[Path
     return sorted(p for p in dict.fromkeys(found) if p not in listed and p.is_file())
 
 
+def _split_total_findings(m: Manifest) -> list[Finding]:
+    """Split totals the manifest records that differ from the sum of its shards'."""
+    out = []
+    for split, fig in m.splits.items():
+        if isinstance(fig, dict) and "tokens" in fig:
+            have = sum(s.tokens for s in m.shards_of(split))
+            if int(fig["tokens"]) != have:
+                msg = f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}"
+                out.append(Finding(None, "manifest", msg))
+    return out
+
+
 def stray_findings(m: Manifest) -> list[Finding]:
     """Files in the corpus's folders that are not its shards: unlisted ``*.h5`` files, and
     ``.partial`` files (unfinished writes), beside a listed shard or matching none. An OS error
@@ -459,6 +471,29 @@ def stray_findings(m: Manifest) -> list[Finding]:
             Finding(None, "unreadable", f"cannot list the corpus's folders: {e.filename or ''} ({e.strerror or e})")
         )
     return out
+
+
+def _check_all(
+    jobs: list[tuple[str, ShardRecord, ShardExpectation, bool]], n_workers: int, deep: bool, record: Any
+) -> None:
+    """Check every shard of ``jobs``; ``record(findings, nbytes)`` takes each result."""
+    scratch = _Scratch()
+    deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]] = []
+    if n_workers == 1:
+        for j in jobs:
+            record(*check_shard(*j[:3], deep=deep, scratch=scratch))
+        return
+    # Threads, not processes: sha256 and the memory map release the GIL, so N threads hash at N x
+    # one core's speed with no fork, no copy-on-write faults and no worker start-up.
+    with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as ex:
+        futs = {ex.submit(_check_shard, *j, scratch, True): j for j in jobs}
+        for fut in as_completed(futs):
+            got = fut.result()
+            if got is None:
+                deferred.append(futs[fut])
+            else:
+                record(*got)
+    _check_deferred(deferred, n_workers, deep, scratch, record)
 
 
 def _check_deferred(
@@ -516,13 +551,7 @@ def validate_corpus(
         return report
     report.shards = len(m.shards)
     report.tokens = sum(s.tokens for s in m.shards)
-    for split, fig in m.splits.items():
-        if isinstance(fig, dict) and "tokens" in fig:
-            have = sum(s.tokens for s in m.shards_of(split))
-            if int(fig["tokens"]) != have:
-                report.findings.append(
-                    Finding(None, "manifest", f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}")
-                )
+    report.findings.extend(_split_total_findings(m))
     report.findings.extend(stray_findings(m))
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
@@ -542,23 +571,7 @@ def validate_corpus(
             bar.update(nbytes)
 
     try:
-        scratch = _Scratch()
-        deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]] = []
-        if n_workers == 1:
-            for j in jobs:
-                record(*check_shard(*j[:3], deep=deep, scratch=scratch))
-        else:
-            # Threads, not processes: sha256 and the memory map release the GIL, so N threads hash
-            # at N x one core's speed with no fork, no copy-on-write faults and no worker start-up.
-            with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as ex:
-                futs = {ex.submit(_check_shard, *j, scratch, True): j for j in jobs}
-                for fut in as_completed(futs):
-                    got = fut.result()
-                    if got is None:
-                        deferred.append(futs[fut])
-                    else:
-                        record(*got)
-        _check_deferred(deferred, n_workers, deep, scratch, record)
+        _check_all(jobs, n_workers, deep, record)
     finally:
         if bar:
             bar.close()

@@ -134,6 +134,7 @@ def _create_datasets(
         chunks=(fmt.OFFSETS_CHUNK_V3,),
         track_times=False,
     )
+    grown = dict(maxshape=(None,), track_times=False)
     ids = f.create_dataset(
         fmt.DOC_IDS,
         shape=(0, fmt.STORED_ID_BYTES_V3),
@@ -142,29 +143,10 @@ def _create_datasets(
         chunks=(fmt.IDS_CHUNK_V3, fmt.STORED_ID_BYTES_V3),
         track_times=False,
     )
-    flags = f.create_dataset(
-        fmt.DOC_FLAGS,
-        shape=(0,),
-        maxshape=(None,),
-        dtype=fmt.FLAGS_DTYPE,
-        chunks=(fmt.FLAGS_CHUNK,),
-        track_times=False,
-    )
-    sums = f.create_dataset(
-        fmt.CHUNK_CHECKSUMS,
-        shape=(0,),
-        maxshape=(None,),
-        dtype=fmt.CHECKSUM_DTYPE,
-        chunks=(fmt.CHECKSUM_CHUNK,),
-        track_times=False,
-    )
-    osums = f.create_dataset(
-        fmt.OFFSETS_CHECKSUMS,
-        shape=(0,),
-        maxshape=(None,),
-        dtype=fmt.CHECKSUM_DTYPE,
-        chunks=(fmt.CHECKSUM_CHUNK,),
-        track_times=False,
+    flags = f.create_dataset(fmt.DOC_FLAGS, shape=(0,), dtype=fmt.FLAGS_DTYPE, chunks=(fmt.FLAGS_CHUNK,), **grown)
+    sums, osums = (
+        f.create_dataset(name, shape=(0,), dtype=fmt.CHECKSUM_DTYPE, chunks=(fmt.CHECKSUM_CHUNK,), **grown)
+        for name in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS)
     )
     return tokens, offsets, ids, flags, sums, osums
 
