@@ -183,7 +183,7 @@ class Corpus:
         if self.version >= 3:
             for e in entries:
                 self.entries.append(e)
-                self.paths.append(str(self.manifest.shard_path(e)))
+                self.paths.append(self.manifest.shard_path_str(e))
                 self._complete.append(True)
                 self._file_ids.append(None)
                 self._chunk_sums.append(None)
