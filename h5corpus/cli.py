@@ -61,9 +61,17 @@ def fail(message: str, code: int) -> typer.Exit:
 
 
 def check_path_arg(option: str, path: Path | None) -> None:
-    """Refuse a path argument the OS would cut short (a NUL byte ends a C string)."""
+    """Refuse a path argument the OS would cut short (a NUL byte ends a C string) or cannot look up
+    at all (a name longer than the file-system's limit, a folder without permission)."""
     if path is not None and "\0" in str(path):
         raise fail(f"{option}: {str(path)!r} holds a NUL byte", EXIT_USAGE)
+    if path is not None:
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise fail(f"{option}: {path}: {e.strerror or e}", EXIT_USAGE) from None
 
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import xxhash
 
 from h5corpus.storage import format as fmt
 from h5corpus.storage.format import TokenizerIdentity
@@ -778,11 +779,15 @@ def majority_document_run(segment_tables: Iterable) -> tuple[int, float]:
     return best, top
 
 
-def write_v1_corpus(root: Path, texts: Sequence[str], *, chunk_tokens: int = 4096, shard_tokens: int = 60_000) -> Path:
+def write_v1_corpus(
+    root: Path, texts: Sequence[str], *, chunk_tokens: int = 4096, shard_tokens: int = 60_000, version: int = 1
+) -> Path:
     """A format version 1 corpus of ``texts`` as byte ids (train split), written with h5py straight
     from the version 1 contract (docs/FORMAT.md's version table and v1 layout: four datasets,
     chunk-padded ``/tokens``, variable-length string attributes, ``index_sha256`` of the offsets,
-    ids and flags only), not by this h5corpus's writer. Returns the manifest path."""
+    ids and flags only), not by this h5corpus's writer. Returns the manifest path. ``version=2``:
+    the version 2 contract instead (also ``/chunk_xxh3``, the xxh3-64 of each chunk, ending the
+    index hash; every chunk stored raw, the last one whole, which version 2 allows)."""
     root = Path(root)
     (root / "shards" / "train").mkdir(parents=True, exist_ok=True)
     (root / "manifests").mkdir(parents=True, exist_ok=True)
@@ -805,12 +810,23 @@ def write_v1_corpus(root: Path, texts: Sequence[str], *, chunk_tokens: int = 409
             f.create_dataset("doc_offsets", data=offs, maxshape=(None,), chunks=(4096,), track_times=False)
             f.create_dataset("doc_ids", data=id_rows, maxshape=(None, 32), chunks=(4096, 32), track_times=False)
             f.create_dataset("doc_flags", data=flags, maxshape=(None,), chunks=(4096,), track_times=False)
-            attrs = {"format": "h5corpus", "version": 1, "split": "train", "dtype": "uint16"}
+            sums = np.array(
+                [
+                    xxhash.xxh3_64_intdigest(toks[a : a + chunk_tokens].tobytes())
+                    for a in range(0, toks.size, chunk_tokens)
+                ],
+                "<u8",
+            )
+            if version == 2:
+                f.create_dataset("chunk_xxh3", data=sums, maxshape=(None,), chunks=(32,), track_times=False)
+            attrs = {"format": "h5corpus", "version": version, "split": "train", "dtype": "uint16"}
             attrs.update(eos_id=ident.eos_id, chunk_tokens=chunk_tokens, tokenizer_name=ident.name)
             attrs.update(tokenizer_revision=ident.revision, tokenizer_sha256=ident.sha256, vocab_size=ident.vocab_size)
             for key, v in attrs.items():
                 f.attrs[key] = v
-        index = hashlib.sha256(offs.tobytes() + id_rows.tobytes() + flags.tobytes()).hexdigest()
+        index = hashlib.sha256(
+            offs.tobytes() + id_rows.tobytes() + flags.tobytes() + (sums.tobytes() if version == 2 else b"")
+        ).hexdigest()
         shards.append(
             {
                 "path": f"../shards/train/train-{k:05d}.h5",
@@ -825,7 +841,7 @@ def write_v1_corpus(root: Path, texts: Sequence[str], *, chunk_tokens: int = 409
         i, k = j, k + 1
     manifest = {
         "format": "h5corpus",
-        "version": 1,
+        "version": version,
         "manifest_version": 1,
         "tokenizer": ident.to_json(),
         "dtype": "uint16",

@@ -55,6 +55,16 @@ def _cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subproces
     )
 
 
+def _open_and_touch(manifest: Path, split: str = "train") -> None:
+    """Open ``split`` and read from its first shard: tokens, offsets, ids and flags. Format version 3
+    opens from the manifest alone and checks a shard when a process first touches it (ids and
+    flags, proven against the manifest's index hash, when they are first read)."""
+    c = open_corpus(manifest, split)
+    c.tokens(0, 1)
+    c.doc_offsets_range(0, 1)
+    assert c.doc_ids.shape[0] == c.doc_flags.shape[0] == c.num_documents
+
+
 def _no_traceback(p: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr[-2000:]
 
@@ -74,7 +84,7 @@ def test_reader_refuses_tokens_of_another_dtype_or_byte_order(stdlib_manifest, d
         f.create_dataset("tokens", data=toks.astype(dtype), chunks=chunks, maxshape=(None,))
     _relist_size(stdlib_manifest, shard)
     with pytest.raises(FormatError, match=rf"{shard.name}: /tokens is .* expected 1-D <u2"):
-        open_corpus(stdlib_manifest, "train")
+        _open_and_touch(stdlib_manifest, "train")
     rep = validate_corpus(stdlib_manifest, workers=1)
     assert any(f.code == "tokens" and shard.name in f.shard for f in rep.findings)
 
@@ -100,7 +110,7 @@ def test_reader_refuses_a_broken_document_index(stdlib_manifest, tmp_path, mutat
         _replace_dataset(shard, "doc_offsets", offs.astype("<i4"))
     _relist_size(stdlib_manifest, shard)
     with pytest.raises(FormatError, match=shard.name):
-        open_corpus(stdlib_manifest, "train")
+        _open_and_touch(stdlib_manifest, "train")
     p = _cli("inspect", str(stdlib_manifest), "--seq-len", "512")
     _no_traceback(p)
     assert p.returncode == 1 and shard.name in p.stderr and "ALL CHECKS PASSED" not in p.stdout
@@ -112,7 +122,7 @@ def test_reader_refuses_a_missing_dataset_naming_the_shard(stdlib_manifest):
         del f["doc_flags"]
     _relist_size(stdlib_manifest, shard)
     with pytest.raises(FormatError, match=rf"{shard.name}: dataset /doc_flags is missing"):
-        open_corpus(stdlib_manifest, "train")
+        _open_and_touch(stdlib_manifest, "train")
 
 
 @pytest.mark.parametrize("keep", ["half", "2k"])
@@ -123,10 +133,10 @@ def test_truncated_shard_is_refused_at_once(stdlib_manifest, keep):
     size = shard.stat().st_size
     os.truncate(shard, size // 2 if keep == "half" else 2048)
     with pytest.raises(FormatError, match=rf"{shard.name}: file is .* bytes, manifest says {size:,}"):
-        open_corpus(stdlib_manifest, "validation")
+        _open_and_touch(stdlib_manifest, "validation")
     _relist_size(stdlib_manifest, shard)
     with pytest.raises(FormatError, match=shard.name):
-        open_corpus(stdlib_manifest, "validation")
+        _open_and_touch(stdlib_manifest, "validation")
     p = _cli("inspect", str(stdlib_manifest), "--split", "validation", timeout=60)
     _no_traceback(p)
     assert p.returncode == 1 and shard.name in p.stderr
@@ -138,6 +148,8 @@ def test_a_shard_replaced_under_an_open_corpus_is_refused(stdlib_manifest, tmp_p
     import pickle
 
     c = open_corpus(stdlib_manifest, "train")
+    fresh = open_corpus(stdlib_manifest, "train")  # opened, never read: version 3 has not looked at the shard
+    c.document(0)  # this one has read it: it knows the file
     _, shard = _first_shard(stdlib_manifest)
     other = tmp_path / "other.h5"
     shutil.copyfile(shard, other)
@@ -145,9 +157,12 @@ def test_a_shard_replaced_under_an_open_corpus_is_refused(stdlib_manifest, tmp_p
         f["tokens"][:10] = 1
     os.replace(other, shard)
     clone = pickle.loads(pickle.dumps(c))  # what a DataLoader worker receives
+    c.close()  # its maps of the old file served the old, verified bytes; reopened, the file is another
     for corpus in (c, clone):
         with pytest.raises(FormatError, match=rf"{shard.name}: the shard changed since this corpus was opened"):
             corpus.document(0)
+    with pytest.raises(FormatError, match=rf"{shard.name}: chunk 0 of /tokens .* fails its checksum"):
+        fresh.document(0)  # the trust chain refuses the other bytes
 
 
 def test_reader_and_validator_agree_with_the_writer_on_an_intact_corpus(stdlib_manifest):
@@ -175,7 +190,7 @@ def test_shard_paths_must_stay_inside_the_shards_folder(stdlib_manifest, path):
     with pytest.raises(FormatError, match="shard path"):
         read_manifest(stdlib_manifest)
     with pytest.raises(FormatError):
-        open_corpus(stdlib_manifest, "train")
+        _open_and_touch(stdlib_manifest, "train")
     p = _cli("validate", str(stdlib_manifest))
     _no_traceback(p)
     assert p.returncode == 1 and "shard path" in p.stdout + p.stderr
@@ -206,13 +221,13 @@ def test_one_file_listed_twice_under_two_spellings_or_as_a_copy_is_refused(stdli
     d, name = first["path"].rsplit("/", 1)
     _edit(stdlib_manifest, lambda r: r["shards"].append(dict(first, path=f"{d}/./{name}")))
     with pytest.raises(FormatError, match="already lists"):
-        open_corpus(stdlib_manifest, "train")
+        _open_and_touch(stdlib_manifest, "train")
     _edit(stdlib_manifest, lambda r: r["shards"].pop())
     src = (stdlib_manifest.parent / first["path"]).resolve()
     shutil.copyfile(src, src.with_name("copy.h5"))
     _edit(stdlib_manifest, lambda r: r["shards"].append(dict(first, path=f"{d}/copy.h5")))
     with pytest.raises(FormatError, match="holds the same documents"):
-        open_corpus(stdlib_manifest, "train")
+        _open_and_touch(stdlib_manifest, "train")
     link = src.with_name("link.h5")
     os.symlink(src, link)
     _edit(stdlib_manifest, lambda r: r["shards"][-1].update(path=f"{d}/link.h5"))

@@ -27,20 +27,25 @@ from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
 
 
-def independent_hashes(path: Path) -> tuple[str, str]:
-    """Recompute both manifest hashes straight from the contract in docs/FORMAT.md (version 2: the
-    index hash ends with the chunk checksums, each the xxh3-64 of one chunk's real tokens, which
-    must equal the ones recomputed here)."""
+def independent_hashes(path: Path) -> tuple[str, str, str]:
+    """Recompute the three manifest hashes straight from the contract in docs/FORMAT.md (version 3:
+    the index hash ends with the chunk checksums, each the xxh3-64 of one chunk's real tokens, then
+    the offsets checksums, each the xxh3-64 of 1,024 offsets' little-endian bytes, which must equal
+    the ones recomputed here; sums_sha256 covers both checksum tables)."""
     with h5py.File(path, "r") as f:
         toks = f["tokens"][:]
         offs, ids, flags = f["doc_offsets"][:], f["doc_ids"][:], f["doc_flags"][:]
         sums, C = f["chunk_xxh3"][:], f["tokens"].chunks[0]
+        osums = f["offsets_xxh3"][:]
     le = toks.astype(toks.dtype.newbyteorder("<"))
     want = [xxhash.xxh3_64_intdigest(le[k : k + C].tobytes()) for k in range(0, le.size, C)]
     assert sums.dtype == np.dtype("<u8") and sums.tolist() == want, path
+    ole = offs.astype("<i8")
+    want = [xxhash.xxh3_64_intdigest(ole[k : k + 1024].tobytes()) for k in range(0, ole.size, 1024)]
+    assert osums.dtype == np.dtype("<u8") and osums.tolist() == want, path
     h = hashlib.sha256(le.tobytes()).hexdigest()
-    ih = hashlib.sha256(offs.astype("<i8").tobytes() + ids.tobytes() + flags.tobytes() + sums.tobytes()).hexdigest()
-    return h, ih
+    ih = hashlib.sha256(ole.tobytes() + ids.tobytes() + flags.tobytes() + sums.tobytes() + osums.tobytes()).hexdigest()
+    return h, ih, hashlib.sha256(sums.tobytes() + osums.tobytes()).hexdigest()
 
 
 # -- round trip ------------------------------------------------------------------------------------
@@ -50,7 +55,7 @@ def test_round_trip_gpt2_dev_corpus_documents_and_boundaries_exact(dev_manifest,
     """Documents written and read back are identical, boundaries exact, ids = sha256(text)."""
     m = read_manifest(dev_manifest)
     assert m.dtype == "uint16" and m.tokenizer.eos_id == 50256
-    by_id = {doc_id(t): t for t in dev_texts}
+    by_id = {doc_id(t)[:16]: t for t in dev_texts}  # version 3 stores the first 128 bits of each sha256
     seen = 0
     for split in ("train", "validation"):
         c = open_corpus(dev_manifest, split)
@@ -70,8 +75,8 @@ def test_hashes_reproducible_from_contract(dev_manifest):
     m = read_manifest(dev_manifest)
     assert len(m.shards) >= 4
     for s in m.shards:
-        h, ih = independent_hashes(m.shard_path(s))
-        assert (h, ih) == (s.sha256, s.index_sha256), s.path
+        h, ih, sh = independent_hashes(m.shard_path(s))
+        assert (h, ih, sh) == (s.sha256, s.index_sha256, s.sums_sha256), s.path
         assert m.shard_path(s).stat().st_size == s.bytes
 
 
@@ -81,7 +86,16 @@ def test_layout_matches_contract(stdlib_manifest):
     raw = json.loads(stdlib_manifest.read_text())
     assert set(raw) >= {"format", "version", "tokenizer", "dtype", "chunk_tokens", "shards", "splits"}
     assert set(raw["tokenizer"]) == {"name", "revision", "sha256", "vocab_size", "eos_id"}
-    assert set(raw["shards"][0]) == {"path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes"}
+    assert set(raw["shards"][0]) == {
+        "path",
+        "split",
+        "tokens",
+        "documents",
+        "sha256",
+        "index_sha256",
+        "bytes",
+        "sums_sha256",
+    }
     for s in m.shards:
         assert s.path.startswith(f"../shards/{s.split}/")
         with h5py.File(m.shard_path(s), "r") as f:
@@ -89,10 +103,11 @@ def test_layout_matches_contract(stdlib_manifest):
             assert t.dtype == np.uint16 and t.chunks == (4096,) and t.maxshape == (None,)
             o = f["doc_offsets"][:]
             assert o.dtype == np.int64 and o[0] == 0 and o[-1] == t.shape[0] and (np.diff(o) > 0).all()
-            assert f["doc_ids"].shape == (o.size - 1, 32) and f["doc_ids"].dtype == np.uint8
+            assert f["doc_ids"].shape == (o.size - 1, 16) and f["doc_ids"].dtype == np.uint8
+            assert f["doc_offsets"].chunks == (1024,) and f["doc_offsets"].compression is None
             a = fmt.check_attrs(f.attrs, "x")
             assert a["split"] == s.split and a["eos_id"] == 256 and a["chunk_tokens"] == 4096
-            assert a["version"] == 2 and raw["version"] == 2
+            assert a["version"] == 3 and raw["version"] == 3
             sums = f["chunk_xxh3"]
             assert sums.dtype == np.dtype("<u8") and sums.shape == (-(-t.shape[0] // 4096),)
 
@@ -166,12 +181,13 @@ def test_reader_refuses_other_format_versions(stdlib_manifest):
     m = read_manifest(stdlib_manifest)
     p = m.shard_path(m.shards[0])
     with h5py.File(p, "r+") as f:
-        f.attrs["version"] = 3
+        f.attrs["version"] = 4
     raw = json.loads(stdlib_manifest.read_text())
     raw["shards"][0]["bytes"] = p.stat().st_size  # as a newer h5corpus would list it
     stdlib_manifest.write_text(json.dumps(raw))
-    with pytest.raises(FormatError, match="version 3 is not supported"):
-        open_corpus(stdlib_manifest, m.shards[0].split)
+    c = open_corpus(stdlib_manifest, m.shards[0].split)  # version 3: the shard is checked when first read
+    with pytest.raises(FormatError, match="version 4 is not supported"):
+        c.tokens(0, 1)
     raw["version"] = 99
     stdlib_manifest.write_text(json.dumps(raw))
     with pytest.raises(FormatError, match="format version 99"):
@@ -334,7 +350,7 @@ CORRUPTIONS = [
     pytest.param(_truncate_file, "size", id="truncated-file"),
     pytest.param(_delete_shard, "missing", id="deleted-shard"),
     pytest.param(_extra_shard, "unlisted", id="extra-shard-file"),
-    pytest.param(_swap_shards, "sha256", id="two-shards-swapped"),
+    pytest.param(_swap_shards, "tokens", id="two-shards-swapped"),  # counts differ: refused before hashing
     pytest.param(_edit_manifest_field, "offsets", id="manifest-field-edited"),
     pytest.param(_edit_manifest_hash, "sha256", id="manifest-hash-edited"),
 ]
@@ -499,7 +515,7 @@ def test_compressed_shards_validate_and_corruption_still_detected(tmp_path, comp
             w.add_document(np.append(ids, 256), doc_id(t))
     m.shards.append(w.info.relative_to(tmp_path / "manifests"))
     write_manifest(tmp_path / "manifests" / "shards.json", m)
-    h, _ = independent_hashes(w.info.path)
+    h, _, _ = independent_hashes(w.info.path)
     assert h == w.info.sha256
     assert validate_corpus(tmp_path / "manifests" / "shards.json").ok
     with h5py.File(w.info.path, "r+") as f:

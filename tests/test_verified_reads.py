@@ -244,17 +244,19 @@ def test_validate_names_the_corrupt_chunk(corpora, tmp_path, kind):
 
 
 def test_a_tampered_checksum_is_caught_by_the_index_hash(corpora, tmp_path):
-    """The checksums are covered by the manifest's index_sha256: rewriting a checksum to match
-    rewritten tokens still fails validate (index_sha256), and the reader refuses the chunk whose
-    checksum no longer matches."""
+    """The checksums are covered by the manifest's sums_sha256 (and index_sha256): a rewritten
+    checksum fails validate, and the reader refuses the shard when it first touches it, before
+    trusting any of its checksums."""
     manifest = _copy(corpora["raw"], tmp_path / "c")
     m = read_manifest(manifest)
     with h5py.File(m.shard_path(m.shards[0]), "r+") as f:
         f["chunk_xxh3"][3] ^= np.uint64(1)
     codes = {f.code for f in validate_corpus(manifest).findings}
-    assert {"index_sha256", "chunk_checksum"} <= codes
-    with pytest.raises(ChunkChecksumError, match="chunk 3 "):
-        open_corpus(manifest, "train").tokens(3 * C, 3 * C + 10)
+    assert {"index_sha256", "sums_sha256", "chunk_checksum"} <= codes
+    c = open_corpus(manifest, "train")
+    for read in (lambda: c.tokens(3 * C, 3 * C + 10), lambda: c.tokens(0, 1), lambda: c.doc_offsets_range(0, 1)):
+        with pytest.raises(FormatError, match=f"{m.shards[0].path.rsplit('/', 1)[-1]}: .*sums_sha256"):
+            read()
 
 
 def test_version_1_corpora_open_unverified_and_read_the_same_tokens(tmp_path, stdlib_corpus_texts):
@@ -298,9 +300,9 @@ def test_version_1_corpora_open_unverified_and_read_the_same_tokens(tmp_path, st
 def test_an_unknown_format_version_is_refused(tmp_path, stdlib_corpus_texts):
     v1 = write_v1_corpus(tmp_path / "v", stdlib_corpus_texts[:5])
     raw = json.loads(v1.read_text())
-    raw["version"] = 3
+    raw["version"] = 4
     v1.write_text(json.dumps(raw))
-    with pytest.raises(FormatError, match="format version 3 is not supported"):
+    with pytest.raises(FormatError, match="format version 4 is not supported"):
         open_corpus(v1, "train")
 
 
@@ -329,7 +331,7 @@ def _shard_bytes(root: Path) -> dict[str, str]:
     }
 
 
-def test_build_writes_identical_v2_shards_for_any_worker_count_and_after_kill_9(tmp_path, stdlib_corpus_texts):
+def test_build_writes_identical_shards_for_any_worker_count_and_after_kill_9(tmp_path, stdlib_corpus_texts):
     """``h5corpus build`` with 1 and 2 workers, and a 2-worker build SIGKILLed (the crash-point
     hook) while finishing and then resumed, write byte-identical v2 shards that validate and carry
     one checksum per chunk."""
@@ -353,9 +355,10 @@ def test_build_writes_identical_v2_shards_for_any_worker_count_and_after_kill_9(
     manifest = roots["killed"] / "manifests" / "shards.json"
     assert validate_corpus(manifest).ok
     m = read_manifest(manifest)
-    assert m.version == 2
+    assert m.version == 3
     for s in m.shards:
         with h5py.File(m.shard_path(s), "r") as f:
-            assert f.attrs["version"] == 2 and f["chunk_xxh3"].shape == (-(-s.tokens // m.chunk_tokens),)
+            assert f.attrs["version"] == 3 and f["chunk_xxh3"].shape == (-(-s.tokens // m.chunk_tokens),)
+            assert f["offsets_xxh3"].shape == (-(-(s.documents + 1) // 1024),) and s.sums_sha256
     assert not list(tmp_path.rglob("*.partial")) and not os.path.exists(roots["killed"] / "shards" / ".build")
     assert list(itertools.islice(iter(SlidingWindowDataset(open_corpus(manifest, "train"), 64, seed=0)), 2))

@@ -419,21 +419,17 @@ def v3_index_layout_problems(f: Any, num_tokens: int, num_documents: int, chunk_
                 "checksums", f"/{OFFSETS_CHECKSUMS} is {osums.dtype.str} {osums.shape}, expected 1-D <u8", fatal=True
             )
         ]
-    out = checksum_problems(f[CHUNK_CHECKSUMS].shape[0], num_tokens, chunk_tokens)
-    out += checksum_problems(osums.shape[0], num_documents + 1, OFFSETS_CHUNK_V3, OFFSETS_CHECKSUMS)
     for name, ds, n, c in (
         (TOKENS, t, num_tokens, chunk_tokens),
         (DOC_OFFSETS, o, num_documents + 1, OFFSETS_CHUNK_V3),
     ):
         have, want = ds.id.get_num_chunks(), -(-n // c)
         if have != want:
-            out.append(
-                Problem(
-                    "tokens" if name == TOKENS else "offsets",
-                    f"/{name} has {have:,} chunks stored, {n:,} entries need {want:,} (resized without data?)",
-                    fatal=True,
-                )
-            )
+            what = "tokens" if name == TOKENS else "offsets"
+            msg = f"/{name} has {have:,} chunks stored, {n:,} entries need {want:,} (resized without data?)"
+            return [Problem(what, msg, fatal=True)]
+    out = checksum_problems(f[CHUNK_CHECKSUMS].shape[0], num_tokens, chunk_tokens)
+    out += checksum_problems(osums.shape[0], num_documents + 1, OFFSETS_CHUNK_V3, OFFSETS_CHECKSUMS)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -94,13 +95,18 @@ class Manifest:
             )
         seen: dict[str, str] = {}
         contents: dict[tuple[str, str], str] = {}
+        folders: dict[str, str] = {}  # each shard folder resolved once (realpath costs a stat per component)
+        inside = str(root).rstrip(os.sep) + os.sep
         for e in self.shards:
             if os.path.isabs(e.path) or "\0" in e.path:
                 raise FormatError(f"{where}: shard path {e.path!r} must be relative to the manifest's folder")
-            p = self.shard_path(e)
-            if p == root or os.path.commonpath([root, p]) != str(root):
+            p = self.shard_path_str(e)
+            if not p.startswith(inside):
                 raise FormatError(f"{where}: shard path {e.path!r} leaves the corpus's shards folder {root}")
-            real = os.path.realpath(p)
+            folder, name = os.path.split(p)
+            if folder not in folders:
+                folders[folder] = os.path.realpath(folder)
+            real = os.path.realpath(p) if os.path.islink(p) else os.path.join(folders[folder], name)
             if real in seen:
                 raise FormatError(f"{where}: shard {e.path!r} is the file {seen[real]!r} already lists")
             seen[real] = e.path
@@ -123,7 +129,14 @@ class Manifest:
 
     def shard_path(self, entry: ShardRecord) -> Path:
         """Absolute path of ``entry``'s file."""
-        return Path(os.path.normpath(self.root / entry.path))
+        return Path(self.shard_path_str(entry))
+
+    def shard_path_str(self, entry: ShardRecord) -> str:
+        """:meth:`shard_path` as a string (per-shard work at open stays in ``os.path``)."""
+        hit = self.__dict__.get("_root_str")
+        if hit is None or hit[0] != self.path:
+            hit = self.__dict__["_root_str"] = (self.path, str(self.root))
+        return os.path.normpath(os.path.join(hit[1], entry.path))
 
     def shards_of(self, split: str) -> list[ShardRecord]:
         """Shards of ``split`` in manifest order (the corpus's global token order)."""
@@ -190,12 +203,56 @@ def _finite_float(text: str) -> float:
     return v
 
 
-def _schema_validator() -> Any:
+def _schema_validator(schema: dict[str, Any]) -> Any:
     import jsonschema
 
     base = jsonschema.Draft202012Validator
     strict_int = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
-    return jsonschema.validators.extend(base, type_checker=strict_int)(fmt.MANIFEST_SCHEMA)
+    return jsonschema.validators.extend(base, type_checker=strict_int)(schema)
+
+
+def _without_shard_items(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``shards`` checked as an array only: its items are checked by
+    :func:`_shard_entry_problem` (the same rules, ~100x faster than jsonschema per entry, which
+    matters at 10,000 shards)."""
+    props = dict(schema["properties"])
+    props["shards"] = {"type": "array"}
+    return dict(schema, properties=props)
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_SHARD_SCHEMA = fmt.MANIFEST_SCHEMA["properties"]["shards"]["items"]
+
+
+_SHARD_PROPS = _SHARD_SCHEMA["properties"]
+_INT_KEYS = tuple(k for k, r in _SHARD_PROPS.items() if r.get("type") == "integer")
+_HEX_KEYS = tuple(k for k, r in _SHARD_PROPS.items() if "pattern" in r)
+_ENUM_KEYS = tuple((k, r["enum"]) for k, r in _SHARD_PROPS.items() if "enum" in r)
+
+
+def _shard_entry_problem(e: Any) -> tuple[str, str] | None:
+    """(field, message) of the first rule of the manifest schema's shard entry that ``e`` breaks,
+    or None: an object with every required key, ``path`` a non-empty string, ``split`` a known
+    split, counts non-negative JSON integers, hashes 64 lowercase hex digits."""
+    if type(e) is not dict:
+        return "", f"{e!r} is not of type 'object'"
+    for k in _SHARD_SCHEMA["required"]:
+        if k not in e:
+            return "", f"{k!r} is a required property"
+    for k in _INT_KEYS:
+        v = e.get(k, 0)
+        if type(v) is not int or v < 0:
+            return k, f"{v!r} is not a non-negative integer"
+    for k in _HEX_KEYS:
+        v = e.get(k, "0" * 64)
+        if type(v) is not str or not _HEX64.fullmatch(v):
+            return k, f"{v!r} is not 64 lowercase hex digits"
+    for k, allowed in _ENUM_KEYS:
+        if e[k] not in allowed:
+            return k, f"{e[k]!r} is not one of {allowed}"
+    if type(e["path"]) is not str or not e["path"]:
+        return "path", f"{e['path']!r} is not a non-empty string"
+    return None
 
 
 def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
@@ -215,10 +272,16 @@ def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
     if d.get("format") != fmt.FORMAT_NAME:
         raise FormatError(f"{where}: not an h5corpus manifest (format = {d.get('format')!r})")
     fmt.check_version(d.get("version"), where, "format version")
-    err = next(iter(sorted(_schema_validator().iter_errors(d), key=lambda e: list(e.absolute_path))), None)
+    validator = _schema_validator(_without_shard_items(fmt.MANIFEST_SCHEMA))
+    err = next(iter(sorted(validator.iter_errors(d), key=lambda e: list(e.absolute_path))), None)
     if err is not None:
         field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path).lstrip(".")
         raise FormatError(f"{where}: manifest field {field or '(top level)'}: {err.message}")
+    for i, e in enumerate(d["shards"]):
+        bad = _shard_entry_problem(e)
+        if bad is not None:
+            field = f"shards[{i}]" + (f".{bad[0]}" if bad[0] else "")
+            raise FormatError(f"{where}: manifest field {field}: {bad[1]}")
     return d
 
 

@@ -183,7 +183,7 @@ class Corpus:
         if self.version >= 3:
             for e in entries:
                 self.entries.append(e)
-                self.paths.append(str(self.manifest.shard_path(e)))
+                self.paths.append(self.manifest.shard_path_str(e))
                 self._complete.append(True)
                 self._file_ids.append(None)
                 self._chunk_sums.append(None)
@@ -402,6 +402,11 @@ class Corpus:
             path = self._open_path(s)
             try:
                 with h5open(path, live=not self._complete[s]) as f:
+                    if self._complete[s] and (f[fmt.DOC_IDS].shape[0], f[fmt.DOC_FLAGS].shape[0]) != (n, n):
+                        raise FormatError(
+                            f"{path}: /doc_ids and /doc_flags hold {f[fmt.DOC_IDS].shape[0]:,} and "
+                            f"{f[fmt.DOC_FLAGS].shape[0]:,} rows, manifest says {n:,} documents; run h5corpus validate"
+                        )
                     ids.append(f[fmt.DOC_IDS][:n])
                     flags.append(f[fmt.DOC_FLAGS][:n])
                     if self.version >= 3 and self._complete[s] and self.verified:

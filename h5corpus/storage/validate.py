@@ -144,6 +144,25 @@ class TokenScan:
     """Chunks whose tokens do not match their stored checksum (version 2)."""
 
 
+def _deep_scan(ds: h5py.Dataset, path: str, n_tokens: int, eos_id: int, h: Any, visit: Any) -> tuple[int, int]:
+    """The ``deep`` pass of :func:`hash_shard_tokens`: one helper thread feeds ``h`` (sha256
+    releases the GIL) while this thread counts EOS ids, takes the largest id and calls
+    ``visit(start, block)``. Returns (EOS count, largest id or -1)."""
+    eos_count, max_id = 0, -1
+    with ThreadPoolExecutor(1) as hasher:
+        pending = []
+        for a, view in _token_blocks(ds, path, n_tokens, fresh=True):
+            if len(pending) >= 4:
+                pending.pop(0).result()
+            pending.append(hasher.submit(fmt.tokens_sha256_update, h, view))
+            eos_count += int(np.count_nonzero(view == eos_id))
+            max_id = max(max_id, int(view.max()))
+            visit(a, view)
+        for p in pending:
+            p.result()
+    return eos_count, max_id
+
+
 def hash_shard_tokens(
     ds: h5py.Dataset,
     path: str,
@@ -202,20 +221,7 @@ def hash_shard_tokens(
                 max_id = max(max_id, int(view.max()))
         return TokenScan(h.hexdigest(), bad_ends, first_bad, None, max_id, tuple(bad_chunks))
 
-    eos_count, max_id = 0, -1
-    # sha256 releases the GIL: one helper thread digests blocks in order while this thread scans them
-    with ThreadPoolExecutor(1) as hasher:
-        pending = []
-        for a, view in _token_blocks(ds, path, n_tokens, fresh=True):
-            if len(pending) >= 4:
-                pending.pop(0).result()
-            pending.append(hasher.submit(fmt.tokens_sha256_update, h, view))
-            eos_count += int(np.count_nonzero(view == eos_id))
-            max_id = max(max_id, int(view.max()))
-            gather(a, view)
-            check_chunks(a, view)
-        for p in pending:
-            p.result()
+    eos_count, max_id = _deep_scan(ds, path, n_tokens, eos_id, h, lambda a, v: (gather(a, v), check_chunks(a, v)))
     return TokenScan(h.hexdigest(), bad_ends, first_bad, eos_count, max_id, tuple(bad_chunks))
 
 
@@ -431,6 +437,18 @@ def unlisted_shard_files(manifest: Manifest, pattern: str = "*.h5") -> list[Path
     return sorted(p for p in dict.fromkeys(found) if p not in listed and p.is_file())
 
 
+def _split_total_findings(m: Manifest) -> list[Finding]:
+    """Split totals the manifest records that differ from the sum of its shards'."""
+    out = []
+    for split, fig in m.splits.items():
+        if isinstance(fig, dict) and "tokens" in fig:
+            have = sum(s.tokens for s in m.shards_of(split))
+            if int(fig["tokens"]) != have:
+                msg = f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}"
+                out.append(Finding(None, "manifest", msg))
+    return out
+
+
 def stray_findings(m: Manifest) -> list[Finding]:
     """Files in the corpus's folders that are not its shards: unlisted ``*.h5`` files, and
     ``.partial`` files (unfinished writes), beside a listed shard or matching none. An OS error
@@ -453,6 +471,56 @@ def stray_findings(m: Manifest) -> list[Finding]:
             Finding(None, "unreadable", f"cannot list the corpus's folders: {e.filename or ''} ({e.strerror or e})")
         )
     return out
+
+
+def _check_all(
+    jobs: list[tuple[str, ShardRecord, ShardExpectation, bool]], n_workers: int, deep: bool, record: Any
+) -> None:
+    """Check every shard of ``jobs``; ``record(findings, nbytes)`` takes each result."""
+    scratch = _Scratch()
+    deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]] = []
+    if n_workers == 1:
+        for j in jobs:
+            record(*check_shard(*j[:3], deep=deep, scratch=scratch))
+        return
+    # Threads, not processes: sha256 and the memory map release the GIL, so N threads hash at N x
+    # one core's speed with no fork, no copy-on-write faults and no worker start-up.
+    with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as ex:
+        futs = {ex.submit(_check_shard, *j, scratch, True): j for j in jobs}
+        for fut in as_completed(futs):
+            got = fut.result()
+            if got is None:
+                deferred.append(futs[fut])
+            else:
+                record(*got)
+    _check_deferred(deferred, n_workers, deep, scratch, record)
+
+
+def _check_deferred(
+    deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]],
+    n_workers: int,
+    deep: bool,
+    scratch: _Scratch,
+    record: Any,
+) -> None:
+    """Check compressed shards (decoding holds h5py's global lock): in spawned processes, never
+    forked (this process has used HDF5 and may run other threads, e.g. a progress bar's); here,
+    one at a time, when there is one or the pool breaks. ``record(findings, nbytes)`` takes each."""
+    if len(deferred) == 1:
+        record(*check_shard(*deferred[0][:3], deep=deep, scratch=scratch))
+        return
+    left = list(deferred)
+    try:
+        if deferred:
+            with ProcessPoolExecutor(min(n_workers, len(deferred)), mp_context=get_context("spawn")) as ex:
+                futs = {ex.submit(_check_shard_job, j): j for j in deferred}
+                for fut in as_completed(futs):
+                    record(*fut.result())
+                    left.remove(futs[fut])
+    except BrokenProcessPool:
+        # a child could not start (e.g. a caller's unguarded __main__ under spawn) or died
+        for j in left:
+            record(*check_shard(*j[:3], deep=deep, scratch=scratch))
 
 
 def validate_corpus(
@@ -483,13 +551,7 @@ def validate_corpus(
         return report
     report.shards = len(m.shards)
     report.tokens = sum(s.tokens for s in m.shards)
-    for split, fig in m.splits.items():
-        if isinstance(fig, dict) and "tokens" in fig:
-            have = sum(s.tokens for s in m.shards_of(split))
-            if int(fig["tokens"]) != have:
-                report.findings.append(
-                    Finding(None, "manifest", f"splits.{split}.tokens = {fig['tokens']:,} but its shards hold {have:,}")
-                )
+    report.findings.extend(_split_total_findings(m))
     report.findings.extend(stray_findings(m))
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
@@ -509,39 +571,7 @@ def validate_corpus(
             bar.update(nbytes)
 
     try:
-        scratch = _Scratch()
-        deferred: list[tuple[str, ShardRecord, ShardExpectation, bool]] = []
-        if n_workers == 1:
-            for j in jobs:
-                record(*check_shard(*j[:3], deep=deep, scratch=scratch))
-        else:
-            # Threads, not processes: sha256 and the memory map release the GIL, so N threads hash
-            # at N x one core's speed with no fork, no copy-on-write faults and no worker start-up.
-            with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as ex:
-                futs = {ex.submit(_check_shard, *j, scratch, True): j for j in jobs}
-                for fut in as_completed(futs):
-                    got = fut.result()
-                    if got is None:
-                        deferred.append(futs[fut])
-                    else:
-                        record(*got)
-        if len(deferred) == 1:
-            record(*check_shard(*deferred[0][:3], deep=deep, scratch=scratch))
-        elif deferred:
-            # compressed shards decode under h5py's global lock: processes, spawned, never forked
-            # (this process has used HDF5 and may run other threads, e.g. a progress bar's)
-            left = list(deferred)
-            try:
-                with ProcessPoolExecutor(min(n_workers, len(deferred)), mp_context=get_context("spawn")) as ex:
-                    futs = {ex.submit(_check_shard_job, j): j for j in deferred}
-                    for fut in as_completed(futs):
-                        record(*fut.result())
-                        left.remove(futs[fut])
-            except BrokenProcessPool:
-                # a child could not start (e.g. a caller's unguarded __main__ under spawn) or died:
-                # check what is left here, one shard at a time
-                for j in left:
-                    record(*check_shard(*j[:3], deep=deep, scratch=scratch))
+        _check_all(jobs, n_workers, deep, record)
     finally:
         if bar:
             bar.close()

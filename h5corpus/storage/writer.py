@@ -105,6 +105,52 @@ def _fixed_string(v: str) -> np.ndarray:
     return np.array(b, dtype=h5py.string_dtype("utf-8", max(len(b), 1)))
 
 
+def _create_datasets(
+    f: h5py.File, dtype: np.dtype, chunk_tokens: int, compression: Any, compression_opts: Any
+) -> tuple:
+    """Create every dataset of a version 3 shard in ``f``; returns them in the order
+    ``(tokens, doc_offsets, doc_ids, doc_flags, chunk_xxh3, offsets_xxh3)``."""
+    # Raw shards: a deflate pipeline whose filter every full chunk skips (direct writes, filter
+    # mask 1), so only the final chunk is compressed. Compressed shards: the caller's filter.
+    filt: dict[str, Any] = dict(compression="gzip", compression_opts=fmt.DEFLATE_LEVEL)
+    if compression is not None:
+        filt = dict(compression=compression, compression_opts=compression_opts)
+    tokens = f.create_dataset(
+        fmt.TOKENS,
+        shape=(0,),
+        maxshape=(None,),
+        dtype=dtype,
+        chunks=(chunk_tokens,),
+        track_times=False,
+        **filt,
+    )
+    # The index datasets are unfiltered so that each publish rewrites their last chunk in place
+    # (a compressed chunk that grows is moved, leaving a hole); small chunks bound the padding.
+    offsets = f.create_dataset(
+        fmt.DOC_OFFSETS,
+        shape=(1,),
+        maxshape=(None,),
+        dtype=fmt.OFFSETS_DTYPE,
+        chunks=(fmt.OFFSETS_CHUNK_V3,),
+        track_times=False,
+    )
+    grown = dict(maxshape=(None,), track_times=False)
+    ids = f.create_dataset(
+        fmt.DOC_IDS,
+        shape=(0, fmt.STORED_ID_BYTES_V3),
+        maxshape=(None, fmt.STORED_ID_BYTES_V3),
+        dtype=fmt.DOC_ID_DTYPE,
+        chunks=(fmt.IDS_CHUNK_V3, fmt.STORED_ID_BYTES_V3),
+        track_times=False,
+    )
+    flags = f.create_dataset(fmt.DOC_FLAGS, shape=(0,), dtype=fmt.FLAGS_DTYPE, chunks=(fmt.FLAGS_CHUNK,), **grown)
+    sums, osums = (
+        f.create_dataset(name, shape=(0,), dtype=fmt.CHECKSUM_DTYPE, chunks=(fmt.CHECKSUM_CHUNK,), **grown)
+        for name in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS)
+    )
+    return tokens, offsets, ids, flags, sums, osums
+
+
 class ShardWriter:
     """Append documents to one shard of one split.
 
@@ -152,60 +198,8 @@ class ShardWriter:
         # Raw shards: a deflate pipeline whose filter every full chunk skips (direct writes, filter
         # mask 1), so only the final chunk is compressed. Compressed shards: the caller's filter.
         self._direct = compression is None
-        filt: dict[str, Any] = dict(compression="gzip", compression_opts=fmt.DEFLATE_LEVEL)
-        if compression is not None:
-            filt = dict(compression=compression, compression_opts=compression_opts)
-        self._tokens = f.create_dataset(
-            fmt.TOKENS,
-            shape=(0,),
-            maxshape=(None,),
-            dtype=self.dtype,
-            chunks=(self.chunk_tokens,),
-            track_times=False,
-            **filt,
-        )
-        # The index datasets are unfiltered so that each publish rewrites their last chunk in place
-        # (a compressed chunk that grows is moved, leaving a hole); small chunks bound the padding.
-        self._offsets = f.create_dataset(
-            fmt.DOC_OFFSETS,
-            shape=(1,),
-            maxshape=(None,),
-            dtype=fmt.OFFSETS_DTYPE,
-            chunks=(fmt.OFFSETS_CHUNK_V3,),
-            track_times=False,
-        )
-        self._ids = f.create_dataset(
-            fmt.DOC_IDS,
-            shape=(0, fmt.STORED_ID_BYTES_V3),
-            maxshape=(None, fmt.STORED_ID_BYTES_V3),
-            dtype=fmt.DOC_ID_DTYPE,
-            chunks=(fmt.IDS_CHUNK_V3, fmt.STORED_ID_BYTES_V3),
-            track_times=False,
-        )
-        self._flags = f.create_dataset(
-            fmt.DOC_FLAGS,
-            shape=(0,),
-            maxshape=(None,),
-            dtype=fmt.FLAGS_DTYPE,
-            chunks=(fmt.FLAGS_CHUNK,),
-            track_times=False,
-        )
-        self._sums_ds = f.create_dataset(
-            fmt.CHUNK_CHECKSUMS,
-            shape=(0,),
-            maxshape=(None,),
-            dtype=fmt.CHECKSUM_DTYPE,
-            chunks=(fmt.CHECKSUM_CHUNK,),
-            track_times=False,
-        )
-        self._offsets_sums_ds = f.create_dataset(
-            fmt.OFFSETS_CHECKSUMS,
-            shape=(0,),
-            maxshape=(None,),
-            dtype=fmt.CHECKSUM_DTYPE,
-            chunks=(fmt.CHECKSUM_CHUNK,),
-            track_times=False,
-        )
+        dsets = _create_datasets(f, self.dtype, self.chunk_tokens, compression, compression_opts)
+        self._tokens, self._offsets, self._ids, self._flags, self._sums_ds, self._offsets_sums_ds = dsets
         for k, v in attrs.items():
             f.attrs[k] = _fixed_string(v) if isinstance(v, str) else v
         f.swmr_mode = True  # every object exists; from here on only datasets grow

@@ -1,0 +1,123 @@
+"""Format v3's index at scale: open cost, anonymous memory and bytes on disk per token, against the
+same documents written by a version 2 writer (docs/FORMAT.md, "Why version 3").
+
+Three steps, each its own process so that every figure is one fresh process's:
+
+* ``write DIR --documents N --mean-tokens M --shards S``: synthetic documents (lengths lognormal
+  around ``M`` tokens, ids uniform below GPT-2's vocabulary, EOS 50256 at each end) through
+  whichever ``h5corpus`` is importable: run it with ``PYTHONPATH`` at an older checkout to write
+  the same documents as version 2 (same ``--seed``, same bytes of tokens).
+* ``measure MANIFEST``: ``open_corpus`` seconds, ``RssAnon`` (``/proc/self/status``: shared page
+  cache does not count) after open and after a first token read, document lookup and offsets
+  range, and the shard files' bytes per token.
+* ``report A.json B.json --out OUT``: the two measurements side by side (``bench/_report.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench._report import emit
+
+GPT2_EOS = 50256
+GPT2_VOCAB = 50257
+
+
+def rss_anon_mb() -> float:
+    """This process's anonymous resident memory (``RssAnon``), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def write(root: Path, documents: int, mean_tokens: float, shards: int, seed: int) -> None:
+    """Write ``documents`` synthetic documents into ``shards`` train shards under ``root``."""
+    from h5corpus.storage.format import TokenizerIdentity
+    from h5corpus.storage.manifest import Manifest, write_manifest
+    from h5corpus.storage.writer import ShardWriter
+
+    ident = TokenizerIdentity(name="gpt2", revision="bench", sha256="0" * 64, vocab_size=GPT2_VOCAB, eos_id=GPT2_EOS)
+    rng = np.random.default_rng(seed)
+    sigma = 0.6
+    lengths = np.maximum(rng.lognormal(np.log(mean_tokens) - sigma**2 / 2, sigma, documents).astype(np.int64), 2)
+    m = Manifest(tokenizer=ident, dtype="uint16", chunk_tokens=1 << 18, shards_dir="../shards")
+    mpath = root / "manifests" / "shards.json"
+    for s, part in enumerate(np.array_split(np.arange(documents), shards)):
+        n = lengths[part]
+        flat = rng.integers(0, GPT2_EOS, int(n.sum()), dtype=np.uint16)
+        flat[np.cumsum(n) - 1] = GPT2_EOS
+        ids = np.frombuffer(b"".join(hashlib.sha256(int(i).to_bytes(8, "little")).digest() for i in part), np.uint8)
+        path = root / "shards" / "train" / f"train-{s:05d}.h5"
+        with ShardWriter(path, split="train", tokenizer=ident, fsync=False) as w:
+            w.add_documents(flat, n, ids.reshape(-1, 32))
+        m.shards.append(w.info.relative_to(mpath.parent))
+    write_manifest(mpath, m)
+
+
+def measure(manifest: Path) -> dict:
+    """One fresh process's open cost, memory and disk figures for ``manifest``'s train split."""
+    rss0 = rss_anon_mb()
+    from h5corpus.storage.reader import open_corpus
+
+    rss_import = rss_anon_mb()
+    t0 = time.perf_counter()
+    c = open_corpus(manifest, "train")
+    t_open = time.perf_counter() - t0
+    rss_open = rss_anon_mb()
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    pos = rng.integers(0, c.num_tokens, 1000)
+    docs = c.doc_index_at(pos) if hasattr(c, "doc_index_at") else np.searchsorted(c.doc_offsets, pos, "right") - 1
+    i = int(docs[0])
+    first = c.document(i)
+    t_first = time.perf_counter() - t0
+    shard_bytes = sum(p.stat().st_size for p in (manifest.parent.parent / "shards").rglob("*.h5"))
+    return {
+        "manifest": str(manifest),
+        "version": int(c.version),
+        "documents": c.num_documents,
+        "tokens": c.num_tokens,
+        "shards": c.num_shards,
+        "open_s": round(t_open, 4),
+        "first_lookup_and_document_s": round(t_first, 4),
+        "rss_anon_mb_import": round(rss_import - rss0, 1),
+        "rss_anon_mb_after_open": round(rss_open, 1),
+        "rss_anon_mb_after_first_read": round(rss_anon_mb(), 1),
+        "shard_bytes": shard_bytes,
+        "bytes_per_token": round(shard_bytes / c.num_tokens, 5),
+        "first_document_tokens": int(first.size),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("root", type=Path)
+    w.add_argument("--documents", type=int, required=True)
+    w.add_argument("--mean-tokens", type=float, required=True)
+    w.add_argument("--shards", type=int, default=1)
+    w.add_argument("--seed", type=int, default=0)
+    ms = sub.add_parser("measure")
+    ms.add_argument("manifest", type=Path)
+    r = sub.add_parser("report")
+    r.add_argument("inputs", type=Path, nargs="+")
+    r.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    if a.cmd == "write":
+        write(a.root, a.documents, a.mean_tokens, a.shards, a.seed)
+    elif a.cmd == "measure":
+        print(json.dumps(measure(a.manifest)))
+    else:
+        emit({"bench": "bench_index_v3", "runs": [json.loads(p.read_text()) for p in a.inputs]}, a.out)
+
+
+if __name__ == "__main__":
+    main()
