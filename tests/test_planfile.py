@@ -153,7 +153,7 @@ def test_a_damaged_plan_file_is_never_used(stdlib_manifest, tmp_path):
         a = header["arrays"][name]
         _flip(f, body + a["offset"] + a["nbytes"] // 2)
         ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)
-        with pytest.raises(PlanFileError, match=f"{name}' block 0 fails its crc32"):
+        with pytest.raises(PlanFileError, match=f"{name}' block 0 fails its checksum"):
             digests(ds)
         shutil.copyfile(tmp_path / "good", f)
     _flip(f, body + header["arrays"]["source_tokens"]["offset"] + 8)

@@ -42,11 +42,12 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
-from .bestfit import MappedRuns, mapped_runs
+from .bestfit import MappedRuns, as_source, mapped_runs
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer
-from .sequence import GlobalSequenceDataset
+from .sequence import GlobalSequenceDataset, check_epoch
 
 Mode = Literal["epoch", "random"]
 MODES = ("epoch", "random")
@@ -133,8 +134,6 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             raise ValueError(f"seed must be >= 0, got seed={seed}")
         if windows_per_epoch is not None and (mode != "random" or windows_per_epoch < 0):
             raise ValueError("windows_per_epoch is for mode='random' and must be >= 0")
-        from .bestfit import as_source
-
         self.corpus = as_source(corpus, split)
         self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
         if self.mixture is not None and mode == "random":
@@ -171,7 +170,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
 
     def epoch_windows(self, epoch: int | None = None) -> int:
         """Windows of ``epoch``'s global sequence (default: the current epoch), ``drop_last`` applied."""
-        e = self.epoch if epoch is None else int(epoch)
+        e = self.epoch if epoch is None else check_epoch(epoch)
         n = self.num_windows if self.mixture is None else int(self._order(e).size)
         return n // self.batch_size * self.batch_size if self.drop_last else n
 
@@ -281,7 +280,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         """Per mixture source, what ``epoch`` reads (:meth:`~h5corpus.loaders.mixture.Mixture.describe`)."""
         if self.mixture is None:
             raise ValueError("mixture_summary: this dataset reads one corpus, not a mixture")
-        e = self.epoch if epoch is None else int(epoch)
+        e = self.epoch if epoch is None else check_epoch(epoch)
         bases = self._shard_windows()[self.mixture.shard_bases]
         return self._with_consumed(
             e, self.mixture.describe(self.mixture.select(bases, None, self.seq_len, self.seed, e, True))
@@ -298,7 +297,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         """Global start token of every window ``consumer`` (default: this process's) reads in a
         whole ``epoch`` (default: the current one), in yield order. For inspection and tests."""
         consumer = consumer or current_consumer(self.rank, self.world_size)
-        e = self.epoch if epoch is None else int(epoch)
+        e = self.epoch if epoch is None else check_epoch(epoch)
         M, N, B = self._num_microbatches(e), self.epoch_windows(e), self.batch_size
         gs = self._batches_of(Schedule(consumer, drop_last=self.drop_last), M)
         return self._starts(e, _positions(gs, B, N)[0])
@@ -426,12 +425,8 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         W, L = starts.size, self.seq_len
         if W == 0:
             return _Masks(np.zeros(0, np.int32), [0] * offs.size, np.zeros(0, np.int64), [0] * offs.size, [0])
-        docs = self.corpus.doc_offsets
-        lo = docs.searchsorted(starts, side="right")  # first document start after the window start
-        counts = docs.searchsorted(starts + L, side="right") - lo  # ... up to the last target's position
-        ends = np.cumsum(counts)
-        win = np.repeat(np.arange(W, dtype=np.int64), counts)
-        rel = docs[np.arange(int(ends[-1]), dtype=np.int64) + (lo - ends + counts)[win]] - starts[win]  # in (0, L]
+        win, rel = _document_starts(self.corpus, starts, L)
+        ends = np.cumsum(np.bincount(win, minlength=W))
         row = (np.arange(W, dtype=np.int64) - np.repeat(offs[:-1], np.diff(offs))) * L  # row_k
         at = row[win] + rel
         inner = np.flatnonzero(rel < L)  # a document starting at rel == L starts the next window's row
@@ -493,6 +488,24 @@ def _spliced(table: Any, views: list[memoryview], r: int, first: int, n: int, it
     if have <= 0 or int(table.starts[r + 1]) != end or nxt * itemsize < n - have:
         return None
     return b"".join((views[r][first : first + have], views[r + 1][: n - have]))
+
+
+def _document_starts(corpus: CorpusLike, starts: np.ndarray, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every document start in ``(a, a + L]`` of each window start ``a`` (ascending ``a``
+    not required): (window index, start relative to ``a``, in ``(0, L]``), window by window in
+    order. Window ``k`` holds documents ``d0 .. d1`` (:meth:`CorpusLike.doc_index_at` of ``a`` and
+    ``a + L``); the starts of ``d0 + 1 .. d1`` come from :meth:`CorpusLike.doc_offsets_range`, so
+    only the index entries of the windows' documents are read (no O(documents) array)."""
+    d0 = np.asarray(corpus.doc_index_at(starts), dtype=np.int64)
+    d1 = np.asarray(corpus.doc_index_at(starts + L), dtype=np.int64)
+    counts = d1 - d0
+    win = np.repeat(np.arange(starts.size, dtype=np.int64), counts)
+    has = np.flatnonzero(counts).tolist()
+    if not has:
+        return win, np.zeros(0, np.int64)
+    lo, hi = (d0 + 1).tolist(), d1.tolist()
+    offs = np.concatenate([corpus.doc_offsets_range(lo[k], hi[k])[: hi[k] - lo[k] + 1] for k in has])
+    return win, offs - starts[win]
 
 
 def _positions(batches: np.ndarray, batch_size: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:
