@@ -26,7 +26,7 @@ from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
 from h5corpus.cli import app
 from h5corpus.loaders.epochplan import PlanSettings, plan_epoch
 from h5corpus.loaders.mixture import mix
-from h5corpus.loaders.planfile import PlanFileError, ensure_plan_file, materialize, open_plan_file
+from h5corpus.loaders.planfile import BLOCK, PlanFileError, ensure_plan_file, materialize, open_plan_file
 from h5corpus.loaders.state import LoaderStateError
 from tests.helpers import batch_digest, interleave_ranks
 
@@ -124,11 +124,13 @@ def test_a_stale_plan_file_is_never_used(stdlib_manifest, tmp_path):
 
 
 def _header(path: Path) -> tuple[int, dict]:
-    """(first byte of the arrays, header) of a plan file, from its documented layout."""
+    """(first byte of the arrays, header) of a plan file, from its documented layout (preamble,
+    header, checksum table, arrays, each 64-byte aligned)."""
     raw = path.read_bytes()
     magic, hlen, _ = struct.unpack_from("<8sQ32s16x", raw, 0)
     assert magic == b"H5CPLAN\x01"
-    return -(-(64 + hlen) // 64) * 64, json.loads(raw[64 : 64 + hlen])
+    header = json.loads(raw[64 : 64 + hlen])
+    return -(-(64 + hlen) // 64) * 64 + -(-(8 * header["sums"][0]) // 64) * 64, header
 
 
 def _flip(path: Path, at: int) -> None:
@@ -148,12 +150,19 @@ def test_a_damaged_plan_file_is_never_used(stdlib_manifest, tmp_path):
         open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
     with pytest.warns(UserWarning, match="damaged"):
         assert digests(BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)) == ref
+    shutil.copyfile(f, tmp_path / "good")
+    _flip(
+        f, -(-(64 + len(json.dumps(header, sort_keys=True))) // 64) * 64 + 3
+    )  # a checksum-table byte: refused at open
+    with pytest.raises(PlanFileError, match="checksum table fails"):
+        open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
+    shutil.copyfile(tmp_path / "good", f)
     for name in ("seg_start", "seg_len", "mb_packs"):  # an array byte: refused when first read
         shutil.copyfile(f, tmp_path / "good")
         a = header["arrays"][name]
         _flip(f, body + a["offset"] + a["nbytes"] // 2)
         ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)
-        with pytest.raises(PlanFileError, match=f"{name}' block 0 fails its checksum"):
+        with pytest.raises(PlanFileError, match=f"{name}' block {a['nbytes'] // 2 // BLOCK} fails its checksum"):
             digests(ds)
         shutil.copyfile(tmp_path / "good", f)
     _flip(f, body + header["arrays"]["source_tokens"]["offset"] + 8)
