@@ -128,8 +128,8 @@ def fill_rows(lengths: np.ndarray) -> dict:
 
 def packer_rows(lengths: np.ndarray) -> dict:
     from h5corpus.loaders.chunking import ChunkTable
-    from h5corpus.loaders.packers import best_fit_packs, bfd_packs
     from h5corpus.loaders.epochplan import epoch_order
+    from h5corpus.loaders.packers import best_fit_packs, bfd_packs
     from tests.helpers import naive_bfd_packs, naive_buffer_packs
 
     table = ChunkTable.build(lengths, L)
