@@ -269,3 +269,19 @@ def test_deeply_nested_state_values_are_refused_naming_the_field(stdlib_manifest
         ds.load_state_dict(nested)
     with pytest.raises(LoaderStateError, match="writer.start"):
         ds.load_state_dict({**st, "writer": {**st["writer"], "start": deep}})
+
+
+def test_a_mixture_plan_file_gives_the_in_memory_sequence_and_source_tokens(stdlib_manifest, tmp_path):
+    corpus = open_corpus(stdlib_manifest, "train")
+    val = open_corpus(stdlib_manifest, "validation")
+    kw = dict(MODES["buffer"], with_segments=True)
+    ref_ds = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 3}), **kw)
+    ref = digests(ref_ds)
+    ds = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 3}), **kw, plan_dir=tmp_path)
+    assert digests(ds) == ref and len(plan_files(tmp_path)) == 1
+    for d in (ref_ds, ds):
+        d.seek(3)
+    assert ds.state_dict()["source_tokens"] == ref_ds.state_dict()["source_tokens"]
+    other = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 2}), **kw, plan_dir=tmp_path)
+    other.shared_plan(0)
+    assert len(plan_files(tmp_path)) == 2  # other weights: another plan file, never the first one
