@@ -65,7 +65,7 @@ _TAG_RANDOM = 0x52414E44  # "RAND"
 
 
 class _Masks(NamedTuple):
-    """Document masking of a block's batches (:meth:`SlidingWindowDataset._mask_plan`), in inputs
+    """Document masking of a block's batches (:meth:`_WindowReads.mask_plan`), in inputs
     of each batch: batch b's segment starts (``cu_seqlens`` without its final T) are
     ``cut[cut_at[b] : cut_at[b + 1]]``, its inputs whose target is ignored
     ``ignore[ignore_at[b] : ignore_at[b + 1]]``, its longest segment ``longest[b]``."""
@@ -145,7 +145,6 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         self.document_mask = bool(document_mask)
         self.windows_per_epoch = None if windows_per_epoch is None else int(windows_per_epoch)
         self._cache: dict[Any, Any] = {}  # this epoch's order, random block, counts (never pickled)
-        self._templates: dict[Any, np.ndarray] = {}  # row_cu per (batch size, seq_len)
         self._layout: tuple[Any, np.ndarray] | None = None
 
     # -- layout -----------------------------------------------------------------------------------
@@ -314,25 +313,75 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
         runs = mapped_runs(self.corpus)  # this process's memory maps (None: a shard read through HDF5)
+        reads = self._reads()
         for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
             items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
-            block = self._starts(epoch, items)
-            mask = self._mask_plan(block, offs) if self.document_mask else None
-            if runs is not None:
-                for batch in self._mapped_batches(runs, block, offs, mask):
-                    live.yielded += 1
-                    yield batch
-                continue
-            for b, (lo, hi) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
-                batch = self._batch(block[lo:hi], mask, b)
+            for batch in reads.block(self._starts(epoch, items), offs, runs):
                 live.yielded += 1
                 yield batch
 
-    def _mapped_batches(
+    # -- batches --------------------------------------------------------------------------------------
+    def _reads(self) -> _WindowReads:
+        """This process's window reads (cached; never pickled)."""
+        hit = self._cache.get("reads")
+        if hit is None:
+            hit = self._cache["reads"] = _WindowReads(self.corpus, self.seq_len, self.document_mask)
+        return hit
+
+    def make_batch(self, starts: np.ndarray) -> VarlenBatch:
+        """The compact batch of windows starting at global token positions ``starts`` (see
+        :class:`_WindowReads`); IndexError for a start whose window does not fit the corpus."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        last = self.corpus.num_tokens - self.seq_len - 1  # the last start whose window fits
+        if starts.size and (int(starts.min()) < 0 or int(starts.max()) > last):
+            bad = int(starts[(starts < 0) | (starts > last)][0])
+            raise IndexError(f"window start {bad:,} outside [0, {last:,}] (a window reads seq_len + 1 tokens)")
+        runs = mapped_runs(self.corpus) if starts.size else None
+        return next(self._reads().block(starts, np.array([0, starts.size], dtype=np.int64), runs))
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = super().__getstate__()
+        d["_cache"] = {}
+        d["_layout"] = None
+        return d
+
+    def __repr__(self) -> str:
+        return (
+            f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
+            f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})"
+        )
+
+
+class _WindowReads:
+    """Windows of one corpus into compact batches (one per process: it holds the row templates).
+
+    Row j of a batch's storage is window j in the corpus's own width (e.g. 2 bytes per uint16
+    token; no int64 copies), copied once from the memory maps (:meth:`mapped`) or by one
+    ``Corpus.gather`` into the batch (:meth:`gathered`, a shard read through HDF5): ``row_cu`` =
+    ``[0, L, 2L, ...]``, one pack per window. With document masking, ``cu_seqlens`` adds every
+    document start inside a window and ``ignore`` lists the inputs whose target is the next
+    document's first token (:meth:`mask_plan`). The int64 fields materialize lazily where the
+    batch is used (:class:`~h5corpus.loaders.batch.VarlenBatch`)."""
+
+    def __init__(self, corpus: CorpusLike, seq_len: int, document_mask: bool) -> None:
+        self.corpus, self.seq_len, self.document_mask = corpus, seq_len, document_mask
+        self._templates: dict[Any, np.ndarray] = {}  # row_cu per (batch size, seq_len)
+
+    def block(self, starts: np.ndarray, offs: np.ndarray, runs: MappedRuns | None) -> Iterator[VarlenBatch]:
+        """The batches of a block (batch b: windows ``offs[b] .. offs[b + 1]`` of ``starts``),
+        masking planned for the whole block at once."""
+        mask = self.mask_plan(starts, offs) if self.document_mask else None
+        if runs is not None:
+            yield from self.mapped(runs, starts, offs, mask)
+            return
+        for b, (lo, hi) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
+            yield self.gathered(starts[lo:hi], mask, b)
+
+    def mapped(
         self, runs: MappedRuns, starts: np.ndarray, offs: np.ndarray, mask: _Masks | None
     ) -> Iterator[VarlenBatch]:
         """The batches of a block (batch b: windows ``offs[b] .. offs[b + 1]`` of ``starts``) of a
-        memory-mapped corpus, the same as :meth:`_batch` makes: each window is one byte view into
+        memory-mapped corpus, the same as :meth:`gathered` makes: each window is one byte view into
         the run holding it, joined with the batch's header into its one buffer
         (:meth:`~h5corpus.loaders.batch.VarlenBatch.from_window_rows`); a window that leaves its run
         (a gap between runs, a shard's end, a chunk not verified yet) is read through
@@ -371,32 +420,9 @@ class SlidingWindowDataset(GlobalSequenceDataset):
                     max_seqlen=mask.longest[b],
                 )
 
-    # -- batches --------------------------------------------------------------------------------------
-    def make_batch(self, starts: np.ndarray) -> VarlenBatch:
-        """The compact batch of windows starting at global token positions ``starts``.
-
-        Row j of the batch's storage is window j in the corpus's own width (e.g. 2 bytes per
-        uint16 token; no int64 copies), copied once from the memory maps (:meth:`_mapped_batches`)
-        or by one ``Corpus.gather`` into the batch (a shard read through HDF5): ``row_cu`` =
-        ``[0, L, 2L, ...]``, one pack per window. With document masking, ``cu_seqlens`` adds every
-        document start inside a window and ``ignore`` lists the inputs whose target is the next
-        document's first token. The int64 fields materialize lazily where the batch is used
-        (:class:`~h5corpus.loaders.batch.VarlenBatch`)."""
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        last = self.corpus.num_tokens - self.seq_len - 1  # the last start whose window fits
-        if starts.size and (int(starts.min()) < 0 or int(starts.max()) > last):
-            bad = int(starts[(starts < 0) | (starts > last)][0])
-            raise IndexError(f"window start {bad:,} outside [0, {last:,}] (a window reads seq_len + 1 tokens)")
-        offs = np.array([0, starts.size], dtype=np.int64)
-        mask = self._mask_plan(starts, offs) if self.document_mask else None
-        runs = mapped_runs(self.corpus) if starts.size else None
-        if runs is None:
-            return self._batch(starts, mask, 0)
-        return next(self._mapped_batches(runs, starts, offs, mask))
-
-    def _batch(self, starts: np.ndarray, mask: _Masks | None, b: int) -> VarlenBatch:
-        """make_batch for batch ``b`` of a block whose document masking was planned at once
-        (:meth:`_mask_plan`; None without masking), through ``Corpus.gather`` (the path of
+    def gathered(self, starts: np.ndarray, mask: _Masks | None, b: int) -> VarlenBatch:
+        """Batch ``b`` of a block whose document masking was planned at once
+        (:meth:`mask_plan`; None without masking), through ``Corpus.gather`` (the path of
         corpora with a shard read through HDF5)."""
         B, L = starts.size, self.seq_len
         T = B * L
@@ -411,11 +437,11 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             parts = alloc_compact(B, T, self.corpus.dtype, packs=B)
             max_seqlen = L
         self.corpus.gather(starts, L + 1, out=parts.tokens.reshape(B, L + 1))
-        parts.row_cu[:] = self._row_starts(B)
+        parts.row_cu[:] = self.row_starts(B)
         parts.pack_lengths[:] = L
         return parts.batch(max_seqlen, row_len=L)
 
-    def _mask_plan(self, starts: np.ndarray, offs: np.ndarray) -> _Masks:
+    def mask_plan(self, starts: np.ndarray, offs: np.ndarray) -> _Masks:
         """Document masking of the windows at ``starts`` (batch b: windows ``offs[b] .. offs[b + 1]``),
         all at once: one set of numpy calls per block of batches (:class:`_Masks`). Window k's
         inputs are ``[row_k, row_k + L)`` of its batch; its segments start at ``row_k`` and at every
@@ -445,26 +471,13 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         ign_ptr[1:] = ends
         return _Masks(cut, cut_ptr[offs].tolist(), at - 1, ign_ptr[offs].tolist(), longest)
 
-    def _row_starts(self, B: int) -> np.ndarray:
+    def row_starts(self, B: int) -> np.ndarray:
         """(B + 1,) int32 ``[0, L, 2L, ..., B*L]``: ``row_cu`` of a batch of B windows (cached)."""
         key = (B, self.seq_len)
         tpl = self._templates.get(key)
         if tpl is None:
             tpl = self._templates[key] = np.arange(0, B * self.seq_len + 1, self.seq_len, dtype=np.int32)
         return tpl
-
-    def __getstate__(self) -> dict[str, Any]:
-        d = super().__getstate__()
-        d["_cache"] = {}
-        d["_templates"] = {}
-        d["_layout"] = None
-        return d
-
-    def __repr__(self) -> str:
-        return (
-            f"SlidingWindowDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, mode={self.mode!r}, "
-            f"seed={self.seed}, epoch={self.epoch}, document_mask={self.document_mask}, windows={self.num_windows:,})"
-        )
 
 
 def _locate(table: Any, starts: np.ndarray, length: int, itemsize: int) -> tuple[list[int], list[int], list[int]]:
