@@ -285,3 +285,19 @@ def test_a_mixture_plan_file_gives_the_in_memory_sequence_and_source_tokens(stdl
     other = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 2}), **kw, plan_dir=tmp_path)
     other.shared_plan(0)
     assert len(plan_files(tmp_path)) == 2  # other weights: another plan file, never the first one
+
+
+@pytest.mark.parametrize("value", [1.5, "8", True, math.nan, None], ids=repr)
+def test_loader_sizes_follow_the_same_rule(stdlib_manifest, value):
+    corpus = open_corpus(stdlib_manifest, "train")
+    for name in ("max_seq_len", "batch_size", "seed", "packing_buffer"):
+        if value is None and name == "packing_buffer":
+            continue  # None: the mode's default
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            BestFitDataset(corpus, **{**MODES["buffer"], name: value})
+    for name in ("seq_len", "batch_size", "seed"):
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            SlidingWindowDataset(corpus, **{"seq_len": 700, "batch_size": 6, name: value})
+    if value is not None:
+        with pytest.raises(ValueError, match="windows_per_epoch must be an integer"):
+            SlidingWindowDataset(corpus, 700, 6, mode="random", windows_per_epoch=value)

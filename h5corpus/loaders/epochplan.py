@@ -32,6 +32,7 @@ import numpy as np
 
 from .chunking import ChunkTable
 from .packers import BufferPacker, decode_keys, shuffled_bfd_block
+from .partition import integer_arg
 from .state import STATE_VERSION
 
 MODES = ("buffer", "bfd")
@@ -53,14 +54,8 @@ GROUP = 8
 def default_packing_buffer(mode: str, packing_buffer: int | None) -> int:
     """``packing_buffer`` if given, else the mode's default (:data:`DEFAULT_PACKING_BUFFER`)."""
     if packing_buffer is not None:
-        return int(packing_buffer)
+        return integer_arg("packing_buffer", packing_buffer, 1)
     return DEFAULT_PACKING_BUFFER["buffer" if mode == "buffer" else "bfd"]
-
-
-def _as_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
-    return int(v)
 
 
 @dataclass(frozen=True)
@@ -84,15 +79,10 @@ class PlanSettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        L, B = _as_int("max_seq_len", self.max_seq_len), _as_int("batch_size", self.batch_size)
-        if not 1 <= L < 2**30 or B < 1:
-            raise ValueError(f"max_seq_len ({L}) must be in [1, 2**30) and batch_size ({B}) >= 1")
-        buf = _as_int("packing_buffer", default_packing_buffer(self.mode, self.packing_buffer))
-        if buf < 1:
-            raise ValueError(f"packing_buffer must be >= 1 chunk, got {buf}")
-        seed = _as_int("seed", self.seed)
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+        L = integer_arg("max_seq_len", self.max_seq_len, 1, 2**30 - 1)
+        B = integer_arg("batch_size", self.batch_size, 1)
+        buf = integer_arg("packing_buffer", default_packing_buffer(self.mode, self.packing_buffer), 1)
+        seed = integer_arg("seed", self.seed, 0)
         for name, value in (
             ("max_seq_len", L),
             ("batch_size", B),

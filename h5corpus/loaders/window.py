@@ -46,7 +46,7 @@ from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
 from .bestfit import MappedRuns, as_source, mapped_runs
 from .mixture import Mixture
-from .partition import Consumer, Schedule, current_consumer
+from .partition import Consumer, Schedule, current_consumer, integer_arg
 from .sequence import GlobalSequenceDataset, check_epoch
 
 Mode = Literal["epoch", "random"]
@@ -121,19 +121,15 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         epoch: int = 0,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
-        for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("seed", seed)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1 token, got {seq_len}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 window, got {batch_size}")
+        seq_len = integer_arg("seq_len", seq_len, 1)
+        batch_size = integer_arg("batch_size", batch_size, 1)
+        seed = integer_arg("seed", seed, 0)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got seed={seed}")
-        if windows_per_epoch is not None and (mode != "random" or windows_per_epoch < 0):
-            raise ValueError("windows_per_epoch is for mode='random' and must be >= 0")
+        if windows_per_epoch is not None:
+            windows_per_epoch = integer_arg("windows_per_epoch", windows_per_epoch, 0)
+            if mode != "random":
+                raise ValueError("windows_per_epoch is for mode='random'")
         self.corpus = as_source(corpus, split)
         self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
         if self.mixture is not None and mode == "random":
