@@ -1,8 +1,8 @@
 """One epoch of a loader under a real ``torchrun`` (gloo, CPU), an all-reduce per step.
 
 Run by ``tests/test_torchrun.py``: ``torchrun --standalone --nproc_per_node N tests/ddp_epoch.py
-MANIFEST OUT LOADER SAVE_AT WORKERS [PLAN_DIR]``; with PLAN_DIR (loader ``bestfit``) the plan is
-shared through plan files there, and each rank also writes ``OUT/LOADER-RANK.npy``: the (S, 3)
+MANIFEST OUT LOADER SAVE_AT WORKERS [PLAN_DIR]``; with PLAN_DIR the plan is
+shared through plan files there (loader ``bestfit`` or ``bestfit-large``), and each rank also writes ``OUT/LOADER-RANK.npy``: the (S, 3)
 ``(document, start, length)`` segments of every batch it yielded, end to end. Rank and world size come from ``torch.distributed`` (the
 datasets' default), also inside spawned DataLoader workers. Writes ``OUT/LOADER-RANK.json`` (every batch's digest, ``len()``, the
 all-reduced token count of each step) and, after step SAVE_AT, ``OUT/LOADER-RANK.pt`` (the
@@ -31,6 +31,8 @@ from tests.helpers import BYTE_IDENTITY, batch_digest
 def make(loader: str, corpus, **kw):
     if loader == "bestfit":
         return BestFitDataset(corpus, 1024, 6, 32, seed=5, **kw)
+    if loader == "bestfit-large":  # the issue's sizes: few steps per epoch on a large corpus
+        return BestFitDataset(corpus, 4096, 35, 64, seed=5, **kw)
     return SlidingWindowDataset(corpus, 700, 6, seed=5, document_mask=True, **kw)
 
 

@@ -82,7 +82,7 @@ def plan_run(tmp_path_factory):
     out, plan_dir = root / "out", root / "plans"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "tests" / "ddp_epoch.py"), str(manifest), str(out), "bestfit", "7", "2", str(plan_dir)]  # fmt: skip
+           str(REPO / "tests" / "ddp_epoch.py"), str(manifest), str(out), "bestfit-large", "7", "2", str(plan_dir)]  # fmt: skip
     r = subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, f"torchrun failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return manifest, out, plan_dir
@@ -97,26 +97,26 @@ def test_torchrun_2x2_shares_one_plan_file_every_pair_once_and_resumes_on_3_rank
     7 steps) resumes on 3 ranks with global microbatch 14 on."""
     manifest, out, plan_dir = plan_run
     assert len(list(plan_dir.glob("*.h5cplan"))) == 1
-    ranks = [json.loads((out / f"bestfit-{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((out / f"bestfit-large-{r}.json").read_text()) for r in range(2)]
     assert len(ranks[0]["digests"]) == len(ranks[1]["digests"]) == ranks[0]["len"] == ranks[1]["len"]
     assert ranks[0]["step_tokens"] == ranks[1]["step_tokens"]
     corpus = open_corpus(manifest, "train")
-    ref = [batch_digest(b) for b in make("bestfit", corpus, plan_dir=plan_dir)]
+    ref = [batch_digest(b) for b in make("bestfit-large", corpus, plan_dir=plan_dir)]
     M = len(ref)
     got = interleave_ranks([r["digests"] for r in ranks])
     assert got == [ref[i % M] for i in range(len(got))] and len(got) >= M
     # every pair once: segments of the first M global microbatches (the rest repeat the epoch's first)
     batches = []
     for r in range(2):
-        segs = np.load(out / f"bestfit-{r}.npy")
+        segs = np.load(out / f"bestfit-large-{r}.npy")
         batches.append(np.split(segs, np.cumsum(ranks[r]["segment_counts"])[:-1]))
     s = np.concatenate(interleave_ranks(batches)[:M])
     assert_tiles_every_pair_once(s[np.lexsort((s[:, 1], s[:, 0]))], corpus.doc_lengths())
     # resume on another world size
-    state = torch.load(out / "bestfit-0.pt", weights_only=True)
+    state = torch.load(out / "bestfit-large-0.pt", weights_only=True)
     per = []
     for r in range(3):
-        ds = make("bestfit", open_corpus(manifest, "train"), plan_dir=plan_dir, rank=r, world_size=3)
+        ds = make("bestfit-large", open_corpus(manifest, "train"), plan_dir=plan_dir, rank=r, world_size=3)
         ds.load_state_dict(state)
         per.append([batch_digest(b) for b in ds])
     resumed = interleave_ranks(per)
