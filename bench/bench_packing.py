@@ -104,7 +104,7 @@ def build_corpus(root: Path) -> tuple[Path, str]:
 
 
 def fill_rows(lengths: np.ndarray) -> dict:
-    from h5corpus.loaders.plan import pack_fill
+    from h5corpus.loaders.epochplan import pack_fill
 
     rows = {}
     for name, mode, buf in (
@@ -128,8 +128,8 @@ def fill_rows(lengths: np.ndarray) -> dict:
 
 def packer_rows(lengths: np.ndarray) -> dict:
     from h5corpus.loaders.chunking import ChunkTable
+    from h5corpus.loaders.epochplan import epoch_order
     from h5corpus.loaders.packers import best_fit_packs, bfd_packs
-    from h5corpus.loaders.plan import epoch_order
     from tests.helpers import naive_bfd_packs, naive_buffer_packs
 
     table = ChunkTable.build(lengths, L)
@@ -168,7 +168,7 @@ def packer_rows(lengths: np.ndarray) -> dict:
 def plan_rows(lengths: np.ndarray, millions: list[float]) -> dict:
     """The global plan's cost over synthetic corpora of ``millions`` x 10^6 documents."""
     from h5corpus.loaders.chunking import ChunkTable
-    from h5corpus.loaders.plan import EpochPlan, PlanSettings, epoch_order
+    from h5corpus.loaders.epochplan import EpochPlan, PlanSettings, epoch_order
 
     rows: dict = {}
     rng = np.random.default_rng(0)
@@ -182,24 +182,22 @@ def plan_rows(lengths: np.ndarray, millions: list[float]) -> dict:
             def setup():
                 table = ChunkTable.build(docs, L)
                 plan = EpochPlan(table, epoch_order(table.num_chunks, 0, 0), st, epoch=0)
-                plan.reach(1)
-                return plan
+                return plan, plan.next_group(1)  # the first microbatch
 
             tracemalloc.start()
-            plan = setup()
+            plan, first = setup()
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
-            del plan
+            del plan, first
             t0 = time.perf_counter()
-            plan = setup()
+            plan, first = setup()
             t_first = time.perf_counter() - t0
             t0 = time.perf_counter()
-            M = plan.plan_all()
+            M = first.num_microbatches + plan.count_microbatches()
             t_all = time.perf_counter() - t0 + t_first
             held = sum(
                 a.nbytes for a in (plan.table.doc, plan.table.length, plan.table.first, plan.stream, plan.lengths)
             )
-            held += plan._tok.nbytes
             row[mode] = {
                 "chunks": plan.num_chunks,
                 "microbatches": M,

@@ -900,6 +900,7 @@ def plan_cli(
 ) -> None:
     """Precompute the best-fit loader's epoch plans into --plan-dir (one file per epoch)."""
     from .loaders.bestfit import write_plans
+    from .storage.format import FormatError
 
     check_path_arg("MANIFEST", manifest)
     check_local_manifest(manifest)
@@ -912,6 +913,8 @@ def plan_cli(
             manifest, plan_dir, range(first_epoch, first_epoch + max(epochs, 0)), workers=workers, rebuild=rebuild,
             split=split, mode=mode, shuffle=shuffle, **settings,
         )  # fmt: skip
+    except FormatError as e:  # the corpus is bad, not the command line
+        raise fail(f"plan: {e}", EXIT_BAD_DATA) from None
     except (ValueError, TypeError) as e:
         raise fail(f"plan: {e}", EXIT_USAGE) from None
     except OSError as e:

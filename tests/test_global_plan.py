@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
-from h5corpus.loaders import bestfit
+from h5corpus.loaders import bestfit, window
 from h5corpus.loaders.batch import VarlenBatch
 from h5corpus.loaders.epochplan import pack_fill
 from tests.helpers import batch_digest, interleave_ranks, majority_document_run, naive_buffer_packs, naive_chunks
@@ -214,9 +214,9 @@ def test_seek_starts_at_a_global_position_without_reading_skipped_batches(stdlib
         # reaches inside: counting reads needs the one private method every batch passes through
         real = bestfit._SegmentReads.batch
         monkeypatch.setattr(bestfit._SegmentReads, "batch", lambda self, mb: reads.append(1) or real(self, mb))
-    else:  # a batch copied from the memory maps, or read through HDF5 (_batch)
-        real_w, real_rows = SlidingWindowDataset._batch, VarlenBatch.from_window_rows
-        monkeypatch.setattr(SlidingWindowDataset, "_batch", lambda self, *a: reads.append(1) or real_w(self, *a))
+    else:  # a batch copied from the memory maps, or read through HDF5 (gathered); reaches inside for the same reason
+        real_w, real_rows = window._WindowReads.gathered, VarlenBatch.from_window_rows
+        monkeypatch.setattr(window._WindowReads, "gathered", lambda self, *a: reads.append(1) or real_w(self, *a))
         monkeypatch.setattr(
             VarlenBatch, "from_window_rows", classmethod(lambda cls, *a, **k: reads.append(1) or real_rows(*a, **k))
         )

@@ -18,8 +18,8 @@ import torch
 from h5corpus import BestFitDataset, open_corpus, split_tokens
 from h5corpus.loaders.batch import concat_batches
 from h5corpus.loaders.chunking import ChunkTable, document_chunks
-from h5corpus.loaders.packers import BufferPacker, best_fit_packs, bfd_packs, shuffled_bfd_block
 from h5corpus.loaders.epochplan import epoch_order, pack_fill
+from h5corpus.loaders.packers import BufferPacker, best_fit_packs, bfd_packs, shuffled_bfd_block
 from h5corpus.storage.format import TokenizerIdentity
 from h5corpus.storage.manifest import Manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter

@@ -26,7 +26,7 @@ from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
 from h5corpus.cli import app
 from h5corpus.loaders.epochplan import PlanSettings, plan_epoch
 from h5corpus.loaders.mixture import mix
-from h5corpus.loaders.planfile import PlanFileError, ensure_plan_file, materialize, open_plan_file
+from h5corpus.loaders.planfile import BLOCK, PlanFileError, ensure_plan_file, materialize, open_plan_file
 from h5corpus.loaders.state import LoaderStateError
 from tests.helpers import batch_digest, interleave_ranks
 
@@ -124,11 +124,13 @@ def test_a_stale_plan_file_is_never_used(stdlib_manifest, tmp_path):
 
 
 def _header(path: Path) -> tuple[int, dict]:
-    """(first byte of the arrays, header) of a plan file, from its documented layout."""
+    """(first byte of the arrays, header) of a plan file, from its documented layout (preamble,
+    header, checksum table, arrays, each 64-byte aligned)."""
     raw = path.read_bytes()
     magic, hlen, _ = struct.unpack_from("<8sQ32s16x", raw, 0)
     assert magic == b"H5CPLAN\x01"
-    return -(-(64 + hlen) // 64) * 64, json.loads(raw[64 : 64 + hlen])
+    header = json.loads(raw[64 : 64 + hlen])
+    return -(-(64 + hlen) // 64) * 64 + -(-(8 * header["sums"][0]) // 64) * 64, header
 
 
 def _flip(path: Path, at: int) -> None:
@@ -148,12 +150,19 @@ def test_a_damaged_plan_file_is_never_used(stdlib_manifest, tmp_path):
         open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
     with pytest.warns(UserWarning, match="damaged"):
         assert digests(BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)) == ref
+    shutil.copyfile(f, tmp_path / "good")
+    _flip(
+        f, -(-(64 + len(json.dumps(header, sort_keys=True))) // 64) * 64 + 3
+    )  # a checksum-table byte: refused at open
+    with pytest.raises(PlanFileError, match="checksum table fails"):
+        open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
+    shutil.copyfile(tmp_path / "good", f)
     for name in ("seg_start", "seg_len", "mb_packs"):  # an array byte: refused when first read
         shutil.copyfile(f, tmp_path / "good")
         a = header["arrays"][name]
         _flip(f, body + a["offset"] + a["nbytes"] // 2)
         ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)
-        with pytest.raises(PlanFileError, match=f"{name}' block 0 fails its crc32"):
+        with pytest.raises(PlanFileError, match=f"{name}' block {a['nbytes'] // 2 // BLOCK} fails its checksum"):
             digests(ds)
         shutil.copyfile(tmp_path / "good", f)
     _flip(f, body + header["arrays"]["source_tokens"]["offset"] + 8)
@@ -260,3 +269,35 @@ def test_deeply_nested_state_values_are_refused_naming_the_field(stdlib_manifest
         ds.load_state_dict(nested)
     with pytest.raises(LoaderStateError, match="writer.start"):
         ds.load_state_dict({**st, "writer": {**st["writer"], "start": deep}})
+
+
+def test_a_mixture_plan_file_gives_the_in_memory_sequence_and_source_tokens(stdlib_manifest, tmp_path):
+    corpus = open_corpus(stdlib_manifest, "train")
+    val = open_corpus(stdlib_manifest, "validation")
+    kw = dict(MODES["buffer"], with_segments=True)
+    ref_ds = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 3}), **kw)
+    ref = digests(ref_ds)
+    ds = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 3}), **kw, plan_dir=tmp_path)
+    assert digests(ds) == ref and len(plan_files(tmp_path)) == 1
+    for d in (ref_ds, ds):
+        d.seek(3)
+    assert ds.state_dict()["source_tokens"] == ref_ds.state_dict()["source_tokens"]
+    other = BestFitDataset(mix({"train": corpus, "val": val}, {"train": 1, "val": 2}), **kw, plan_dir=tmp_path)
+    other.shared_plan(0)
+    assert len(plan_files(tmp_path)) == 2  # other weights: another plan file, never the first one
+
+
+@pytest.mark.parametrize("value", [1.5, "8", True, math.nan, None], ids=repr)
+def test_loader_sizes_follow_the_same_rule(stdlib_manifest, value):
+    corpus = open_corpus(stdlib_manifest, "train")
+    for name in ("max_seq_len", "batch_size", "seed", "packing_buffer"):
+        if value is None and name == "packing_buffer":
+            continue  # None: the mode's default
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            BestFitDataset(corpus, **{**MODES["buffer"], name: value})
+    for name in ("seq_len", "batch_size", "seed"):
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            SlidingWindowDataset(corpus, **{"seq_len": 700, "batch_size": 6, name: value})
+    if value is not None:
+        with pytest.raises(ValueError, match="windows_per_epoch must be an integer"):
+            SlidingWindowDataset(corpus, 700, 6, mode="random", windows_per_epoch=value)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from h5corpus.loaders import window
 from h5corpus.loaders.batch import IGNORE_INDEX, VarlenBatch, collate_varlen, concat_batches
 from h5corpus.loaders.partition import Consumer
 from h5corpus.loaders.window import SlidingWindowDataset
@@ -442,3 +443,18 @@ def test_dataset_argument_checks(stdlib_manifest):
         with pytest.raises(ValueError, match=msg):
             SlidingWindowDataset(c, **kw)
     assert list(SlidingWindowDataset(c, c.num_tokens + 5)) == []
+
+
+def test_document_masks_are_the_same_whichever_way_boundaries_are_read(stdlib_manifest, monkeypatch):
+    """Masks of a whole epoch with the boundary cache (a corpus under 1 Mi documents) equal those
+    read window by window (the path of larger corpora); reaches inside (window._DocBoundaries)
+    because only its size limit picks the path."""
+    c = open_corpus(stdlib_manifest, "train")
+    ref = list(SlidingWindowDataset(c, 300, 5, seed=1, document_mask=True))
+    monkeypatch.setattr(window._DocBoundaries, "SLOTS", 1)
+    monkeypatch.setattr(window._DocBoundaries, "BLOCK", 1)
+    got = list(SlidingWindowDataset(c, 300, 5, seed=1, document_mask=True))
+    assert len(got) == len(ref) > 10
+    for g, r in zip(got, ref):
+        for f in ("input_ids", "targets", "position_ids", "cu_seqlens"):
+            assert torch.equal(getattr(g, f), getattr(r, f)), f

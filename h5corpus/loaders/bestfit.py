@@ -238,12 +238,12 @@ class BestFitDataset(GlobalSequenceDataset):
         e = self.epoch if epoch is None else check_epoch(epoch)
         table = self.chunk_table() if table is None else table
         if self.mixture is None:
-            stream, bases = epoch_order(table.num_chunks, self.seed, e, self.shuffle), None
+            stream = epoch_order(table.num_chunks, self.seed, e, self.shuffle)
         else:
             bases = table.first[self.mixture.doc_bases]
             sel = self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle)
             stream = sel.items.astype(np.int32 if table.num_chunks < 2**31 else np.int64)
-        return EpochPlan(table, stream, self.settings, epoch=e, source_bases=bases)
+        return EpochPlan(table, stream, self.settings, epoch=e)
 
     def plan_arrays(self, epoch: int | None = None) -> PlanArrays:
         """``epoch``'s whole plan as flat arrays (what a plan file holds); O(documents)."""

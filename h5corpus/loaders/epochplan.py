@@ -16,10 +16,10 @@ epoch the plan is (docs/PACKING.md, section 4):
    ``numpy.random.default_rng([seed, epoch, 0x9ACC])``, drawn once per block.
 4. **Microbatches**: ``batch_size`` consecutive packs; only the epoch's last holds fewer.
 
-:class:`EpochPlan` runs this lazily, a group of microbatches at a time (packing is sequential),
-keeping the microbatches its consumer asked for (:meth:`EpochPlan.want`) and every microbatch's
-token count (what a checkpoint's ``tokens`` is checked against). :func:`pack_fill` plans a whole
-epoch to report how full the packs are.
+:class:`EpochPlan` runs this a group of microbatches at a time (packing is sequential);
+:mod:`~h5corpus.loaders.planfile` materializes a whole epoch once into the arrays every process
+reads (in memory, or from a shared plan file). :func:`pack_fill` plans a whole epoch to report
+how full the packs are.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 
 from .chunking import ChunkTable
 from .packers import BufferPacker, decode_keys, shuffled_bfd_block
+from .partition import integer_arg
 from .state import STATE_VERSION
 
 MODES = ("buffer", "bfd")
@@ -53,14 +54,8 @@ GROUP = 8
 def default_packing_buffer(mode: str, packing_buffer: int | None) -> int:
     """``packing_buffer`` if given, else the mode's default (:data:`DEFAULT_PACKING_BUFFER`)."""
     if packing_buffer is not None:
-        return int(packing_buffer)
+        return integer_arg("packing_buffer", packing_buffer, 1)
     return DEFAULT_PACKING_BUFFER["buffer" if mode == "buffer" else "bfd"]
-
-
-def _as_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
-    return int(v)
 
 
 @dataclass(frozen=True)
@@ -84,15 +79,10 @@ class PlanSettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        L, B = _as_int("max_seq_len", self.max_seq_len), _as_int("batch_size", self.batch_size)
-        if not 1 <= L < 2**30 or B < 1:
-            raise ValueError(f"max_seq_len ({L}) must be in [1, 2**30) and batch_size ({B}) >= 1")
-        buf = _as_int("packing_buffer", default_packing_buffer(self.mode, self.packing_buffer))
-        if buf < 1:
-            raise ValueError(f"packing_buffer must be >= 1 chunk, got {buf}")
-        seed = _as_int("seed", self.seed)
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+        L = integer_arg("max_seq_len", self.max_seq_len, 1, 2**30 - 1)
+        B = integer_arg("batch_size", self.batch_size, 1)
+        buf = integer_arg("packing_buffer", default_packing_buffer(self.mode, self.packing_buffer), 1)
+        seed = integer_arg("seed", self.seed, 0)
         for name, value in (
             ("max_seq_len", L),
             ("batch_size", B),
@@ -163,38 +153,18 @@ class MicrobatchGroup(NamedTuple):
         return Microbatch(self.chunks[a:b], self.lengths[a:b], self.pack_starts[p0:p1] - a)
 
 
-def join_microbatches(mbs: list[Microbatch]) -> MicrobatchGroup:
-    """One group of consecutive entries ``mbs`` (for reads prepared per group)."""
-    chunks = np.concatenate([m.chunks for m in mbs])
-    lengths = np.concatenate([m.lengths for m in mbs])
-    offs = np.cumsum([0] + [m.chunks.size for m in mbs])
-    starts = np.concatenate([m.pack_starts + o for m, o in zip(mbs, offs[:-1].tolist())])
-    return MicrobatchGroup(chunks, lengths, starts, np.cumsum([0] + [m.pack_starts.size for m in mbs]).tolist())
-
-
 class EpochPlan:
-    """The global sequence of one epoch's microbatches, planned lazily from chunk lengths alone.
+    """The packing of one epoch's chunk stream into microbatches, from chunk lengths alone, a
+    group at a time (:meth:`next_group`; packing is sequential, so a plan is consumed once).
+    :func:`~h5corpus.loaders.planfile.materialize` turns a whole epoch of it into the flat arrays
+    every process reads; :func:`pack_fill` into fill statistics.
 
-    ``stream`` holds the epoch's chunk ids in stream order (module docstring). :meth:`reach` plans
-    until ``n`` microbatches exist (or the epoch ends: then :attr:`total` is M); the plan keeps the
-    microbatches :meth:`want` names for :meth:`take`, and every microbatch's input tokens, per
-    source when ``source_bases`` (chunk id where each mixture source begins) is given."""
+    ``stream`` holds the epoch's chunk ids in stream order (module docstring)."""
 
-    def __init__(
-        self, table: ChunkTable, stream: np.ndarray, settings: PlanSettings, *, epoch: int, source_bases=None
-    ) -> None:
+    def __init__(self, table: ChunkTable, stream: np.ndarray, settings: PlanSettings, *, epoch: int) -> None:
         self.table, self.settings, self.epoch = table, settings, int(epoch)
         self.stream = stream
         self.lengths = table.length[stream]
-        self.source_bases = None if source_bases is None else np.asarray(source_bases, dtype=np.int64)
-        S = 1 if self.source_bases is None else self.source_bases.size - 1
-        cap = -(-self.stream.size // settings.batch_size) + 2  # M <= ceil(C / B): at most one pack per chunk
-        self._tok = np.zeros(cap, dtype=np.int64)  # _tok[g]: input tokens before microbatch g
-        self._src = np.zeros((cap, S), dtype=np.int64) if S > 1 else None
-        self.planned = 0
-        self.total: int | None = None
-        self._kept: dict[int, tuple[MicrobatchGroup, int]] = {}  # wanted microbatch -> (its group, index)
-        self._want: tuple[int, int] | frozenset[int] = frozenset()
         self.rng = np.random.default_rng([int(settings.seed), int(epoch), _BFD_STREAM_TAG])
         self.packer = (
             BufferPacker(self.lengths, settings.max_seq_len, settings.packing_buffer)
@@ -211,80 +181,12 @@ class EpochPlan:
     def num_chunks(self) -> int:
         return int(self.stream.size)
 
-    def want(self, first: int, stride: int = 1) -> None:
-        """Keep microbatches ``first, first + stride, ...`` for :meth:`take`."""
-        self._want = (int(first), max(int(stride), 1))
-
-    def want_only(self, indices) -> None:
-        """Keep exactly these microbatches (the wrapped ones of an epoch's last step)."""
-        self._want = frozenset(int(i) for i in indices)
-
-    # -- planning -------------------------------------------------------------------------------
-    def reach(self, n: int) -> bool:
-        """Plan until at least ``n`` microbatches exist; False if the epoch holds fewer."""
-        while (
-            self.planned < n and self.total is None
-        ):  # whole groups: a consumer of every microbatch takes them as planned
-            self._record(self.next_group(GROUP * max(1, min((n - self.planned) // GROUP, 8))))
-        return self.planned >= n
-
-    def plan_all(self) -> int:
-        """Plan the whole epoch; returns M."""
-        while self.total is None:
-            self._record(self.next_group(8 * GROUP))
-        return self.total
-
-    def _record(self, g: MicrobatchGroup | None) -> None:
-        g0 = self.planned
-        K = 0 if g is None else g.num_microbatches
-        if K:
-            bounds = g.bounds()
-            per_mb = np.add.reduceat(g.lengths, bounds[:-1]) if g.lengths.size else np.zeros(K, np.int64)
-            self._tok[g0 + 1 : g0 + K + 1] = self._tok[g0] + np.cumsum(per_mb)
-            if self._src is not None:
-                S = self._src.shape[1]
-                src = np.searchsorted(self.source_bases, g.chunks, side="right") - 1
-                mb = np.repeat(np.arange(K), np.diff(bounds))
-                add = np.bincount(mb * S + src, weights=g.lengths, minlength=K * S).reshape(K, S)
-                self._src[g0 + 1 : g0 + K + 1] = self._src[g0] + np.cumsum(add.astype(np.int64), axis=0)
-            w = self._want
-            if isinstance(w, frozenset):
-                wanted = [j for j in range(K) if g0 + j in w]
-            else:  # first, first + stride, ... inside [g0, g0 + K)
-                lo = w[0] if g0 <= w[0] else g0 + (-(g0 - w[0]) % w[1])
-                wanted = range(lo - g0, K, w[1])
-            for j in wanted:
-                self._kept[g0 + j] = (g, j)
-        self.planned = g0 + K
-        if g is None or K == 0:
-            self.total = self.planned
-
-    def take(self, g: int) -> Microbatch:
-        """Microbatch ``g`` (planned and wanted), released from the plan."""
-        grp, j = self._kept.pop(g)
-        return grp.microbatch(j)
-
-    def take_group(self, gs: list[int]) -> MicrobatchGroup:
-        """Microbatches ``gs`` (planned and wanted) as one group, released from the plan: the
-        planned group itself when ``gs`` is all of it, in order (no copy)."""
-        parts = [self._kept.pop(g) for g in gs]
-        grp = parts[0][0]
-        if len(parts) == grp.num_microbatches and all(p[0] is grp and p[1] == j for j, p in enumerate(parts)):
-            return grp
-        return join_microbatches([p[0].microbatch(p[1]) for p in parts])
-
-    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
-        """Input tokens (total, per source) in microbatches ``[0, position)``; past M the epoch
-        wraps around (the remainder rule), so ``position = q * M + r`` counts q epochs plus r."""
-        self.reach(position)
-        q, r = 0, position
-        if self.total is not None and position > self.total:
-            q, r = divmod(position, self.total) if self.total else (0, 0)
-        M = self.total if q else 0
-        tok = q * int(self._tok[M]) + int(self._tok[r])
-        if self._src is None:
-            return tok, (tok,)
-        return tok, tuple(int(x) for x in q * self._src[M] + self._src[r])
+    def count_microbatches(self) -> int:
+        """Plan the rest of the epoch and return how many microbatches that was (M for a fresh plan)."""
+        M = 0
+        while (g := self.next_group(8 * GROUP)) is not None:
+            M += g.num_microbatches
+        return M
 
     def next_group(self, k: int) -> MicrobatchGroup | None:
         """Plan the next ``k`` microbatches (fewer at the end of the epoch); None when none is left.

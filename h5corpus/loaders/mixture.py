@@ -152,8 +152,6 @@ class Mixture:
         cs = [s.corpus for s in self.sources]
         self.token_bases = np.concatenate([[0], np.cumsum([c.num_tokens for c in cs])]).astype(np.int64)
         self.doc_bases = np.concatenate([[0], np.cumsum([c.num_documents for c in cs])]).astype(np.int64)
-        offs = [np.asarray(c.doc_offsets[:-1], dtype=np.int64) + b for c, b in zip(cs, self.token_bases[:-1].tolist())]
-        self.doc_offsets = np.concatenate([*offs, self.token_bases[-1:]])
         sts = [np.asarray(c.shard_token_starts[:-1], dtype=np.int64) + b for c, b in zip(cs, self.token_bases.tolist())]
         self.shard_token_starts = np.concatenate([*sts, self.token_bases[-1:]])
         #: (S + 1,) index of each source's first shard in ``shard_token_starts``
@@ -180,8 +178,40 @@ class Mixture:
         return int(self.doc_bases[-1])
 
     def doc_lengths(self) -> np.ndarray:
-        """(documents,) int64 tokens per document, EOS included (O(documents))."""
-        return np.diff(self.doc_offsets)
+        """(documents,) int64 tokens per document, EOS included (O(documents): for plans only)."""
+        return np.concatenate([np.asarray(s.corpus.doc_lengths(), dtype=np.int64) for s in self.sources])
+
+    @property
+    def doc_offsets(self) -> np.ndarray:
+        """(documents + 1,) int64 global token offset of every document boundary (O(documents);
+        the loaders use :meth:`doc_offsets_range` / :meth:`doc_index_at`)."""
+        return self.doc_offsets_range(0, self.num_documents)
+
+    def doc_offsets_range(self, lo: int, hi: int) -> np.ndarray:
+        """(hi - lo + 1,) int64 global offsets of document boundaries ``lo..hi`` inclusive, from
+        the sources that hold them (only the index ranges asked for are read)."""
+        if not 0 <= lo <= hi <= self.num_documents:
+            raise IndexError(f"doc_offsets_range: [{lo:,}, {hi:,}] outside [0, {self.num_documents:,}]")
+        db, tb = self.doc_bases.tolist(), self.token_bases.tolist()
+        parts = []
+        for s, src in enumerate(self.sources):
+            a, b = max(lo, db[s]), min(hi, db[s + 1] - 1)  # this source's documents' start boundaries
+            if a <= b:
+                parts.append(src.corpus.doc_offsets_range(a - db[s], b - db[s])[: b - a + 1] + tb[s])
+        if hi == self.num_documents:
+            parts.append(self.token_bases[-1:])
+        return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+
+    def doc_index_at(self, positions: np.ndarray) -> np.ndarray:
+        """int64 index of the document holding each global token position (vectorized)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        src = self.source_of_tokens(pos)
+        out = np.empty(pos.shape, dtype=np.int64)
+        for s in np.unique(src).tolist():
+            sel = src == s
+            local = self.sources[s].corpus.doc_index_at(pos[sel] - self.token_bases[s])
+            out[sel] = np.asarray(local, dtype=np.int64) + self.doc_bases[s]
+        return out
 
     @property
     def fingerprint(self) -> str:
@@ -260,7 +290,8 @@ class Mixture:
         return tab
 
     def document(self, i: int) -> np.ndarray:
-        return self.tokens(int(self.doc_offsets[i]), int(self.doc_offsets[i + 1]))
+        a, b = self.doc_offsets_range(i, i + 1).tolist()
+        return self.tokens(a, b)
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()

@@ -184,6 +184,15 @@ class BufferPacker:
         self._end = hi
         return it.__next__
 
+    def _top_up(self, out: list[int], marks: list[Mark]) -> None:
+        """Fill the buffer to ``buffer_size`` keys from the stream (a new or restored packer)."""
+        keys, nxt = self._keys, None if self._it is None else self._it.__next__
+        while nxt is not None and len(keys) < self.buffer_size:
+            try:
+                insort(keys, nxt())
+            except StopIteration:
+                nxt = self._next_block(len(out), marks)
+
     def append_packs(self, count: int, out: list[int], ends: list[int], marks: list[Mark]) -> None:
         """Append the keys of the next ``count`` packs' chunks (fewer at the stream's end) to
         ``out`` in pick order, each pack's end offset in ``out`` to ``ends``, and a mark to
@@ -193,13 +202,7 @@ class BufferPacker:
         if count < 1:
             return
         bis, ins, pop, app, eapp = bisect_right, insort, keys.pop, out.append, ends.append
-        B = self.buffer_size
-        nxt = None if self._it is None else self._it.__next__
-        while nxt is not None and len(keys) < B:  # top up (a new or restored packer)
-            try:
-                ins(keys, nxt())
-            except StopIteration:
-                nxt = self._next_block(len(out), marks)
+        self._top_up(out, marks)
         A, M = self._A, (1 << self._A) - 1
         H = ~M  # key & H == length << A
         full = q = (self.capacity << A) | M  # the largest key that fits the open pack

@@ -27,6 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+from torch.utils.data import get_worker_info
+
 
 def integer_arg(name: str, value: Any, lo: int = 0, hi: int | None = None) -> int:
     """``value`` as an int in ``[lo, hi]`` (``hi`` None: unbounded), or ValueError naming ``name``.
@@ -63,18 +66,12 @@ class Consumer:
 
 def distributed_initialized() -> bool:
     """Whether this process belongs to an initialized ``torch.distributed`` process group."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return False
     return bool(dist.is_available() and dist.is_initialized())
 
 
 def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world_size): explicit values win, else ``torch.distributed`` if initialized, else (0, 1)."""
     if (rank is None or world_size is None) and distributed_initialized():
-        import torch.distributed as dist
-
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
     world_size = 1 if world_size is None else integer_arg("world_size", world_size, 1)
@@ -87,12 +84,7 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
 def current_consumer(rank: int | None = None, world_size: int | None = None) -> Consumer:
     """The consumer this process is, inside or outside a DataLoader worker."""
     r, w = resolve_rank(rank, world_size)
-    try:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-    except ImportError:  # pragma: no cover
-        info = None
+    info = get_worker_info()
     if info is None:
         return Consumer(r, w, 0, 1)
     return Consumer(r, w, int(info.id), int(info.num_workers))
