@@ -26,7 +26,8 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
   memory-mapped shards is shared and not counted);
 * ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512 (2 packs
   per microbatch), over its first 16 microbatches (planning included);
-* ``plan_s_per_million_docs``: the plan's one-off cost (``plan``), per million documents;
+* ``plan_s_per_million_docs``: the plan's one-off cost (``plan``), per million documents, and
+  ``plan_peak_rss_anon_mb``, the highest ``RssAnon`` of the process writing it;
 * ``inspect`` / ``inspect_peak_rss_anon_mb``: :func:`~h5corpus.inspection.inspect_corpus` of the
   train split, seconds and the highest ``RssAnon`` sampled every 20 ms while it runs.
 
@@ -209,7 +210,9 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
         it = iter(ds)
         out[figure] = timed(lambda: [next(it) for _ in range(RANK_STEPS)])[1] / RANK_STEPS
     elif figure == "plan":  # epoch 0's plan files, written afresh; the per-rank settings' untimed
-        out[figure] = timed(lambda: write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT))[1]
+        out[figure], out["plan_peak_rss_anon_mb"] = peak_rss(
+            lambda: write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT)
+        )
         write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **RANKS)
     elif figure == "inspect":
         out[figure], out["inspect_peak_rss_anon_mb"] = peak_rss(lambda: inspect_corpus(manifest, splits=["train"]))
@@ -253,6 +256,7 @@ def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> 
         if figure == "inspect":
             row["inspect_peak_rss_anon_mb"] = round(max(r["inspect_peak_rss_anon_mb"] for r in good), 1)
         if figure == "plan":
+            row["plan_peak_rss_anon_mb"] = round(max(r["plan_peak_rss_anon_mb"] for r in good), 1)
             row["plan_s_per_million_docs"] = round(row["plan"] / (good[0]["num_documents"] / 1e6), 4)
     row["open"] = round(min(opens), 4) if opens else row.get("open")
     row["rss_anon_mb"] = round(max(rss), 1) if rss else None
