@@ -388,6 +388,31 @@ def _decode_top(manifest: Manifest, ids: Sequence[int]) -> list[str] | None:
         return None
 
 
+def _long_examples(scan: _Scan, seq_len: int) -> list[dict[str, Any]]:
+    """The longest documents with more than ``seq_len`` pairs and their chunk lengths."""
+    idx, n = scan.longest_idx[:LONG_EXAMPLES], scan.longest_len[:LONG_EXAMPLES]
+    long = n - 1 > seq_len
+    return [
+        {
+            "document": int(i),
+            "tokens": int(k),
+            "chunk_lengths": chunking.document_chunks(np.array([k]), seq_len)[2].tolist(),
+        }
+        for i, k in zip(idx[long], n[long])
+    ]
+
+
+def _top_tokens(m: Manifest, hist: np.ndarray, top_k: int) -> list[dict[str, Any]]:
+    """The ``top_k`` most frequent ids with their counts (and texts when the tokenizer loads)."""
+    top = np.argsort(-hist, kind="stable")[:top_k]
+    top = top[hist[top] > 0]
+    decoded = _decode_top(m, top.tolist())
+    return [
+        {"id": int(t), "count": int(hist[t]), **({"text": decoded[k]} if decoded else {})}
+        for k, t in enumerate(top.tolist())
+    ]
+
+
 def _split_figures(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: dict[str, Any], top_k: int):
     """The report's entry of one split (``_``-keys stay out of the JSON)."""
     seq_len = settings["seq_len"]
@@ -396,19 +421,9 @@ def _split_figures(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: di
     pf, padding = _epoch_figures(
         sample, seq_len, settings["batch_size"], settings["packing_buffer"], settings["seed"], settings["mode"]
     )
-    long = scan.longest_len[:LONG_EXAMPLES] - 1 > seq_len
-    examples = [
-        {
-            "document": int(i),
-            "tokens": int(n),
-            "chunk_lengths": chunking.document_chunks(np.array([n]), seq_len)[2].tolist(),
-        }
-        for i, n in zip(scan.longest_idx[:LONG_EXAMPLES][long], scan.longest_len[:LONG_EXAMPLES][long])
-    ]
+    examples = _long_examples(scan, seq_len)
     hist = scan.hist
-    top = np.argsort(-hist, kind="stable")[:top_k]
-    top = top[hist[top] > 0]
-    decoded = _decode_top(m, top.tolist())
+    top = _top_tokens(m, hist, top_k)
     chars = built.get("characters")
     return {
         "documents": c.num_documents,
@@ -431,10 +446,7 @@ def _split_figures(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: di
         "characters_per_token": (round(chars / c.num_tokens, 3) if chars and c.num_tokens else None),
         "vocabulary_used": int(np.count_nonzero(hist)),
         "vocabulary_size": m.tokenizer.vocab_size,
-        "top_tokens": [
-            {"id": int(t), "count": int(hist[t]), **({"text": decoded[k]} if decoded else {})}
-            for k, t in enumerate(top.tolist())
-        ],
+        "top_tokens": top,
         "packing": {
             "fill": round(pf.fill, 6),
             "fill_full_microbatches": round(pf.fill_full_microbatches, 6),
