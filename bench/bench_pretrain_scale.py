@@ -298,7 +298,12 @@ def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
         "rss_anon_mb": "MB",
         "inspect_peak_rss_anon_mb": "MB",
     }
-    return {f"{name} {k}": f"{row[k]} {u}" for name, row in rows.items() for k, u in units.items() if k in row}
+    return {
+        f"{name} {k}": f"{row[k]} {u}"
+        for name, row in rows.items()
+        for k, u in units.items()
+        if isinstance(row.get(k), float)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
