@@ -1,8 +1,11 @@
 """Read one split of a built corpus as one global token stream and a list of documents.
 
-``open_corpus`` reads the manifest and every shard's small index once (document offsets); token
-reads open shard files lazily, per process. A :class:`Corpus` pickles as its manifest, split and
-offsets, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
+``open_corpus`` of a format version 3 corpus reads the manifest only: sizes and shard starts come
+from its counts, and each process opens (and checks) a shard the first time it touches it, at
+most :data:`MAX_OPEN_SHARDS` at a time; document offsets are consulted lazily through a verified
+memory map (:meth:`Corpus.doc_offsets_range`, :meth:`Corpus.doc_index_at`). Versions 1 and 2 read
+every shard's index at open, as before. A :class:`Corpus` pickles as its manifest, split and what it
+has checked, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
 
 Read path (measured in ``bench/bench_reader.py``, numbers in docs/READING.md). Token windows are
 small (a few KiB) and land at random places, which is the worst case for HDF5's chunked reads:
@@ -378,7 +381,9 @@ class Corpus:
 
     @property
     def doc_ids(self) -> np.ndarray:
-        """(documents, 32) uint8 sha256 of each document's source text (read on first use)."""
+        """(documents, 16) uint8 (version 3: the first 128 bits of the sha256 of each document's source
+        text; 32 bytes, the whole sha256, before) read on first use: O(documents), proven against the
+        manifest's index_sha256."""
         if self._doc_ids is None:
             self._load_doc_meta()
         assert self._doc_ids is not None
@@ -939,7 +944,7 @@ class Corpus:
         return self.tokens(offs[i], offs[i + 1])
 
     def doc_id(self, i: int) -> str:
-        """Hex sha256 of document ``i``'s source text."""
+        """Hex id of document ``i`` (see :attr:`doc_ids`: 32 hex digits in version 3)."""
         return self.doc_ids[i].tobytes().hex()
 
     def __repr__(self) -> str:
