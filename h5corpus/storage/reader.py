@@ -253,7 +253,7 @@ class Corpus:
                 raise FormatError(f"{path}: {problems[-1].message}; run h5corpus validate")
             try:
                 o, ids, flags = (f[k][()] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
-            except OSError as e:
+            except (OSError, RuntimeError) as e:
                 raise FormatError(f"{path}: cannot read the index ({e}); run h5corpus validate") from None
             stored = f[fmt.TOKENS].shape[0]
             sums = None
@@ -426,7 +426,7 @@ class Corpus:
                                 f"{path}: the index (/doc_offsets, /doc_ids, /doc_flags, checksums) differs from "
                                 "the manifest's index_sha256; run h5corpus validate"
                             )
-            except (OSError, KeyError) as e:
+            except (OSError, KeyError, RuntimeError) as e:  # RuntimeError: HDF5 metadata that fails its checksum
                 raise FormatError(f"{path}: cannot read document ids and flags ({e}); run h5corpus validate") from None
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
 
@@ -538,7 +538,7 @@ class Corpus:
         try:
             with h5open(path) as f:
                 sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
-        except (OSError, KeyError, ValueError) as err:
+        except (OSError, KeyError, ValueError, RuntimeError) as err:  # RuntimeError: corrupt HDF5 metadata
             if isinstance(err, FormatError):
                 raise
             raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
@@ -611,7 +611,7 @@ class Corpus:
                 if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
                     sums = self._chunk_sums[shard]
                     sums = read_checksums(f[fmt.CHUNK_CHECKSUMS]) if sums is None else sums
-        except (OSError, KeyError) as e:
+        except (OSError, KeyError, RuntimeError) as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
             if sums is not None and sums.size != offsets.size:
@@ -962,7 +962,7 @@ FileId = tuple[int, int, int, int]
 def _read_checksums(ds: h5py.Dataset, path: str) -> np.ndarray:
     try:
         return read_checksums(ds)
-    except (OSError, KeyError) as e:
+    except (OSError, KeyError, RuntimeError) as e:
         raise FormatError(f"{path}: cannot read /{fmt.CHUNK_CHECKSUMS} ({e}); run h5corpus validate") from None
 
 
