@@ -568,22 +568,23 @@ class Corpus:
         assert self.manifest is not None
         expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype, 3)
         problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), self.split)
-        problems += fmt.dataset_problems(f, expect)
-        t = f[fmt.TOKENS] if not any(p.fatal for p in problems) else None
+        ds = {k: f.get(k) for k in fmt.DATASETS}  # each object looked up once (h5py lookups cost)
+        problems += fmt.dataset_problems(ds, expect)
+        t = ds[fmt.TOKENS] if not any(p.fatal for p in problems) else None
         if t is not None and t.shape[0] != e.tokens:
             problems.append(fmt.Problem("tokens", f"/tokens holds {t.shape[0]:,} tokens, manifest says {e.tokens:,}"))
         if t is not None and not problems:
-            problems += fmt.v3_index_layout_problems(f, e.tokens, e.documents, self.chunk_tokens)
+            problems += fmt.v3_index_layout_problems(ds, e.tokens, e.documents, self.chunk_tokens)
         if problems or t is None:
             raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
-        sums, osums = read_checksums(f[fmt.CHUNK_CHECKSUMS]), read_checksums(f[fmt.OFFSETS_CHECKSUMS])
+        sums, osums = read_checksums(ds[fmt.CHUNK_CHECKSUMS]), read_checksums(ds[fmt.OFFSETS_CHECKSUMS])
         if fmt.sums_sha256(sums, osums) != e.sums_sha256:
             raise FormatError(
                 f"{path}: /{fmt.CHUNK_CHECKSUMS} and /{fmt.OFFSETS_CHECKSUMS} differ from the manifest's sums_sha256 "
                 "(corrupt or replaced); run h5corpus validate"
             )
         size = os.path.getsize(path)
-        off_layout, why = fmt.chunk_byte_layout(f[fmt.DOC_OFFSETS], e.documents + 1, size)
+        off_layout, why = fmt.chunk_byte_layout(ds[fmt.DOC_OFFSETS], e.documents + 1, size)
         if off_layout is None:
             raise FormatError(f"{path}: /doc_offsets cannot be mapped: {why}; run h5corpus validate")
         tok_layout = None
