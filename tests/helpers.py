@@ -861,14 +861,26 @@ def reseal_chunk_checksums(shard: Path) -> None:
     tokens as little-endian bytes, computed here with ``xxhash`` directly): what a writer that
     produced wrong tokens consistently would have stored. Tests that edit tokens in place to
     exercise a content check (EOS placement, ids) use it so the chunk checksums don't stop the read
-    first. ``index_sha256`` in the manifest is left stale (``validate`` still catches the edit)."""
-    import xxhash
-
+    first. Format version 3: the manifest (``manifests/shards.json`` of the shard's corpus folder)
+    gets the matching ``sums_sha256``, ``index_sha256`` and ``bytes`` too, as that writer's build
+    would have recorded. The token ``sha256`` is left stale (``validate`` still catches the edit)."""
     with h5py.File(shard, "r+") as f:
         t = f[fmt.TOKENS][:].astype(f[fmt.TOKENS].dtype.newbyteorder("<"))
         C = f[fmt.TOKENS].chunks[0]
-        sums = [xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)]
-        f[fmt.CHUNK_CHECKSUMS][:] = np.array(sums, dtype="<u8")
+        sums = np.array([xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)], "<u8")
+        f[fmt.CHUNK_CHECKSUMS][:] = sums
+        osums = f[fmt.OFFSETS_CHECKSUMS][:].astype("<u8").tobytes() if fmt.OFFSETS_CHECKSUMS in f else None
+        index = b"".join(f[k][:].tobytes() for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+    manifest = Path(shard).resolve().parents[2] / "manifests" / "shards.json"
+    if osums is None or not manifest.is_file():
+        return
+    raw = json.loads(manifest.read_text())
+    for e in raw["shards"]:
+        if (manifest.parent / e["path"]).resolve() == Path(shard).resolve():
+            e["sums_sha256"] = hashlib.sha256(sums.tobytes() + osums).hexdigest()
+            e["index_sha256"] = hashlib.sha256(index + sums.tobytes() + osums).hexdigest()
+            e["bytes"] = Path(shard).stat().st_size
+    manifest.write_text(json.dumps(raw))
 
 
 #: A build (``python -c`` with its BuildConfig JSON as argv[1]) whose filter waits for the file

@@ -165,6 +165,25 @@ def sha_hex(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def stored_hex(text: str) -> str:
+    """The id a shard stores for ``text``: the first 128 bits of its sha256 (format version 3)."""
+    return sha_hex(text)[: 2 * fmt.STORED_ID_BYTES_V3]
+
+
+class ByStoredId(dict):
+    """Stored documents by stored id; a full sha256 hex (the build report's ids) looks up by the
+    stored prefix."""
+
+    def _key(self, k: str) -> str:
+        return k[: 2 * fmt.STORED_ID_BYTES_V3]
+
+    def __getitem__(self, k: str):
+        return super().__getitem__(self._key(k))
+
+    def __contains__(self, k: object) -> bool:
+        return isinstance(k, str) and super().__contains__(self._key(k))
+
+
 def read_texts(paths) -> list[str]:
     """Every document of the sources, in input order (files in the given order, lines in order)."""
     return [json.loads(line)["text"] for p in paths for line in open(p, encoding="utf-8") if line.strip()]
@@ -190,7 +209,7 @@ def expected_ids(texts: list[str], cfg: FilterConfig, seed: int = 20261003, frac
             out["reasons"].setdefault(sha_hex(raw), "near_dup")
             continue
         split = document_split(bytes.fromhex(i), seed=seed, validation_fraction=fraction)
-        out["stored"][split].append(i)
+        out["stored"][split].append(i[: 2 * fmt.STORED_ID_BYTES_V3])
         out["texts"][i] = r.text
     return out
 
@@ -200,7 +219,7 @@ def stored_ids(manifest: Path) -> dict[str, list[str]]:
 
 
 def stored_tokens(manifest: Path) -> dict[str, np.ndarray]:
-    return {d[0].hex(): d[1] for docs in read_built(manifest).values() for d in docs}
+    return ByStoredId({d[0].hex(): d[1] for docs in read_built(manifest).values() for d in docs})
 
 
 def explain_lines(path: Path) -> list[dict]:
@@ -721,7 +740,7 @@ def test_dev_cli_lang_keeps_korean_wikipedia_and_drops_other_languages(tmp_path,
     stories = read_texts([dev_dir / "story-tinystories.jsonl"])
     korean = read_texts([dev_dir / "wiki-ko.jsonl"]) + [d["text"] for d in udhr if d["id"] == "udhr2-kor"]
     ids = stored_ids(tmp_path / "manifests" / "shards.json")
-    assert sorted(ids["train"] + ids["validation"]) == sorted(sha_hex(t) for t in korean)
+    assert sorted(ids["train"] + ids["validation"]) == sorted(stored_hex(t) for t in korean)
     lines = explain_lines(tmp_path / "drops.jsonl")
     kor_line = next(i for i, d in enumerate(udhr, 1) if d["id"] == "udhr2-kor")
     assert [(Path(d["source"]).name, d["line"]) for d in lines] == (

@@ -247,3 +247,35 @@ def test_more_shards_than_file_descriptors(tmp_path):
     d = np.searchsorted(offs, pos, side="right") - 1
     want = [1100, int(toks.astype(np.int64).sum()), int(offs.sum()), int(d.sum()), int(rows.astype(np.int64).sum())]
     assert p.stdout.split() == [str(x) for x in want]
+
+
+def test_flipped_bytes_outside_the_tokens_are_never_served_wrong(tmp_path):
+    """80 single-byte flips at random places of a shard outside its token chunks (HDF5 metadata,
+    offsets, ids, flags, checksum tables, padding): every read either returns exactly the oracle's
+    tokens and offsets (the byte is not one a read relies on) or raises a FormatError naming the
+    shard; validate never raises and reports every flip that changes a byte it checks."""
+    mpath, toks, offs = synthetic(tmp_path, 1, 3000, seed=3)
+    shard = next((tmp_path / "shards" / "train").glob("*.h5"))
+    data = shard.read_bytes()
+    with h5py.File(shard, "r") as f:
+        t = f["tokens"].id
+        chunks = [t.get_chunk_info(i) for i in range(t.get_num_chunks())]
+    in_tokens = np.zeros(len(data), bool)
+    for ch in chunks:
+        in_tokens[ch.byte_offset : ch.byte_offset + ch.size] = True
+    places = np.random.default_rng(0).permutation(np.flatnonzero(~in_tokens))[:80].tolist()
+    refused = 0
+    for at in places:
+        bad = bytearray(data)
+        bad[at] ^= 0x40
+        shard.write_bytes(bytes(bad))
+        try:
+            c = open_corpus(mpath, "train")
+            np.testing.assert_array_equal(c.tokens(0, c.num_tokens), toks, err_msg=f"byte {at}")
+            np.testing.assert_array_equal(c.doc_offsets_range(0, c.num_documents), offs, err_msg=f"byte {at}")
+        except FormatError as e:
+            assert shard.name in str(e), (at, str(e))
+            refused += 1
+        validate_corpus(mpath, workers=1)  # never raises
+    shard.write_bytes(data)
+    assert refused > 0 and validate_corpus(mpath, workers=1).ok

@@ -356,7 +356,8 @@ class Problem(NamedTuple):
 
 
 def dataset_problems(f: Any, expect: ShardExpectation) -> list[Problem]:
-    """The datasets of an open shard (an ``h5py.File``) against the contract: all of its version's
+    """The datasets of an open shard (an ``h5py.File``, or a mapping of its dataset names to
+    datasets) against the contract: all of its version's
     present, ``/tokens`` 1-D in the manifest's dtype and little-endian byte order, chunked in chunks
     of ``chunk_tokens``. (The index datasets' dtypes are checked on the arrays, by :func:`check_index`;
     the checksums' count by :func:`checksum_problems`.)"""
@@ -387,7 +388,8 @@ def dataset_problems(f: Any, expect: ShardExpectation) -> list[Problem]:
 
 
 def v3_index_layout_problems(f: Any, num_tokens: int, num_documents: int, chunk_tokens: int) -> list[Problem]:
-    """A version 3 shard's index datasets against the manifest's counts, from their shapes and
+    """A version 3 shard's index datasets (``f``: an open file, or a mapping of dataset names to
+    datasets) against the manifest's counts, from their shapes and
     chunk indexes only (nothing proportional to the counts is read): ``/doc_offsets`` 1-D
     little-endian int64, ``num_documents + 1`` entries, unfiltered, in chunks of
     :data:`OFFSETS_CHUNK_V3`, every chunk allocated; ``/offsets_xxh3`` 1-D ``<u8`` with one checksum

@@ -1,8 +1,11 @@
 """Read one split of a built corpus as one global token stream and a list of documents.
 
-``open_corpus`` reads the manifest and every shard's small index once (document offsets); token
-reads open shard files lazily, per process. A :class:`Corpus` pickles as its manifest, split and
-offsets, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
+``open_corpus`` of a format version 3 corpus reads the manifest only: sizes and shard starts come
+from its counts, and each process opens (and checks) a shard the first time it touches it, at
+most :data:`MAX_OPEN_SHARDS` at a time; document offsets are consulted lazily through a verified
+memory map (:meth:`Corpus.doc_offsets_range`, :meth:`Corpus.doc_index_at`). Versions 1 and 2 read
+every shard's index at open, as before. A :class:`Corpus` pickles as its manifest, split and what it
+has checked, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
 
 Read path (measured in ``bench/bench_reader.py``, numbers in docs/READING.md). Token windows are
 small (a few KiB) and land at random places, which is the worst case for HDF5's chunked reads:
@@ -250,7 +253,7 @@ class Corpus:
                 raise FormatError(f"{path}: {problems[-1].message}; run h5corpus validate")
             try:
                 o, ids, flags = (f[k][()] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
-            except OSError as e:
+            except (OSError, RuntimeError) as e:
                 raise FormatError(f"{path}: cannot read the index ({e}); run h5corpus validate") from None
             stored = f[fmt.TOKENS].shape[0]
             sums = None
@@ -378,7 +381,9 @@ class Corpus:
 
     @property
     def doc_ids(self) -> np.ndarray:
-        """(documents, 32) uint8 sha256 of each document's source text (read on first use)."""
+        """(documents, 16) uint8 (version 3: the first 128 bits of the sha256 of each document's source
+        text; 32 bytes, the whole sha256, before) read on first use: O(documents), proven against the
+        manifest's index_sha256."""
         if self._doc_ids is None:
             self._load_doc_meta()
         assert self._doc_ids is not None
@@ -421,7 +426,7 @@ class Corpus:
                                 f"{path}: the index (/doc_offsets, /doc_ids, /doc_flags, checksums) differs from "
                                 "the manifest's index_sha256; run h5corpus validate"
                             )
-            except (OSError, KeyError) as e:
+            except (OSError, KeyError, RuntimeError) as e:  # RuntimeError: HDF5 metadata that fails its checksum
                 raise FormatError(f"{path}: cannot read document ids and flags ({e}); run h5corpus validate") from None
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
 
@@ -533,7 +538,7 @@ class Corpus:
         try:
             with h5open(path) as f:
                 sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
-        except (OSError, KeyError, ValueError) as err:
+        except (OSError, KeyError, ValueError, RuntimeError) as err:  # RuntimeError: corrupt HDF5 metadata
             if isinstance(err, FormatError):
                 raise
             raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
@@ -563,22 +568,23 @@ class Corpus:
         assert self.manifest is not None
         expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype, 3)
         problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), self.split)
-        problems += fmt.dataset_problems(f, expect)
-        t = f[fmt.TOKENS] if not any(p.fatal for p in problems) else None
+        ds = {k: f.get(k) for k in fmt.DATASETS}  # each object looked up once (h5py lookups cost)
+        problems += fmt.dataset_problems(ds, expect)
+        t = ds[fmt.TOKENS] if not any(p.fatal for p in problems) else None
         if t is not None and t.shape[0] != e.tokens:
             problems.append(fmt.Problem("tokens", f"/tokens holds {t.shape[0]:,} tokens, manifest says {e.tokens:,}"))
         if t is not None and not problems:
-            problems += fmt.v3_index_layout_problems(f, e.tokens, e.documents, self.chunk_tokens)
+            problems += fmt.v3_index_layout_problems(ds, e.tokens, e.documents, self.chunk_tokens)
         if problems or t is None:
             raise FormatError(f"{path}: {problems[0].message}; run h5corpus validate")
-        sums, osums = read_checksums(f[fmt.CHUNK_CHECKSUMS]), read_checksums(f[fmt.OFFSETS_CHECKSUMS])
+        sums, osums = read_checksums(ds[fmt.CHUNK_CHECKSUMS]), read_checksums(ds[fmt.OFFSETS_CHECKSUMS])
         if fmt.sums_sha256(sums, osums) != e.sums_sha256:
             raise FormatError(
                 f"{path}: /{fmt.CHUNK_CHECKSUMS} and /{fmt.OFFSETS_CHECKSUMS} differ from the manifest's sums_sha256 "
                 "(corrupt or replaced); run h5corpus validate"
             )
         size = os.path.getsize(path)
-        off_layout, why = fmt.chunk_byte_layout(f[fmt.DOC_OFFSETS], e.documents + 1, size)
+        off_layout, why = fmt.chunk_byte_layout(ds[fmt.DOC_OFFSETS], e.documents + 1, size)
         if off_layout is None:
             raise FormatError(f"{path}: /doc_offsets cannot be mapped: {why}; run h5corpus validate")
         tok_layout = None
@@ -606,7 +612,7 @@ class Corpus:
                 if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
                     sums = self._chunk_sums[shard]
                     sums = read_checksums(f[fmt.CHUNK_CHECKSUMS]) if sums is None else sums
-        except (OSError, KeyError) as e:
+        except (OSError, KeyError, RuntimeError) as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
         if offsets is not None:
             if sums is not None and sums.size != offsets.size:
@@ -939,7 +945,7 @@ class Corpus:
         return self.tokens(offs[i], offs[i + 1])
 
     def doc_id(self, i: int) -> str:
-        """Hex sha256 of document ``i``'s source text."""
+        """Hex id of document ``i`` (see :attr:`doc_ids`: 32 hex digits in version 3)."""
         return self.doc_ids[i].tobytes().hex()
 
     def __repr__(self) -> str:
@@ -957,7 +963,7 @@ FileId = tuple[int, int, int, int]
 def _read_checksums(ds: h5py.Dataset, path: str) -> np.ndarray:
     try:
         return read_checksums(ds)
-    except (OSError, KeyError) as e:
+    except (OSError, KeyError, RuntimeError) as e:
         raise FormatError(f"{path}: cannot read /{fmt.CHUNK_CHECKSUMS} ({e}); run h5corpus validate") from None
 
 

@@ -291,7 +291,7 @@ def _check_shard(
             return _check_open_shard(f, path, entry, expect, deep, scratch, defer_filtered, out)
         except FormatError as e:
             return [*out, Finding(name, "format", str(e).split(": ", 1)[-1])], 0
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, KeyError, ValueError, RuntimeError) as e:  # RuntimeError: corrupt HDF5 metadata
             return [*out, Finding(name, "unreadable", f"read failed ({e})")], 0
 
 
