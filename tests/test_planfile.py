@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 
 from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
 from h5corpus.cli import app
+from h5corpus.loaders import chunking, epochplan
 from h5corpus.loaders.epochplan import PlanSettings, plan_epoch
 from h5corpus.loaders.mixture import mix
 from h5corpus.loaders.planfile import BLOCK, PlanFileError, ensure_plan_file, materialize, open_plan_file
@@ -301,3 +302,13 @@ def test_loader_sizes_follow_the_same_rule(stdlib_manifest, value):
     if value is not None:
         with pytest.raises(ValueError, match="windows_per_epoch must be an integer"):
             SlidingWindowDataset(corpus, 700, 6, mode="random", windows_per_epoch=value)
+
+
+def test_old_loader_names_still_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="import it from h5corpus.loaders.epochplan"):
+        from h5corpus.loaders.plan import pack_fill  # the import is what is tested
+    assert pack_fill is epochplan.pack_fill
+    lengths = np.array([10, 3, 1, 9000])
+    with pytest.warns(DeprecationWarning, match="use document_chunks"):
+        old = chunking.chunk_layout(lengths, 4096)
+    assert all(np.array_equal(a, b) for a, b in zip(old, chunking.document_chunks(lengths, 4096)))
