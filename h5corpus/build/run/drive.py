@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..config import BuildError
+from ..config import BuildError, WarmFilters
 from ..oserrors import as_build_os_error, os_step
 from ..report import BuildReport
 from ..stages.buckets import run_bucket
@@ -28,7 +28,7 @@ from ..stages.decide import DecideInput, task_scores, worst_masks
 from ..stages.dispatch import Stage, StageCall, load_read_records, stage_lsh
 from ..stages.explain import ExplainFile
 from ..stages.merge import merge_buckets
-from ..stages.state import FinishRecord, ReadRecord, TaskDecision
+from ..stages.statedir import FinishRecord, ReadRecord, TaskDecision
 from .executor import Executor, StageResult
 from .prepare import Prepared, new_report, progress_bar, prove
 
@@ -344,8 +344,6 @@ class BucketedDecide:
 
 def drive(prep: Prepared, executor: Executor, decide: DecideForm) -> BuildReport:
     """Run ``prep``'s stages on ``executor`` with ``decide`` and commit (the module docstring)."""
-    filters = prep.cfg.filters
-    warm_up = getattr(filters, "warm_up", None)
-    if callable(warm_up):
-        warm_up()  # load models once, before forking: the workers share them
+    if isinstance(prep.cfg.filters, WarmFilters):
+        prep.cfg.filters.warm_up()  # load models once, before forking: the workers share them
     return Driver(prep, executor, decide).run()

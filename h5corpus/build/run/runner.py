@@ -40,7 +40,7 @@ from ..oserrors import BuildOSError, as_build_os_error, check_output_kinds, chec
 from ..report import BuildReport, check_build_sections, report_from_manifest
 from ..stages.buildplan import read_plan_run
 from ..stages.shards import our_shard_files
-from ..stages.state import StateDir
+from ..stages.statedir import StateDir
 from ..tokenize.encoders import fast_encoder
 from ..tokenize.tokenizer import load_tokenizer
 from .drive import BucketedDecide, DecideForm, InMemoryDecide, drive

@@ -25,7 +25,7 @@ from .buildplan import StageContext
 from .explain import ExplainFile
 from .scores import write_scores
 from .shards import build_file_task, our_shard_files
-from .state import FinishRecord, ReadRecord, TaskDecision
+from .statedir import FinishRecord, ReadRecord, TaskDecision
 
 
 @dataclass

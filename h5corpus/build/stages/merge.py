@@ -32,7 +32,7 @@ from ..config import BuildError
 from .buckets import BucketRecord, LshParams, decide_dir, decide_inputs, load_bucket_arrays, load_npy
 from .buildplan import StageContext
 from .decide import DecideInput, Decider, task_scores, worst_masks
-from .state import ReadRecord, StateDir, TaskDecision, write_state_file
+from .statedir import ReadRecord, StateDir, TaskDecision, write_state_file
 
 SUMMARY_VERSION = 1
 _ROW = np.uint64(0xFFFFFFFF)
