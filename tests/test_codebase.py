@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -146,3 +147,27 @@ def test_architecture_names_only_what_exists():
 @pytest.mark.parametrize("name", ["build.run.drive.nothing_here", "build.nowhere.drive", "statedir.NoSuchRecord"])
 def test_the_name_check_refuses_what_does_not_exist(name):
     assert not _resolves(name)
+
+
+def _benchmarks_table():
+    # bench/ is not a package: load the generator from its file, as `python bench/benchmarks_table.py` runs it.
+    spec = importlib.util.spec_from_file_location("benchmarks_table", REPO / "bench" / "benchmarks_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmarks_md_is_generated_from_the_saved_reports():
+    gen = _benchmarks_table()
+    text = gen.table()
+    assert (REPO / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8") == text
+    reports = sorted((REPO / "bench" / "results").glob("*.json"))
+    rows = [line for line in text.splitlines() if line.startswith("| bench_")]
+    assert reports and len(rows) == sum(len(gen.rows(p)) for p in reports)
+
+
+def test_benchmarks_table_refuses_a_report_without_its_machine(tmp_path):
+    gen = _benchmarks_table()
+    (tmp_path / "x.json").write_text('{"meta": {"bench": "b", "date": "d", "command": "c"}, "figures": {"f": "1"}}')
+    with pytest.raises(gen.ReportError, match=r"x\.json.*machine"):
+        gen.table(tmp_path)

@@ -745,6 +745,7 @@ def test_filters_off_keep_everything(stdlib_corpus_texts):
         "no digits here at all, only words ✓",
     ],
 )
+# Reaches inside pii (_numberish_spans, _NUMBERISH): the fast path against the regex it replaces.
 def test_phone_candidate_regions_fast_path_equals_the_regex(text):
     """The byte-level fast path for candidate phone regions gives exactly the spans of the
     Unicode regex (non-ASCII decimal digits send a text to the regex itself)."""

@@ -58,6 +58,7 @@ def _plain_counts(text: str) -> tuple[int, int]:
     return n_special, text.count("#") + text.count("...") + text.count("\u2026")
 
 
+# Reaches inside quality (_line_stats_batch, _line_stats): the batch kernel against the per-text definition.
 def _check_line_stats(texts) -> int:
     sg = words.segment_batch(texts)
     got = quality._line_stats_batch(sg, np.frombuffer(sg.data, dtype=np.uint8), len(texts))
@@ -218,6 +219,7 @@ _PIECES = [
 
 
 @pytest.mark.parametrize("kind", list(_PATTERNS))
+# Reaches inside pii (_anchored): the anchored search is compared with a full scan.
 def test_anchored_pii_search_equals_a_full_scan(kind):
     """The e-mail and IP regexes searched only around their anchors find exactly the matches of
     finditer over the whole text (random texts of address fragments, Unicode digits included)."""
@@ -270,6 +272,7 @@ def test_batched_signatures_never_start_rensa_thread_pool():
     assert after == before
 
 
+# Reaches inside py3langid's model (_rowbase): its own counts are the oracle for the fast automaton.
 def test_langid_features_equal_py3langid_counts():
     """The table-driven automaton (two bytes from the root in one lookup, states as 16-bit rows)
     emits exactly py3langid's feature counts."""
@@ -291,6 +294,7 @@ def test_langid_features_equal_py3langid_counts():
         assert {int(f): int(c) for f, c in enumerate(got) if c} == dict(want), repr(t[:60])
 
 
+# Reaches inside words (_encode): the byte-level fast path is compared with the regex it replaces.
 def test_unicode_space_detection_on_bytes_equals_the_regex():
     """_encode finds Unicode spaces by their UTF-8 bytes: the same texts as the str regex, for
     every code point."""
