@@ -159,8 +159,8 @@ def test_segmentation_layout(stdlib_corpus_texts, monkeypatch):
     its text (str.split() for ASCII text), with its character count and ASCII punctuation; a word
     longer than a piece is cut at the piece boundary, as split_words_batch always did."""
     texts = list(stdlib_corpus_texts[:40]) + ["x" * 3000 + " tail, end.", "caf\u00e9 na\u00efve \u5f3e\u8f29 ok"]
-    for chunk in (words._CHUNK, 997):
-        monkeypatch.setattr(words, "_CHUNK", chunk)
+    for chunk in (words.SEGMENT_BYTES, 997):
+        monkeypatch.setattr(words, "SEGMENT_BYTES", chunk)
         sg = words.segment_batch(texts)
         assert np.array_equal(sg.words.hashes, words.split_words_batch(texts).hashes)
         for i, t in enumerate(texts):
@@ -294,15 +294,15 @@ def test_langid_features_equal_py3langid_counts():
         assert {int(f): int(c) for f, c in enumerate(got) if c} == dict(want), repr(t[:60])
 
 
-# Reaches inside words (_encode): the byte-level fast path is compared with the regex it replaces.
+# The byte-level fast path (words.space_folded_utf8) is compared with the regex it replaces.
 def test_unicode_space_detection_on_bytes_equals_the_regex():
-    """_encode finds Unicode spaces by their UTF-8 bytes: the same texts as the str regex, for
+    """space_folded_utf8 finds Unicode spaces by their UTF-8 bytes: the same texts as the str regex, for
     every code point."""
     every = "".join(chr(c) for c in range(0x80, 0x110000) if not 0xD800 <= c < 0xE000)
     spaces = {m.group(0) for m in words._UNICODE_SPACE.finditer(every)}
     for c in spaces:
-        assert words._encode("x" + c)[1]
+        assert words.space_folded_utf8("x" + c)[1]
     for i in range(0, len(every), 2000):
         chunk = "".join(c for c in every[i : i + 2000] if c not in spaces)
-        assert words._encode(chunk)[1] is False
+        assert words.space_folded_utf8(chunk)[1] is False
     assert re.sub(r"\s", "", "".join(sorted(spaces))) == ""

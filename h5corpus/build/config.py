@@ -12,6 +12,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -153,7 +154,24 @@ def __getattr__(name: str) -> Any:
 
 
 # -- configuration ------------------------------------------------------------------------------
-EXECUTORS = ("local", "ray", "slurm")
+class ExecutorKind(str, Enum):
+    """Where the stages run (``BuildConfig.executor``, ``--executor``)."""
+
+    LOCAL = "local"
+    RAY = "ray"
+    SLURM = "slurm"
+
+
+class OnError(str, Enum):
+    """What a bad record does (``BuildConfig.on_error``, ``--on-error``)."""
+
+    FAIL = "fail"
+    """Stop the build naming file and line (:class:`BuildError`)."""
+    SKIP = "skip"
+    """Count and list it; the build goes on."""
+
+
+EXECUTORS = tuple(k.value for k in ExecutorKind)
 
 
 @dataclass(kw_only=True)
@@ -282,7 +300,7 @@ class BuildConfig:
                 raise ValueError(f"max_tokens: budget for {k} must be positive, got {v}")
         if self.max_document_tokens is not None and int(self.max_document_tokens) < 1:
             raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens}")
-        if self.on_error not in ("fail", "skip"):
+        if self.on_error not in tuple(e.value for e in OnError):
             raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
         for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
             if int(getattr(self, name)) < 1:

@@ -52,9 +52,9 @@ from . import clean
 from .langid import check_languages, detect_languages
 from .neardedup import MinHasher, NearDedupIndex, optimal_bands
 from .perplexity import ModelFileError, load_model, read_model_header
-from .pii import _digit_prefixes, scrub_pii
+from .pii import digit_prefix_pattern, scrub_pii
 from .quality import QualityThresholds, quality_batch
-from .words import _CHUNK, _powers, split_words, split_words_batch
+from .words import SEGMENT_BYTES, hash_powers, split_words, split_words_batch
 
 FILTERS_VERSION = 2
 """Version of the filter semantics; bump when a stage changes what it keeps or emits.
@@ -550,13 +550,13 @@ class DocumentFilter:
         if c.lang:
             detect_languages([sample], c.lang_max_chars)  # the model, scipy.sparse
         if c.quality or c.near_dedup:
-            _powers(_CHUNK + 64)  # hash power tables for whole pieces
+            hash_powers(SEGMENT_BYTES + 64)  # hash power tables for whole pieces
         if c.quality:
             quality_batch([sample, sample * 3], c.quality_thresholds)
         if c.perplexity_model is not None:
             self._perplexities([sample])  # loads the model and builds its lookup directories
         if c.scrub_pii:
-            _digit_prefixes()  # the non-ASCII digit table (~0.1 s)
+            digit_prefix_pattern()  # the non-ASCII digit table (~0.1 s)
             scrub_pii(sample)
         if c.near_dedup:
             self._hasher().signature("warm up")

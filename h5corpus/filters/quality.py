@@ -54,7 +54,7 @@ from .words import (
     Segmented,
     WordBatch,
     Words,
-    _powers,
+    hash_powers,
     mix64,
     ngram_hashes,
     segment_batch,
@@ -460,7 +460,7 @@ def _line_stats_batch(sg: Segmented, arr: np.ndarray, n: int) -> tuple[np.ndarra
     # candidates; the bytes decide
     two = n_lines[owner] >= 2
     if two.sum() >= 2:
-        pw, ipw = _powers(W + 1)
+        pw, ipw = hash_powers(W + 1)
         with np.errstate(over="ignore"):
             s = np.zeros(W + 1, dtype=np.uint64)
             np.multiply(wb.hashes, pw[:W], out=s[1:])

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..config import BuildError, WarmFilters
+from ..config import BuildError, OnError, WarmFilters
 from ..oserrors import as_build_os_error, os_step
 from ..report import BuildReport
 from ..stages.buckets import run_bucket
@@ -213,7 +213,7 @@ class Driver:
     def decide_input(self, i: int) -> DecideInput:
         """Task ``i``'s read outputs as the decide stage takes them."""
         rec = self.read[i]
-        if self.cfg.on_error == "fail" and rec.skipped_total:
+        if self.cfg.on_error == OnError.FAIL and rec.skipped_total:
             raise BuildError(
                 f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
                 "pass --on-error skip, or fix the input)"

@@ -17,7 +17,6 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from tqdm import tqdm
 
 from ..config import (
     BuildConfig,
+    ExecutorKind,
     SigningFilters,
     SplitRule,
     filters_detect_language,
@@ -51,14 +51,6 @@ PROOF_SAMPLE_TASK_CHARS = 8 << 10
 #: Input bytes per decide bucket when the count is picked automatically (~1 M documents of web
 #: text: a bucket's sort then needs ~100 MB; docs/SCALING.md).
 BUCKET_INPUT_BYTES = 1 << 30
-
-
-class ExecutorKind(str, Enum):
-    """Where the stages run (``BuildConfig.executor``, ``--executor``)."""
-
-    LOCAL = "local"
-    RAY = "ray"
-    SLURM = "slurm"
 
 
 class Background:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import BuildError
+from ..config import BuildError, OnError
 from .buckets import BucketRecord, LshParams, decide_dir, decide_inputs, load_bucket_arrays, load_npy
 from .buildplan import StageContext
 from .decide import DecideInput, Decider, task_scores, worst_masks
@@ -213,7 +213,7 @@ class _BucketDedup:
 
     def task(self, rec: ReadRecord) -> tuple[DecideInput, np.ndarray, np.ndarray]:
         """Task ``rec``'s decide input and its (exact, near) duplicate rows."""
-        if self.ctx.plan.on_error == "fail" and rec.skipped_total:
+        if self.ctx.plan.on_error == OnError.FAIL and rec.skipped_total:
             raise BuildError(
                 f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
                 "pass --on-error skip, or fix the input)"

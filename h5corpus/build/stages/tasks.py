@@ -44,6 +44,7 @@ from ..config import (
     BuildError,
     BuildFilters,
     InfoFilters,
+    OnError,
     SigningFilters,
     TimedFilters,
 )
@@ -318,7 +319,7 @@ class _TaskRead:
 
     def bad(self, rec: BadRecord) -> None:
         """A record that is not a document: stop the build, or count and list it (``skip``)."""
-        if self.ctx.plan.on_error == "fail":
+        if self.ctx.plan.on_error == OnError.FAIL:
             raise BuildError(f"{rec} (pass --on-error skip to skip and count bad records)")
         self.skipped[int(self.rule.indices([hashlib.sha256(rec.where.encode()).digest()])[0])] += 1
         self.skip_codes[rec.code] = self.skip_codes.get(rec.code, 0) + 1
