@@ -260,16 +260,12 @@ def _word_starts(cls: np.ndarray, cuts: Sequence[int]) -> np.ndarray:
     return np.flatnonzero(brk)
 
 
-def _words_at(
+def _piece_sums(
     cls: np.ndarray, values: np.ndarray, cuts: Sequence[int], starts: np.ndarray
-) -> tuple[Words, np.ndarray, np.ndarray]:
-    """The words starting at ``starts`` (byte offsets into the class and hash-value arrays, cut
-    into pieces at ``cuts``): Words, end offsets, PUNCT byte counts. Per piece (cache-sized
-    arrays): prefix sums of the hash terms and of the class counts, read at each word's bounds;
-    then the per-word arithmetic once for all pieces."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per word (starting at ``starts``): its unmixed hash, its per-class byte counts (8 bits per
+    class in one uint64) and its span (bytes to the next word's start, or the piece end)."""
     W = starts.size
-    if W == 0:
-        return _empty(), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     h = np.empty(W, dtype=np.uint64)
     d = np.empty(W, dtype=np.uint64)
     rel = np.empty(W, dtype=np.int64)  # offset of each word in its piece
@@ -304,6 +300,20 @@ def _words_at(
             rel[a:b] = r
             np.subtract(last + 1, r, out=span[a:b])
         h *= hash_powers(int(rel.max()) + 1)[1][rel]
+    return h, d, span
+
+
+def _words_at(
+    cls: np.ndarray, values: np.ndarray, cuts: Sequence[int], starts: np.ndarray
+) -> tuple[Words, np.ndarray, np.ndarray]:
+    """The words starting at ``starts`` (byte offsets into the class and hash-value arrays, cut
+    into pieces at ``cuts``): Words, end offsets, PUNCT byte counts. Per piece (cache-sized
+    arrays): prefix sums of the hash terms and of the class counts, read at each word's bounds;
+    then the per-word arithmetic once for all pieces."""
+    W = starts.size
+    if W == 0:
+        return _empty(), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    h, d, span = _piece_sums(cls, values, cuts, starts)
     hashes = mix64(h)
     fields = d.view(np.uint8).reshape(-1, 8)  # field k = bytes with class bit k (exact below 256)
     trailing = fields[:, 6].astype(np.int64)  # whitespace after the word
