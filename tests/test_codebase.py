@@ -165,3 +165,10 @@ def test_benchmarks_table_refuses_a_report_without_its_machine(tmp_path):
     (tmp_path / "x.json").write_text('{"meta": {"bench": "b", "date": "d", "command": "c"}, "figures": {"f": "1"}}')
     with pytest.raises(gen.ReportError, match=r"x\.json.*machine"):
         gen.table(tmp_path)
+
+
+def test_the_old_filter_protocol_name_still_works_with_a_warning():
+    from h5corpus.build import config
+
+    with pytest.warns(DeprecationWarning, match="BuildFilters"):
+        assert config.DocumentFilters is config.BuildFilters
