@@ -29,6 +29,8 @@ import ipaddress
 import re
 from collections import Counter
 
+import numpy as np
+
 EMAIL = "<EMAIL>"
 PHONE = "<PHONE>"
 IP = "<IP>"
@@ -110,8 +112,6 @@ def _numberish_spans(text: str) -> list[tuple[int, int]]:
     spans = [m.span() for m in _NUMBERISH_BYTES.finditer(classes)]
     if not spans:
         return spans
-    import numpy as np
-
     # characters before byte offset b = bytes before b that start a character (not 10xxxxxx)
     starts = np.zeros(len(data) + 1, dtype=np.int64)
     np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80, out=starts[1:])

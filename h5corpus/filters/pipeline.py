@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
@@ -210,8 +211,6 @@ _PERPLEXITY_FIELDS = ("perplexity_model", "max_perplexity", "perplexity_max_char
 
 def backend_versions(config: FilterConfig) -> dict[str, str]:
     """Versions of the third-party pieces that decide what enabled stages keep."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out: dict[str, str] = {}
 
     def ver(pkg: str) -> str:
