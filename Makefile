@@ -32,8 +32,8 @@ test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check h5corpus tests bench
-	$(BIN)/ruff format --check h5corpus tests bench
+	$(BIN)/ruff check h5corpus tests bench testkit
+	$(BIN)/ruff format --check h5corpus tests bench testkit
 	$(BIN)/lint-imports
 
 bench: $(DEV_STAMP)

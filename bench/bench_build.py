@@ -50,7 +50,7 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import shared_dir, write_fineweb_parquet  # noqa: E402
+from testkit.corpora import shared_dir, write_fineweb_parquet  # noqa: E402
 
 _HF_SCRIPT = r"""
 import json, sys, time

@@ -13,7 +13,7 @@ sources as byte ids):
   ``fill_padded_last`` (the final microbatch charged ``batch_size`` packs). Targets: >= 0.998 at
   buffer 64, >= 0.9995 with BFD.
 * ``packer``: chunks/s of the packers on the epoch's chunk lengths, as a speedup over the naive
-  O(n x buffer) / O(n x packs) scans of the same algorithms (``tests/helpers.py``'s reference
+  O(n x buffer) / O(n x packs) scans of the same algorithms (``testkit/corpora.py``'s reference
   packers, measured on a prefix); BFD chunks/s on 10^4 and 10^5 synthetic chunks (a ratio near 1 =
   per-chunk cost independent of the buffer size).
 * ``plan``: the global plan of one epoch over 1-10 M synthetic documents whose lengths are drawn
@@ -76,13 +76,13 @@ def best(fn, repeat=3):
 
 
 def use_tree(tree: Path) -> None:
-    """Import h5corpus (and tests.helpers) from ``tree`` in this process."""
+    """Import h5corpus (and testkit.corpora) from ``tree`` in this process."""
     sys.path.insert(0, str(tree))
 
 
 def build_corpus(root: Path) -> tuple[Path, str]:
     """Write the dev corpus (GPT-2 via tiktoken) or, without ../shared, stdlib byte ids."""
-    from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts, write_corpus
+    from testkit.corpora import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts, write_corpus
 
     gpt2 = gpt2_tiktoken()
     if gpt2 is not None:
@@ -130,7 +130,7 @@ def packer_rows(lengths: np.ndarray) -> dict:
     from h5corpus.loaders.chunking import ChunkTable
     from h5corpus.loaders.epochplan import epoch_order
     from h5corpus.loaders.packers import best_fit_packs, bfd_packs
-    from tests.helpers import naive_bfd_packs, naive_buffer_packs
+    from testkit.corpora import naive_bfd_packs, naive_buffer_packs
 
     table = ChunkTable.build(lengths, L)
     clen = table.length[epoch_order(table.num_chunks, 0, 0)].astype(np.int64)  # the epoch's stream

@@ -62,7 +62,7 @@ from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
 from h5corpus.storage.reader import open_corpus  # noqa: E402
 from h5corpus.storage.readpaths import H5Tokens  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
-from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
+from testkit.corpora import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
 B = 8  # windows per batch throughout
 SECTIONS = ("api", "verify", "read_paths", "batches", "dataloader", "chunk_size", "compressed")

@@ -7,7 +7,7 @@ stage's memory per million documents, in memory vs bucketed.
 
 * ``engines``: one build (the dev corpus with GPT-2, ``--task-bytes 4000000``, so ~9 tasks) through
   ``--executor local`` (2 workers; decided in memory, and with ``--decide-buckets 2``), ``ray``
-  (tests/clusters.py: two nodes of 1 CPU on this machine) and ``slurm`` (one node, 2 CPUs; needs
+  (testkit/clusters.py: two nodes of 1 CPU on this machine) and ``slurm`` (one node, 2 CPUs; needs
   root), best of ``--rounds``; each engine's wall time as a ratio to the local build's. The
   clusters' start-up is reported apart, never timed in a build.
 * ``fixed_costs``: what one stage call costs an engine beyond its work: a ``build-stage`` command
@@ -45,8 +45,8 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.clusters import EngineUnavailable, RayCluster, SlurmCluster, _cluster_root, wait_until  # noqa: E402
-from tests.helpers import subprocess_env  # noqa: E402
+from testkit.clusters import EngineUnavailable, RayCluster, SlurmCluster, _cluster_root, wait_until  # noqa: E402
+from testkit.corpora import subprocess_env  # noqa: E402
 
 
 def cli_build(args: list[str], out: Path, env: dict[str, str]) -> float:

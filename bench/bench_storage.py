@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
-from tests.helpers import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
+from testkit.corpora import BYTE_IDENTITY, byte_encode, gpt2_tiktoken, read_jsonl_texts, stdlib_texts  # noqa: E402
 
 
 def best(fn, repeat=3):

@@ -17,7 +17,7 @@ from h5corpus.storage.format import TokenizerIdentity
 
 # Real Slurm and Ray clusters (session scope, started on first use; tests/clusters.py). Tests that
 # use them are marked `slurm` / `ray`.
-from tests.clusters import ray_cluster, slurm_cluster  # noqa: F401  (pytest finds fixtures by name)
+from testkit.clusters import ray_cluster, slurm_cluster  # noqa: F401  (pytest finds fixtures by name)
 from tests.helpers import BYTE_IDENTITY, byte_encode, shared_dir, stdlib_texts, write_corpus
 
 

@@ -746,7 +746,7 @@ def test_stage_records_round_trip_and_decide_at_once_equals_the_run(tmp_path, co
     stops at the same task."""
     from h5corpus.build.stages.buildplan import BuildPlan
     from h5corpus.build.stages.decide import DecideInput, Decider, decide
-    from h5corpus.build.stages.state import FinishRecord, ReadRecord, StateDir, TaskDecision
+    from h5corpus.build.stages.statedir import FinishRecord, ReadRecord, StateDir, TaskDecision
 
     cfg = _cfg_json(
         tmp_path / "b", core_sources, workers=2, task_bytes=40_000, max_tokens={"train": 400_000, "validation": 30_000}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clusters import RAY_HEAD_IP, RAY_WORKER_IP, live_processes, wait_until
+from testkit.clusters import RAY_HEAD_IP, RAY_WORKER_IP, live_processes, wait_until
 
 
 def _job_script(body: str) -> str:

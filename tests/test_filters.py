@@ -364,11 +364,11 @@ def test_word_hashes_are_stable_constants():
 
 
 def test_segmentation_is_independent_of_piece_size(monkeypatch, stdlib_corpus_texts):
-    """Texts are segmented in pieces of at most _CHUNK bytes cut at whitespace or before a CJK
+    """Texts are segmented in pieces of at most SEGMENT_BYTES bytes cut at whitespace or before a CJK
     character: the words are the same for any piece size."""
     texts = list(stdlib_corpus_texts[:30]) + ["吾輩は猫である。" * 300, "x" * 50 + " tail"]
     want = words.split_words_batch(texts)
-    monkeypatch.setattr(words, "_CHUNK", 997)
+    monkeypatch.setattr(words, "SEGMENT_BYTES", 997)
     got = words.split_words_batch(texts)
     for k in ("chars", "bits", "hashes", "offsets"):
         assert np.array_equal(getattr(got, k), getattr(want, k)), k
@@ -745,6 +745,7 @@ def test_filters_off_keep_everything(stdlib_corpus_texts):
         "no digits here at all, only words ✓",
     ],
 )
+# Reaches inside pii (_numberish_spans, _NUMBERISH): the fast path against the regex it replaces.
 def test_phone_candidate_regions_fast_path_equals_the_regex(text):
     """The byte-level fast path for candidate phone regions gives exactly the spans of the
     Unicode regex (non-ASCII decimal digits send a text to the regex itself)."""

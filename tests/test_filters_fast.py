@@ -58,6 +58,7 @@ def _plain_counts(text: str) -> tuple[int, int]:
     return n_special, text.count("#") + text.count("...") + text.count("\u2026")
 
 
+# Reaches inside quality (_line_stats_batch, _line_stats): the batch kernel against the per-text definition.
 def _check_line_stats(texts) -> int:
     sg = words.segment_batch(texts)
     got = quality._line_stats_batch(sg, np.frombuffer(sg.data, dtype=np.uint8), len(texts))
@@ -158,8 +159,8 @@ def test_segmentation_layout(stdlib_corpus_texts, monkeypatch):
     its text (str.split() for ASCII text), with its character count and ASCII punctuation; a word
     longer than a piece is cut at the piece boundary, as split_words_batch always did."""
     texts = list(stdlib_corpus_texts[:40]) + ["x" * 3000 + " tail, end.", "caf\u00e9 na\u00efve \u5f3e\u8f29 ok"]
-    for chunk in (words._CHUNK, 997):
-        monkeypatch.setattr(words, "_CHUNK", chunk)
+    for chunk in (words.SEGMENT_BYTES, 997):
+        monkeypatch.setattr(words, "SEGMENT_BYTES", chunk)
         sg = words.segment_batch(texts)
         assert np.array_equal(sg.words.hashes, words.split_words_batch(texts).hashes)
         for i, t in enumerate(texts):
@@ -218,6 +219,7 @@ _PIECES = [
 
 
 @pytest.mark.parametrize("kind", list(_PATTERNS))
+# Reaches inside pii (_anchored): the anchored search is compared with a full scan.
 def test_anchored_pii_search_equals_a_full_scan(kind):
     """The e-mail and IP regexes searched only around their anchors find exactly the matches of
     finditer over the whole text (random texts of address fragments, Unicode digits included)."""
@@ -270,6 +272,7 @@ def test_batched_signatures_never_start_rensa_thread_pool():
     assert after == before
 
 
+# Reaches inside py3langid's model (_rowbase): its own counts are the oracle for the fast automaton.
 def test_langid_features_equal_py3langid_counts():
     """The table-driven automaton (two bytes from the root in one lookup, states as 16-bit rows)
     emits exactly py3langid's feature counts."""
@@ -291,14 +294,15 @@ def test_langid_features_equal_py3langid_counts():
         assert {int(f): int(c) for f, c in enumerate(got) if c} == dict(want), repr(t[:60])
 
 
+# The byte-level fast path (words.space_folded_utf8) is compared with the regex it replaces.
 def test_unicode_space_detection_on_bytes_equals_the_regex():
-    """_encode finds Unicode spaces by their UTF-8 bytes: the same texts as the str regex, for
+    """space_folded_utf8 finds Unicode spaces by their UTF-8 bytes: the same texts as the str regex, for
     every code point."""
     every = "".join(chr(c) for c in range(0x80, 0x110000) if not 0xD800 <= c < 0xE000)
     spaces = {m.group(0) for m in words._UNICODE_SPACE.finditer(every)}
     for c in spaces:
-        assert words._encode("x" + c)[1]
+        assert words.space_folded_utf8("x" + c)[1]
     for i in range(0, len(every), 2000):
         chunk = "".join(c for c in every[i : i + 2000] if c not in spaces)
-        assert words._encode(chunk)[1] is False
+        assert words.space_folded_utf8(chunk)[1] is False
     assert re.sub(r"\s", "", "".join(sorted(spaces))) == ""

@@ -237,6 +237,7 @@ def test_dataset_dict_split_text_column_and_clear_refusals(tmp_path, ds, texts):
             build_corpus(cfg(tmp_path / "x", [source]))
 
 
+# Reaches inside datasets' Dataset (_fingerprint): the manifest must record datasets' own fingerprint.
 def test_manifest_records_fingerprint_builder_split_and_hub_revision(tmp_path, ds, texts):
     """load_dataset's Dataset: the manifest records its fingerprint, builder, config, split and
     rows; a dataset whose cache folder is a 40-hex commit (where load_dataset puts a hub dataset)

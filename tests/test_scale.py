@@ -32,7 +32,7 @@ from h5corpus.build.stages.buckets import (
 from h5corpus.build.stages.merge import KeptSet, NearResolver
 from h5corpus.build.stages.runmarker import RunMarker
 from h5corpus.build.stages.shards import parse_shard_file_name, shard_file_name
-from h5corpus.build.stages.state import DOC_DTYPE, StateDir
+from h5corpus.build.stages.statedir import DOC_DTYPE, StateDir
 from h5corpus.filters import DocumentFilter, FilterConfig
 from h5corpus.filters.neardedup import NearDedupIndex
 from tests.helpers import subprocess_env, tree

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clusters import wait_until
+from testkit.clusters import wait_until
 from tests.helpers import subprocess_env, tree
 
 STDLIB = ["stdlib", "--tokenizer", "bytes", "--task-bytes", "3000000", "--shard-tokens", "1000000"]

@@ -308,6 +308,7 @@ def _records_both_ways(monkeypatch, specs, *, task_bytes=1 << 30) -> tuple[list,
     """Every record, (text, utf8) or BadRecord, read with orjson and with the json module alone."""
     import h5corpus.build.input.records as src
 
+    # Reaches inside records (_fast_loads): which JSON parser reads the records is what is tested.
     def records() -> list:
         tasks = plan_tasks(resolve_sources(specs), task_bytes=task_bytes)
         return [r for t in tasks for r in task_records(t, "text")]

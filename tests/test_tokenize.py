@@ -158,6 +158,7 @@ def test_a_passed_proof_is_cached_and_a_failed_one_never(tmp_path, monkeypatch):
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
     p = _abc_tokenizer(tmp_path)
 
+    # Reaches inside Tokenizer (_hf): whether the reference tokenizer was loaded is what is tested.
     def prove(texts, **kw):
         tok = load_tokenizer(str(p))  # a fresh Tokenizer: `tokenizers` not loaded yet
         fast, why = fast_encoder(tok, ["tiktoken"])
@@ -198,6 +199,7 @@ def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch)
     assert prove_same_ids(HFEncoder(tb), fast_encoder(tg, ["tiktoken"])[0], texts) is not None
 
 
+# Reaches inside tiktoken's Encoding (_mergeable_ranks): the ranks are what the cache must reproduce.
 def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, stdlib_corpus_texts):
     """The ranks cache (keyed by the JSON's sha256 and this module's source, payload hashed) gives
     the ranks the conversion gives; a damaged file is ignored and rewritten."""
@@ -228,6 +230,7 @@ def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, st
     assert third._mergeable_ranks == reference._mergeable_ranks and tk.load_ranks(sha) == cached
 
 
+# Reaches inside Tokenizer (_json): whether the JSON was parsed is what the facts cache saves.
 def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, monkeypatch, stdlib_corpus_texts):
     """A second load of the same tokenizer JSON takes its identity (EOS id, vocabulary size) and the
     fast path's verdict from the facts cache without parsing the JSON, and gets the same identity
@@ -258,6 +261,7 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
     assert third._json is not None and third.identity == first.identity
 
 
+# Reaches inside tiktoken's Encoding (_mergeable_ranks): the ranks are what the cache must reproduce.
 def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
     """GPT-2's 50,257-entry vocabulary round-trips through the ranks cache exactly."""
     from h5corpus.build.tokenize import tiktoken_bpe as tk

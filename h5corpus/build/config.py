@@ -9,8 +9,10 @@ import hashlib
 import operator
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -40,11 +42,10 @@ class BuildConflict(Exception):
 
 # -- the filter seam ----------------------------------------------------------------------------
 @runtime_checkable
-class DocumentFilters(Protocol):
+class BuildFilters(Protocol):
     """What the build needs from cleaning / quality / language / PII / near-dedup stages
-    (:class:`h5corpus.filters.DocumentFilter` is the implementation the CLI uses).
-
-    Required:
+    (:class:`h5corpus.filters.DocumentFilter` is the implementation the CLI uses, and implements
+    every protocol below).
 
     * ``process(text) -> (text_or_None, drop_reason_or_None)``: return the (possibly cleaned) text
       to keep it, or ``(None, reason)`` to drop it; called once per document by the read stage, in
@@ -53,28 +54,9 @@ class DocumentFilters(Protocol):
       copy. The build takes the difference across each task and sums tasks in input order, so they
       merge deterministically across workers.
 
-    Optional:
-
-    * ``process_batch(texts, *, signatures) -> [result]``: the fast path, called instead of
-      ``process`` with up to 256 documents (or ~1 M characters) at a time. Each result has
-      ``.text``/``.reason`` as ``process`` would give, and may carry ``.signature`` and ``.info``
-      (a mapping; ``info["lang"]``/``info["lang_prob"]`` are recorded per document).
-    * ``signature(text) -> np.ndarray``: a near-duplicate signature (e.g. a MinHash) of a kept text,
-      computed by the read stage when a batch result carries none. Signatures are 1-D arrays of one
-      dtype and length within a build; each task stores them as one ``.npy`` array.
-    * ``near_duplicate_index() -> index | None`` where ``index.add(signature) -> bool`` (True = a
-      near duplicate of something added before): the decide stage creates one index per build and
-      feeds it the signatures of exact-dedup survivors, in global input order. None = near-dedup
-      off (no signature is computed).
-    * ``describe() -> Mapping``: JSON-able settings, recorded in the manifest and part of the
-      build fingerprint (changing them invalidates an interrupted build).
-    * ``from_description(description)`` (a classmethod): rebuild the object from ``describe()``, so
-      a process that has only the state folder (:meth:`h5corpus.build.stages.buildplan.StageContext.load`) can
-      run the stages.
-    * ``timings() -> Mapping[str, float]``: growing seconds per stage (build report only).
-    * ``warm_up()``: load models; called once in the main process before the workers fork.
-    * ``config.lang`` (truthy): the filters detect languages; the manifest then counts stored
-      documents per language (``splits.<split>.languages``).
+    What more a filters object can do is one protocol each, checked with ``isinstance``:
+    :class:`BatchFilters`, :class:`SigningFilters`, :class:`NearDedupFilters`,
+    :class:`DescribedFilters`, :class:`TimedFilters`, :class:`WarmFilters`, :class:`ConfiguredFilters`.
     """
 
     def process(self, text: str) -> tuple[str | None, str | None]: ...
@@ -82,21 +64,114 @@ class DocumentFilters(Protocol):
     def counters(self) -> Mapping[str, int]: ...
 
 
-def filters_detect_language(f: Any) -> bool:
-    """True when the filters run language ID (a :class:`h5corpus.filters.DocumentFilter` with
-    ``lang``, or any object whose ``config.lang`` is set)."""
-    return bool(getattr(getattr(f, "config", None), "lang", None))
+@runtime_checkable
+class BatchFilters(Protocol):
+    """The fast path, called instead of ``process`` with up to 256 documents (or ~1 M characters) at
+    a time. Each result has ``.text``/``.reason`` as ``process`` would give, ``.signature`` (or None)
+    and ``.info`` (a mapping or None; ``info["lang"]``/``info["lang_prob"]``/``info["perplexity"]``
+    are recorded per document). Results do not depend on how documents are batched."""
+
+    def process_batch(self, texts: Sequence[str], *, signatures: bool = False) -> Sequence[Any]: ...
 
 
-def filters_score_perplexity(f: Any) -> bool:
-    """True when the filters score every document by perplexity (a :class:`h5corpus.filters.DocumentFilter`
-    with ``perplexity_model``, or any object whose ``config.perplexity_model`` is set); their batch
-    results then carry ``info["perplexity"]``, which the read stage records per document."""
-    return bool(getattr(getattr(f, "config", None), "perplexity_model", None))
+@runtime_checkable
+class SigningFilters(Protocol):
+    """A near-duplicate signature (e.g. a MinHash: a 1-D array of one dtype and length within a
+    build) of a kept text, computed by the read stage when a batch result carries none."""
+
+    def signature(self, text: str) -> np.ndarray: ...
+
+
+@runtime_checkable
+class NearDedupFilters(Protocol):
+    """``near_duplicate_index() -> index | None`` where ``index.add(signature) -> bool`` (True = a
+    near duplicate of something added before): the decide stage creates one index per build and
+    feeds it the signatures of exact-dedup survivors, in global input order. None = near-dedup off."""
+
+    def near_duplicate_index(self) -> Any: ...
+
+
+@runtime_checkable
+class DescribedFilters(Protocol):
+    """JSON-able settings, recorded in the manifest and part of the build fingerprint (changing them
+    invalidates an interrupted build)."""
+
+    def describe(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class TimedFilters(Protocol):
+    """Growing CPU seconds per filter stage (build report only)."""
+
+    def timings(self) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class WarmFilters(Protocol):
+    """Load models once, in the main process, before the workers fork (they share them)."""
+
+    def warm_up(self) -> None: ...
+
+
+@runtime_checkable
+class ConfiguredFilters(Protocol):
+    """Filters with a :class:`h5corpus.filters.FilterConfig`-like ``config``: ``config.lang``
+    (languages are detected; the manifest counts stored documents per language) and
+    ``config.perplexity_model`` (every document is scored)."""
+
+    config: Any
+
+
+@runtime_checkable
+class InfoFilters(Protocol):
+    """``last_info``: facts about the last document :meth:`BuildFilters.process` saw (a mapping)."""
+
+    last_info: Mapping[str, Any]
+
+
+def filters_near_index(f: BuildFilters | None) -> Any:
+    """The build's near-duplicate index from ``f`` (None: near dedup off)."""
+    return f.near_duplicate_index() if isinstance(f, NearDedupFilters) else None
+
+
+def filters_detect_language(f: BuildFilters | None) -> bool:
+    """True when the filters run language ID (their ``config.lang`` is set)."""
+    return isinstance(f, ConfiguredFilters) and bool(getattr(f.config, "lang", None))
+
+
+def filters_score_perplexity(f: BuildFilters | None) -> bool:
+    """True when the filters score every document by perplexity (their ``config.perplexity_model``
+    is set); their batch results then carry ``info["perplexity"]``, which the read stage records per
+    document."""
+    return isinstance(f, ConfiguredFilters) and bool(getattr(f.config, "perplexity_model", None))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DocumentFilters":
+        warnings.warn("h5corpus.build.config.DocumentFilters is now BuildFilters", DeprecationWarning, stacklevel=2)
+        return BuildFilters
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- configuration ------------------------------------------------------------------------------
-EXECUTORS = ("local", "ray", "slurm")
+class ExecutorKind(str, Enum):
+    """Where the stages run (``BuildConfig.executor``, ``--executor``)."""
+
+    LOCAL = "local"
+    RAY = "ray"
+    SLURM = "slurm"
+
+
+class OnError(str, Enum):
+    """What a bad record does (``BuildConfig.on_error``, ``--on-error``)."""
+
+    FAIL = "fail"
+    """Stop the build naming file and line (:class:`BuildError`)."""
+    SKIP = "skip"
+    """Count and list it; the build goes on."""
+
+
+EXECUTORS = tuple(k.value for k in ExecutorKind)
 
 
 @dataclass(kw_only=True)
@@ -165,8 +240,8 @@ class BuildConfig:
     """HDF5 chunk size of ``/tokens``, in tokens."""
     task_bytes: int = DEFAULT_TASK_BYTES
     """Input bytes per task (the unit of parallel work, resume and shard naming)."""
-    filters: DocumentFilters | None = None
-    """Optional :class:`DocumentFilters` (cleaning, quality, language, PII, near-dedup)."""
+    filters: BuildFilters | None = None
+    """Optional :class:`BuildFilters` (cleaning, quality, language, PII, near-dedup)."""
     fast_path: bool = True
     """Use a proven-equal fast encoder (fastokens / tiktoken / raw bytes) when the tokenizer allows one."""
     fast_encoders: Sequence[str] | None = None
@@ -225,7 +300,7 @@ class BuildConfig:
                 raise ValueError(f"max_tokens: budget for {k} must be positive, got {v}")
         if self.max_document_tokens is not None and int(self.max_document_tokens) < 1:
             raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens}")
-        if self.on_error not in ("fail", "skip"):
+        if self.on_error not in tuple(e.value for e in OnError):
             raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
         for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
             if int(getattr(self, name)) < 1:
@@ -244,8 +319,10 @@ class BuildConfig:
         for name in self.fast_encoders or ():
             if name not in known:
                 raise ValueError(f"fast_encoders: unknown encoder {name!r} (known: {', '.join(known)})")
-        if self.filters is not None and not callable(getattr(self.filters, "process", None)):
-            raise ValueError("filters must have a process(text) -> (text_or_None, reason_or_None) method")
+        if self.filters is not None and not isinstance(self.filters, BuildFilters):
+            raise ValueError(
+                "filters must have process(text) -> (text_or_None, reason_or_None) and counters() (BuildFilters)"
+            )
         self._check_perplexity()
 
     def _check_perplexity(self) -> None:
@@ -265,7 +342,7 @@ class BuildConfig:
         f = self.filters
         fdesc: Any = None
         if f is not None:
-            fdesc = dict(f.describe()) if callable(getattr(f, "describe", None)) else {"class": type(f).__qualname__}
+            fdesc = dict(f.describe()) if isinstance(f, DescribedFilters) else {"class": type(f).__qualname__}
         out = {
             "text_field": self.text_field,
             "split_seed": int(self.split_seed),

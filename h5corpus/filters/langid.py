@@ -26,6 +26,7 @@ import math
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,6 @@ def _load_model() -> _Model:
     if _MODEL is not None:
         return _MODEL
     try:
-        from importlib.metadata import version
-
         import py3langid.langid as pl
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("language identification needs py3langid: pip install 'h5corpus[filters]'") from e

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .words import _P, _encode, mix64
+from .words import HASH_PRIME, mix64, space_folded_utf8
 
 UNITS_VERSION = 1
 """Version of the unit definition above (segmentation, folding, hashing)."""
@@ -61,7 +61,7 @@ _VALUE[_CLASS == _SPACE] = 0  # separators inside a unit's byte range (trailing)
 _VALUE_TABLE = bytes(int(v) & 0xFF for v in _VALUE)  # (0xFF never occurs in UTF-8)
 
 _MAX_HASHED = 64  # bytes of a unit that its hash reads
-_P64 = np.uint64(_P)
+_P64 = np.uint64(HASH_PRIME)
 _LENGTH_MIX = np.uint64(0x9E3779B97F4A7C15)
 _MASKS = np.array([(1 << (8 * i)) - 1 for i in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
@@ -91,7 +91,7 @@ class UnitBatch:
 
 def units_batch(texts: Sequence[str]) -> UnitBatch:
     """The unit hashes of every text (module docstring), in one vectorized pass."""
-    enc = [_encode(t)[0] for t in texts]
+    enc = [space_folded_utf8(t)[0] for t in texts]
     data = b"\n".join(enc)  # a line break between texts: the end of the text before (dropped)
     text_start = np.zeros(len(texts) + 1, dtype=np.int64)  # byte offset of each text in ``data``
     np.cumsum([len(e) + 1 for e in enc], out=text_start[1:])

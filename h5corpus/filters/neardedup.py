@@ -31,6 +31,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
+from importlib.metadata import version
 from itertools import chain
 
 import numpy as np
@@ -56,8 +57,6 @@ def _rensa():
 
 def backend_version() -> str:
     """``rensa-<version> RMinHash``: the MinHash implementation (recorded in the manifest)."""
-    from importlib.metadata import version
-
     _rensa()
     return f"rensa-{version('rensa')} RMinHash"
 

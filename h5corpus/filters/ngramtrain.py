@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from .lmunits import units_batch
 from .perplexity import MAX_ORDER, SMOOTHING, Level, NgramModel, key_of, layout, model_header, next_raw
@@ -228,8 +229,6 @@ def train_ngram_model(
     pending: list[list[_Counts]] = [[] for _ in range(order)]
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=max_documents, unit="doc", desc="quality-model train", leave=False)
     try:
         for batch in _batches(texts, max_documents, batch_chars, stats, digest):

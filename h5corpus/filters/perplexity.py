@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .lmunits import BOS, BOS_HASH, EOS, EOS_HASH, UNITS_VERSION, UnitBatch, unit_hashes, units_batch
-from .words import _P
+from .words import HASH_PRIME
 
 FORMAT = "h5corpus-ngram-lm"
 FORMAT_VERSION = 1
@@ -51,7 +51,7 @@ SMOOTHING = "interpolated modified Kneser-Ney"
 MAX_ORDER = 6
 """Highest supported order (memory grows with it; 2-4 are the useful ones for filtering)."""
 
-_P64 = np.uint64(_P)
+_P64 = np.uint64(HASH_PRIME)
 _EVEN = np.uint64(~1 & 0xFFFFFFFFFFFFFFFF)
 _SENTINEL = np.uint64(0xFFFFFFFFFFFFFFFF)  # odd: never a key (keys are even)
 

@@ -29,6 +29,8 @@ import ipaddress
 import re
 from collections import Counter
 
+import numpy as np
+
 EMAIL = "<EMAIL>"
 PHONE = "<PHONE>"
 IP = "<IP>"
@@ -73,7 +75,7 @@ _NUMBERISH_BYTES = re.compile(rb"0[0.]{5,}0")
 _DIGIT_PREFIXES: re.Pattern[bytes] | None = None
 
 
-def _digit_prefixes() -> re.Pattern[bytes]:
+def digit_prefix_pattern() -> re.Pattern[bytes]:
     """A bytes regex matching the first two UTF-8 bytes of every non-ASCII decimal digit (what
     ``\\d`` matches besides 0-9: ``str.isdecimal``, Unicode category Nd), e.g. ``b"\\xd9\\xa0"``
     for U+0660. Built once per process from the running Python's Unicode tables (~0.05 s)."""
@@ -103,15 +105,13 @@ def _numberish_spans(text: str) -> list[tuple[int, int]]:
     if text.isascii():
         return [m.span() for m in _NUMBERISH_BYTES.finditer(text.encode("ascii").translate(_NUMBERISH_CLASS))]
     data = text.encode("utf-8", errors="surrogatepass")
-    digits = _digit_prefixes()
+    digits = digit_prefix_pattern()
     classes = data.translate(_NUMBERISH_CLASS_U)
     if b"d" in classes and digits.search(data) is not None:
         return [m.span() for m in _NUMBERISH.finditer(text)]
     spans = [m.span() for m in _NUMBERISH_BYTES.finditer(classes)]
     if not spans:
         return spans
-    import numpy as np
-
     # characters before byte offset b = bytes before b that start a character (not 10xxxxxx)
     starts = np.zeros(len(data) + 1, dtype=np.int64)
     np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80, out=starts[1:])

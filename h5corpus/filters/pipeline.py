@@ -44,11 +44,18 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
 
-from .quality import QualityThresholds
+from . import clean
+from .langid import check_languages, detect_languages
+from .neardedup import MinHasher, NearDedupIndex, optimal_bands
+from .perplexity import ModelFileError, load_model, read_model_header
+from .pii import digit_prefix_pattern, scrub_pii
+from .quality import QualityThresholds, quality_batch
+from .words import SEGMENT_BYTES, hash_powers, split_words, split_words_batch
 
 FILTERS_VERSION = 2
 """Version of the filter semantics; bump when a stage changes what it keeps or emits.
@@ -124,8 +131,6 @@ class FilterConfig:
         """``(bands, rows)``: as configured, or derived (:func:`h5corpus.neardedup.optimal_bands`)."""
         if self.bands is not None and self.rows is not None:
             return self.bands, self.rows
-        from .neardedup import optimal_bands
-
         b, r = optimal_bands(self.near_dedup_threshold, self.num_perm)
         if self.bands is not None:
             return self.bands, max(1, self.num_perm // self.bands)
@@ -155,8 +160,6 @@ class FilterConfig:
         self.quality_thresholds.validate()
         self._validate_perplexity()
         if self.lang:
-            from .langid import check_languages
-
             self.lang = check_languages(self.lang)
 
     def _validate_perplexity(self) -> None:
@@ -169,8 +172,6 @@ class FilterConfig:
             raise ValueError(f"FilterConfig.max_perplexity = {self.max_perplexity}: must be >= 1 (a perplexity)")
         if self.perplexity_max_chars is not None and self.perplexity_max_chars < 1:
             raise ValueError(f"FilterConfig.perplexity_max_chars = {self.perplexity_max_chars}: must be >= 1")
-        from .perplexity import read_model_header
-
         self.perplexity_model = os.fspath(self.perplexity_model)
         read_model_header(self.perplexity_model)  # ModelFileError (a ValueError) naming the file
 
@@ -184,8 +185,6 @@ class FilterConfig:
             for name in _PERPLEXITY_FIELDS:
                 del d[name]
         else:
-            from .perplexity import read_model_header
-
             d["perplexity_model_sha256"] = read_model_header(self.perplexity_model)["sha256"]
         d["quality_thresholds"] = self.quality_thresholds.to_json()
         d["lang"] = list(self.lang)
@@ -212,8 +211,6 @@ _PERPLEXITY_FIELDS = ("perplexity_model", "max_perplexity", "perplexity_max_char
 
 def backend_versions(config: FilterConfig) -> dict[str, str]:
     """Versions of the third-party pieces that decide what enabled stages keep."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out: dict[str, str] = {}
 
     def ver(pkg: str) -> str:
@@ -242,8 +239,6 @@ def parse_lang_codes(codes: str | Iterable[str] | None) -> tuple[str, ...]:
         codes = codes.split(",")
     out = tuple(dict.fromkeys(c.strip().lower() for c in codes if c.strip()))
     if out:
-        from .langid import check_languages
-
         check_languages(out)
     return out
 
@@ -287,6 +282,30 @@ class FilterResult:
     for (:meth:`DocumentFilter.process_batch` ``signatures=True``)."""
 
 
+class _BatchRun:
+    """One :meth:`DocumentFilter.process_batch` call's documents as they pass the stages: the
+    current texts, each one's info and result (None while it is still in), the quality stage's
+    word hashes (reused for signatures) and the signatures."""
+
+    def __init__(self, texts: Sequence[str], stats: Counter[str]) -> None:
+        self.n = len(texts)
+        self.cur: list[str] = list(texts)
+        self.out: list[FilterResult | None] = [None] * self.n
+        self.infos: list[dict[str, Any]] = [{} for _ in range(self.n)]
+        self.word_hashes: dict[int, np.ndarray] = {}
+        self.sigs: dict[int, np.ndarray] = {}
+        self.stats = stats
+
+    def live(self) -> list[int]:
+        """The documents still in, in order."""
+        return [i for i in range(self.n) if self.out[i] is None]
+
+    def drop(self, i: int, reason: str, counter: str | None = None) -> None:
+        self.stats[f"drop:{counter or reason}"] += 1
+        self.infos[i]["reason"] = reason
+        self.out[i] = FilterResult(None, reason, self.infos[i])
+
+
 class DocumentFilter:
     """Runs the enabled stages of a :class:`FilterConfig` on documents; keeps per-rule counters.
 
@@ -302,8 +321,6 @@ class DocumentFilter:
         self._language_model = None
         self._model_sha256: str | None = None  # of the model the settings name (checked when loaded)
         if config.perplexity_model is not None:
-            from .perplexity import read_model_header
-
             self._model_sha256 = read_model_header(config.perplexity_model)["sha256"]
         self._cache: tuple[str, np.ndarray] | None = None  # (last kept text, its word hashes)
         self.last_info: dict[str, Any] = {}
@@ -347,129 +364,114 @@ class DocumentFilter:
         With ``signatures=True`` and near-dedup on, kept results carry their MinHash signature
         (cheaper than :meth:`signature` afterwards: the quality stage's words are reused)."""
         c = self.config
-        st = self._stats
-        n = len(texts)
-        st["docs"] += n
-        clock = time.process_time
-        tm = self.seconds
-        t0 = clock()
-        out: list[FilterResult | None] = [None] * n
-        infos: list[dict[str, Any]] = [{} for _ in range(n)]
-        cur: list[str] = list(texts)
-
-        def drop(i: int, reason: str, counter: str | None = None) -> None:
-            st[f"drop:{counter or reason}"] += 1
-            infos[i]["reason"] = reason
-            out[i] = FilterResult(None, reason, infos[i])
-
-        if c.clean or c.fix_unicode or c.normalize_whitespace:
-            from . import clean
-
-            for i in range(n):
-                text = cur[i]
-                if c.clean and clean.looks_like_html(text):
-                    infos[i]["html"] = True
-                    st["clean:html"] += 1
-                    extracted = clean.html_to_text(text)
-                    if extracted is None:
-                        drop(i, "clean:no_main_text")
-                        continue
-                    text = extracted
-                if c.fix_unicode:
-                    fixed = clean.fix_unicode(text)
-                    if fixed != text:
-                        st["clean:unicode"] += 1
-                        text = fixed
-                if c.normalize_whitespace:
-                    norm = clean.normalize_whitespace(text)
-                    if norm != text:
-                        st["clean:whitespace"] += 1
-                        text = norm
-                if not text.strip():
-                    drop(i, "clean:empty")
-                    continue
-                cur[i] = text
-            tm["clean"] += clock() - t0
-            t0 = clock()
-        live = [i for i in range(n) if out[i] is None]
-        if c.lang and live:
-            from .langid import detect_languages
-
-            for i, (code, prob) in zip(live, detect_languages([cur[i] for i in live], c.lang_max_chars)):
-                infos[i]["lang"] = code
-                infos[i]["lang_prob"] = prob
-                st[f"lang:{code}"] += 1
-                if code not in c.lang:
-                    drop(i, f"lang:{code}", counter="lang")
-                elif prob < c.lang_threshold:
-                    drop(i, "lang:low_confidence", counter="lang")
-            live = [i for i in live if out[i] is None]
-            tm["lang"] += clock() - t0
-            t0 = clock()
-        word_hashes: dict[int, np.ndarray] = {}
-        if c.quality and live:
-            from .quality import quality_batch
-
-            reasons, hashes = quality_batch([cur[i] for i in live], c.quality_thresholds)
-            for i, reason, h in zip(live, reasons, hashes):
-                if reason is not None:
-                    drop(i, f"quality:{reason}")
-                elif c.near_dedup and h is not None:
-                    word_hashes[i] = h
-            live = [i for i in live if out[i] is None]
-            tm["quality"] += clock() - t0
-            t0 = clock()
-        if c.perplexity_model is not None and live:
-            for i, ppl in zip(live, self._perplexities([cur[i] for i in live])):
-                infos[i]["perplexity"] = ppl
-                if c.max_perplexity is not None and ppl > c.max_perplexity:
-                    drop(i, "perplexity")
-            live = [i for i in live if out[i] is None]
-            tm["perplexity"] += clock() - t0
-            t0 = clock()
-        if c.scrub_pii:
-            from .pii import scrub_pii
-
-            for i in live:
-                scrubbed, counts = scrub_pii(cur[i])
-                if counts:
-                    infos[i]["pii"] = counts
-                    st["pii:docs"] += 1
-                    for kind, k in counts.items():
-                        st[f"pii:{kind}"] += k
-                    cur[i] = scrubbed
-                    word_hashes.pop(i, None)  # the words changed
-            tm["pii"] += clock() - t0
-            t0 = clock()
-        sigs: dict[int, np.ndarray] = {}
-        if signatures and c.near_dedup and live:
-            hasher = self._hasher()
-            need = [i for i in live if i not in word_hashes]
-            if need:
-                from .words import split_words_batch
-
-                wb2 = split_words_batch([cur[i] for i in need])
-                for j, i in enumerate(need):
-                    word_hashes[i] = wb2.hashes[int(wb2.offsets[j]) : int(wb2.offsets[j + 1])]
-            for i, sig in zip(live, hasher.signatures_of_word_hashes([word_hashes[i] for i in live])):
-                sigs[i] = sig
-            tm["signature"] += clock() - t0
+        b = _BatchRun(texts, self._stats)
+        self._stats["docs"] += b.n
+        stages = (
+            ("clean", c.clean or c.fix_unicode or c.normalize_whitespace, self._clean_stage),
+            ("lang", bool(c.lang), self._lang_stage),
+            ("quality", c.quality, self._quality_stage),
+            ("perplexity", c.perplexity_model is not None, self._perplexity_stage),
+            ("pii", c.scrub_pii, self._pii_stage),
+            ("signature", signatures and c.near_dedup, self._signature_stage),
+        )
+        for name, on, stage in stages:
+            if not on or (not b.live() and name != "pii"):
+                continue
+            t0 = time.process_time()
+            stage(b)
+            self.seconds[name] += time.process_time() - t0
+        live = b.live()
         for i in live:
-            st["kept"] += 1
-            out[i] = FilterResult(cur[i], None, infos[i], sigs.get(i))
+            self._stats["kept"] += 1
+            b.out[i] = FilterResult(b.cur[i], None, b.infos[i], b.sigs.get(i))
+        n = b.n
         self._cache = None
-        if live and live[-1] == n - 1 and (n - 1) in word_hashes:
-            self._cache = (cur[n - 1], word_hashes[n - 1])
-        self.last_info = infos[-1] if n else {}
-        return out  # type: ignore[return-value]
+        if live and live[-1] == n - 1 and (n - 1) in b.word_hashes:
+            self._cache = (b.cur[n - 1], b.word_hashes[n - 1])
+        self.last_info = b.infos[-1] if n else {}
+        return b.out  # type: ignore[return-value]
+
+    def _clean_stage(self, b: _BatchRun) -> None:
+        c = self.config
+        for i in range(b.n):
+            text = b.cur[i]
+            if c.clean and clean.looks_like_html(text):
+                b.infos[i]["html"] = True
+                b.stats["clean:html"] += 1
+                extracted = clean.html_to_text(text)
+                if extracted is None:
+                    b.drop(i, "clean:no_main_text")
+                    continue
+                text = extracted
+            if c.fix_unicode:
+                fixed = clean.fix_unicode(text)
+                if fixed != text:
+                    b.stats["clean:unicode"] += 1
+                    text = fixed
+            if c.normalize_whitespace:
+                norm = clean.normalize_whitespace(text)
+                if norm != text:
+                    b.stats["clean:whitespace"] += 1
+                    text = norm
+            if not text.strip():
+                b.drop(i, "clean:empty")
+                continue
+            b.cur[i] = text
+
+    def _lang_stage(self, b: _BatchRun) -> None:
+        c, live = self.config, b.live()
+        for i, (code, prob) in zip(live, detect_languages([b.cur[i] for i in live], c.lang_max_chars)):
+            b.infos[i]["lang"] = code
+            b.infos[i]["lang_prob"] = prob
+            b.stats[f"lang:{code}"] += 1
+            if code not in c.lang:
+                b.drop(i, f"lang:{code}", counter="lang")
+            elif prob < c.lang_threshold:
+                b.drop(i, "lang:low_confidence", counter="lang")
+
+    def _quality_stage(self, b: _BatchRun) -> None:
+        c, live = self.config, b.live()
+        reasons, hashes = quality_batch([b.cur[i] for i in live], c.quality_thresholds)
+        for i, reason, h in zip(live, reasons, hashes):
+            if reason is not None:
+                b.drop(i, f"quality:{reason}")
+            elif c.near_dedup and h is not None:
+                b.word_hashes[i] = h
+
+    def _perplexity_stage(self, b: _BatchRun) -> None:
+        c, live = self.config, b.live()
+        for i, ppl in zip(live, self._perplexities([b.cur[i] for i in live])):
+            b.infos[i]["perplexity"] = ppl
+            if c.max_perplexity is not None and ppl > c.max_perplexity:
+                b.drop(i, "perplexity")
+
+    def _pii_stage(self, b: _BatchRun) -> None:
+        for i in b.live():
+            scrubbed, counts = scrub_pii(b.cur[i])
+            if counts:
+                b.infos[i]["pii"] = counts
+                b.stats["pii:docs"] += 1
+                for kind, k in counts.items():
+                    b.stats[f"pii:{kind}"] += k
+                b.cur[i] = scrubbed
+                b.word_hashes.pop(i, None)  # the words changed
+
+    def _signature_stage(self, b: _BatchRun) -> None:
+        live = b.live()
+        hasher = self._hasher()
+        need = [i for i in live if i not in b.word_hashes]
+        if need:
+            wb2 = split_words_batch([b.cur[i] for i in need])
+            for j, i in enumerate(need):
+                b.word_hashes[i] = wb2.hashes[int(wb2.offsets[j]) : int(wb2.offsets[j + 1])]
+        for i, sig in zip(live, hasher.signatures_of_word_hashes([b.word_hashes[i] for i in live])):
+            b.sigs[i] = sig
 
     # -- perplexity -------------------------------------------------------------------------
     def language_model(self):
         """The :class:`h5corpus.filters.perplexity.NgramModel` of ``perplexity_model``, loaded once
         per process (:meth:`warm_up` loads it before the build forks its workers)."""
         if self._language_model is None:
-            from .perplexity import ModelFileError, load_model
-
             model = load_model(self.config.perplexity_model)
             if model.sha256 != self._model_sha256:  # replaced since the settings were made
                 raise ModelFileError(
@@ -488,8 +490,6 @@ class DocumentFilter:
     # -- near-dedup -------------------------------------------------------------------------
     def _hasher(self):
         if self._minhasher is None:
-            from .neardedup import MinHasher
-
             c = self.config
             self._minhasher = MinHasher(num_perm=c.num_perm, shingle_size=c.shingle_size, seed=c.seed)
         return self._minhasher
@@ -505,8 +505,6 @@ class DocumentFilter:
     def new_near_dedup_index(self):
         """A fresh :class:`h5corpus.neardedup.NearDedupIndex` for this config (one per build,
         fed in global input order)."""
-        from .neardedup import NearDedupIndex
-
         c = self.config
         bands, rows = c.lsh_params()
         return NearDedupIndex(
@@ -547,31 +545,19 @@ class DocumentFilter:
         if c.clean:
             import trafilatura  # noqa: F401  (a ~0.5 s import)
         if c.fix_unicode:
-            from . import clean
-
             clean.fix_unicode("warm-up \x03")
         if c.lang:
-            from .langid import detect_languages
-
             detect_languages([sample], c.lang_max_chars)  # the model, scipy.sparse
         if c.quality or c.near_dedup:
-            from .words import _CHUNK, _powers
-
-            _powers(_CHUNK + 64)  # hash power tables for whole pieces
+            hash_powers(SEGMENT_BYTES + 64)  # hash power tables for whole pieces
         if c.quality:
-            from .quality import quality_batch
-
             quality_batch([sample, sample * 3], c.quality_thresholds)
         if c.perplexity_model is not None:
             self._perplexities([sample])  # loads the model and builds its lookup directories
         if c.scrub_pii:
-            from .pii import _digit_prefixes, scrub_pii
-
-            _digit_prefixes()  # the non-ASCII digit table (~0.1 s)
+            digit_prefix_pattern()  # the non-ASCII digit table (~0.1 s)
             scrub_pii(sample)
         if c.near_dedup:
-            from .words import split_words
-
             self._hasher().signature("warm up")
             self._hasher().signatures_of_word_hashes([split_words(sample).hashes])
 

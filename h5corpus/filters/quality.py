@@ -54,7 +54,7 @@ from .words import (
     Segmented,
     WordBatch,
     Words,
-    _powers,
+    hash_powers,
     mix64,
     ngram_hashes,
     segment_batch,
@@ -268,8 +268,20 @@ def _quality_group(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str
             for i in np.flatnonzero(alive & fail).tolist():
                 reasons[i] = name
             alive &= ~fail
-    # CJK-dominated texts count characters as words: their n-gram rules use n x CJK_NGRAM_SCALE.
-    cjk = 2 * n_cjk >= nw
+    _ngram_rules(wb, t, alive, reasons, total, cjk=2 * n_cjk >= nw)
+    return reasons, wb
+
+
+def _ngram_rules(
+    wb: WordBatch,
+    t: QualityThresholds,
+    alive: np.ndarray,
+    reasons: list[str | None],
+    total: np.ndarray,
+    cjk: np.ndarray,
+) -> None:
+    """The n-gram rules on the texts still ``alive`` (updated in place, with ``reasons``).
+    CJK-dominated texts (``cjk``) count characters as words: their rules use n x CJK_NGRAM_SCALE."""
     groups = [(~cjk, 1), (cjk, CJK_NGRAM_SCALE)]
     grp = _Group(wb)
     for name, limits, fails in (
@@ -283,7 +295,6 @@ def _quality_group(texts: Sequence[str], t: QualityThresholds) -> tuple[list[str
                 for i in np.flatnonzero(fail).tolist():
                     reasons[i] = name
                 alive &= ~fail
-    return reasons, wb
 
 
 def _text_rules(text: str, t: QualityThresholds, nw: int) -> str | None:
@@ -336,6 +347,29 @@ for _p in TERMINAL_PUNCT:
         )
 
 
+def _symbol_counts(sg: Segmented, arr: np.ndarray, texts: Sequence[str], sel: np.ndarray) -> np.ndarray:
+    """Per text: "#" + non-overlapping "..." + "…" (the ``symbols`` rule's count; "…" only for ``sel``)."""
+    n = len(texts)
+
+    def per_text_positions(pos: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        owner = np.searchsorted(sg.text_start, pos, side="right") - 1
+        return np.bincount(owner, weights=weights, minlength=n)[:n]
+
+    symbols = per_text_positions(np.flatnonzero(arr == ord("#")))
+    dots = np.flatnonzero(arr == ord("."))
+    if dots.size >= 3:
+        new = np.empty(dots.size, dtype=bool)
+        new[0] = True
+        np.not_equal(dots[1:], dots[:-1] + 1, out=new[1:])
+        first = np.flatnonzero(new)
+        runs = np.diff(first, append=dots.size) // 3
+        symbols = symbols + per_text_positions(dots[first], runs.astype(np.float64)).astype(np.int64)
+    for i in np.flatnonzero(sel).tolist():
+        if not texts[i].isascii():
+            symbols[i] += texts[i].count("\u2026")
+    return symbols
+
+
 def _text_rule_fails(
     sg: Segmented, texts: Sequence[str], sel: np.ndarray, nw: np.ndarray, t: QualityThresholds
 ) -> list[tuple[str, np.ndarray]]:
@@ -365,10 +399,6 @@ def _text_rule_fails(
             out[has] = np.add.reduceat(x, word_starts)
         return out
 
-    def per_text_positions(pos: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-        owner = np.searchsorted(sg.text_start, pos, side="right") - 1
-        return np.bincount(owner, weights=weights, minlength=n)[:n]
-
     # special_chars: ASCII punctuation (inside words) + non-ASCII non-letter/mark/digit/space
     special = per_text_words(sg.punct)
     limit = t.max_special_chars * length
@@ -379,19 +409,7 @@ def _text_rule_fails(
     fail = special > limit
     fails.append(("special_chars", fail))
     sel = sel & ~fail
-    # symbols: "#" + non-overlapping "..." + "…"
-    symbols = per_text_positions(np.flatnonzero(arr == ord("#")))
-    dots = np.flatnonzero(arr == ord("."))
-    if dots.size >= 3:
-        new = np.empty(dots.size, dtype=bool)
-        new[0] = True
-        np.not_equal(dots[1:], dots[:-1] + 1, out=new[1:])
-        first = np.flatnonzero(new)
-        runs = np.diff(first, append=dots.size) // 3
-        symbols = symbols + per_text_positions(dots[first], runs.astype(np.float64)).astype(np.int64)
-    for i in np.flatnonzero(sel).tolist():
-        if not texts[i].isascii():
-            symbols[i] += texts[i].count("\u2026")
+    symbols = _symbol_counts(sg, arr, texts, sel)
     fail = sel & (symbols > t.max_symbols_per_word * nw)
     fails.append(("symbols", fail))
     sel = sel & ~fail
@@ -414,36 +432,57 @@ def _line_stats_batch(sg: Segmented, arr: np.ndarray, n: int) -> tuple[np.ndarra
     """Per text of a group (bytes as they are in ``sg.data``): non-blank lines, lines ending in
     terminal punctuation, lines repeating an earlier line, characters of the stripped lines,
     characters of the repeating lines (see :func:`_line_stats`)."""
-    wb = sg.words
-    W = int(wb.offsets[-1])
     z = [np.zeros(n, dtype=np.int64) for _ in range(5)]
-    if W == 0:
+    if int(sg.words.offsets[-1]) == 0:
         return tuple(z)
-    ws, we = sg.word_start, sg.word_end
-    data = sg.data
-    if any(c in data for c in _RARE_LINE_BREAKS):
-        breaks = np.flatnonzero(np.frombuffer(data.translate(_LINE_BREAK_TABLE), dtype=np.uint8))
-    else:
-        breaks = np.flatnonzero(arr == 10)
-    # a line starts at the first word after a line break (lines hold no line break; texts are
-    # joined by "\n"); blank lines hold no word, so every line here is non-blank
-    starts_line = np.zeros(W, dtype=bool)
-    starts_line[0] = True
-    k = np.searchsorted(ws, breaks)
-    starts_line[k[k < W]] = True
-    first = np.flatnonzero(starts_line)
-    last = np.empty_like(first)
-    last[:-1] = first[1:] - 1
-    last[-1] = W - 1
-    owner = np.searchsorted(wb.offsets, first, side="right") - 1
-    a, b = ws[first], we[last]
-    chars = b - a  # bytes of the stripped line; minus the continuation bytes of its words:
-    extra = (we - ws) - wb.chars
-    if extra.any():
-        c = np.zeros(W + 1, dtype=np.int64)
-        np.cumsum(extra, out=c[1:])
-        chars -= c[last + 1] - c[first]
+    lines = _Lines(sg, arr)
+    owner, a, b = lines.owner, lines.a, lines.b
     n_lines = np.bincount(owner, minlength=n)[:n]
+    term = _ends_in_terminal_punct(arr, a, b)
+    n_punct = np.bincount(owner, weights=term, minlength=n)[:n].astype(np.int64)
+    line_chars = np.bincount(owner, weights=lines.chars, minlength=n)[:n].astype(np.int64)
+    n_dup, dup_chars = z[0], z[1]
+    two = n_lines[owner] >= 2
+    if two.sum() >= 2:
+        _count_duplicate_lines(sg, arr, lines, np.flatnonzero(two), n_dup, dup_chars)
+    return n_lines, n_punct, n_dup, line_chars, dup_chars
+
+
+class _Lines:
+    """The non-blank lines of a group's texts, from the word layout: each line's first and last
+    word, its text, its stripped byte range ``[a, b)`` and its characters."""
+
+    def __init__(self, sg: Segmented, arr: np.ndarray) -> None:
+        wb = sg.words
+        W = int(wb.offsets[-1])
+        ws, we = sg.word_start, sg.word_end
+        if any(c in sg.data for c in _RARE_LINE_BREAKS):
+            breaks = np.flatnonzero(np.frombuffer(sg.data.translate(_LINE_BREAK_TABLE), dtype=np.uint8))
+        else:
+            breaks = np.flatnonzero(arr == 10)
+        # a line starts at the first word after a line break (lines hold no line break; texts are
+        # joined by "\n"); blank lines hold no word, so every line here is non-blank
+        starts_line = np.zeros(W, dtype=bool)
+        starts_line[0] = True
+        k = np.searchsorted(ws, breaks)
+        starts_line[k[k < W]] = True
+        self.first = first = np.flatnonzero(starts_line)
+        self.last = last = np.empty_like(first)
+        last[:-1] = first[1:] - 1
+        last[-1] = W - 1
+        self.owner = np.searchsorted(wb.offsets, first, side="right") - 1
+        self.a, self.b = ws[first], we[last]
+        chars = self.b - self.a  # bytes of the stripped line; minus the continuation bytes of its words:
+        extra = (we - ws) - wb.chars
+        if extra.any():
+            c = np.zeros(W + 1, dtype=np.int64)
+            np.cumsum(extra, out=c[1:])
+            chars -= c[last + 1] - c[first]
+        self.chars = chars
+
+
+def _ends_in_terminal_punct(arr: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per line ``[a, b)``: True when its last character is terminal punctuation."""
     e = b - 1
     term = _TERMINAL_ASCII[arr[e]]
     wide = np.flatnonzero(arr[e] >= 0x80)
@@ -453,63 +492,71 @@ def _line_stats_batch(sg: Segmented, arr: np.ndarray, n: int) -> tuple[np.ndarra
         for j in range(size - 1, -1, -1):
             code = (code << 8) | arr[e[w] - j]
         term[w[codes[np.minimum(np.searchsorted(codes, code), codes.size - 1)] == code]] = True
-    n_punct = np.bincount(owner, weights=term, minlength=n)[:n].astype(np.int64)
-    line_chars = np.bincount(owner, weights=chars, minlength=n)[:n].astype(np.int64)
-    n_dup, dup_chars = z[0], z[1]
-    # duplicates: lines of one text with the same words (hash), byte length and text are
-    # candidates; the bytes decide
-    two = n_lines[owner] >= 2
-    if two.sum() >= 2:
-        pw, ipw = _powers(W + 1)
-        with np.errstate(over="ignore"):
-            s = np.zeros(W + 1, dtype=np.uint64)
-            np.multiply(wb.hashes, pw[:W], out=s[1:])
-            np.cumsum(s, out=s)
-            key = (s[last + 1] - s[first]) * ipw[first]
-            key ^= mix64((b - a).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
-            key ^= _SALT(owner)
-        cand = np.flatnonzero(two)
-        cand = cand[_maybe_repeated(key[cand])]  # only keys that may occur twice (bucket counts)
-        kc = key[cand]
-        order = np.argsort(kc, kind="stable")  # equal keys: in line order
-        sk = kc[order]
-        eq = sk[1:] == sk[:-1]
-        if eq.any():
-            # every line of a run of equal keys vs the run's first line, byte by byte
-            later = np.zeros(cand.size, dtype=bool)
-            later[1:] = eq
-            run = np.cumsum(~later) - 1  # run number of each sorted line
-            first_of_run = np.flatnonzero(~later)
-            li = cand[order[later]]  # the later lines of the runs
-            ri = cand[order[first_of_run[run[later]]]]  # their run's first line
-            ln = b[li] - a[li]  # = b[ri] - a[ri] (the key holds the length)
-            same = np.ones(li.size, dtype=bool)
-            nb = int(ln.sum())
-            if nb:
-                rel = np.arange(nb, dtype=np.int64) - np.repeat(np.cumsum(ln) - ln, ln)
-                differ = arr[np.repeat(a[li], ln) + rel] != arr[np.repeat(a[ri], ln) + rel]
-                if differ.any():
-                    same = np.bincount(np.repeat(np.arange(li.size), ln)[differ], minlength=li.size) == 0
-            # runs whose lines all equal their first line: every later line repeats it
-            run_ok = np.ones(first_of_run.size, dtype=bool)
-            run_ok[run[later][~same]] = False
-            ok = same & run_ok[run[later]]
-            n_dup += np.bincount(owner[li[ok]], minlength=n)[:n]
-            dup_chars += np.bincount(owner[li[ok]], weights=chars[li[ok]], minlength=n)[:n].astype(np.int64)
-            # other runs (a hash collision, or lines equal up to case/spacing): plain sets
-            if not run_ok.all():
-                lines = np.sort(np.concatenate([li[~ok], cand[order[first_of_run[~run_ok]]]]))
-                seen: set[tuple[int, bytes]] = set()
-                for o, x, y, ch in zip(
-                    owner[lines].tolist(), a[lines].tolist(), b[lines].tolist(), chars[lines].tolist()
-                ):
-                    line = (o, data[x:y])
-                    if line in seen:
-                        n_dup[o] += 1
-                        dup_chars[o] += ch
-                    else:
-                        seen.add(line)
-    return n_lines, n_punct, n_dup, line_chars, dup_chars
+    return term
+
+
+def _line_keys(sg: Segmented, lines: _Lines) -> np.ndarray:
+    """Per line: a hash of its words, byte length and text (equal lines have equal keys)."""
+    wb = sg.words
+    W = int(wb.offsets[-1])
+    pw, ipw = hash_powers(W + 1)
+    with np.errstate(over="ignore"):
+        s = np.zeros(W + 1, dtype=np.uint64)
+        np.multiply(wb.hashes, pw[:W], out=s[1:])
+        np.cumsum(s, out=s)
+        key = (s[lines.last + 1] - s[lines.first]) * ipw[lines.first]
+        key ^= mix64((lines.b - lines.a).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+        key ^= _SALT(lines.owner)
+    return key
+
+
+def _count_duplicate_lines(
+    sg: Segmented, arr: np.ndarray, lines: _Lines, cand: np.ndarray, n_dup: np.ndarray, dup_chars: np.ndarray
+) -> None:
+    """Add, per text, the lines (among ``cand``) that repeat an earlier line and their characters.
+    Lines of one text with the same key are candidates; the bytes decide."""
+    owner, a, b, chars = lines.owner, lines.a, lines.b, lines.chars
+    n = n_dup.size
+    key = _line_keys(sg, lines)
+    cand = cand[_maybe_repeated(key[cand])]  # only keys that may occur twice (bucket counts)
+    kc = key[cand]
+    order = np.argsort(kc, kind="stable")  # equal keys: in line order
+    sk = kc[order]
+    eq = sk[1:] == sk[:-1]
+    if not eq.any():
+        return
+    # every line of a run of equal keys vs the run's first line, byte by byte
+    later = np.zeros(cand.size, dtype=bool)
+    later[1:] = eq
+    run = np.cumsum(~later) - 1  # run number of each sorted line
+    first_of_run = np.flatnonzero(~later)
+    li = cand[order[later]]  # the later lines of the runs
+    ri = cand[order[first_of_run[run[later]]]]  # their run's first line
+    ln = b[li] - a[li]  # = b[ri] - a[ri] (the key holds the length)
+    same = np.ones(li.size, dtype=bool)
+    nb = int(ln.sum())
+    if nb:
+        rel = np.arange(nb, dtype=np.int64) - np.repeat(np.cumsum(ln) - ln, ln)
+        differ = arr[np.repeat(a[li], ln) + rel] != arr[np.repeat(a[ri], ln) + rel]
+        if differ.any():
+            same = np.bincount(np.repeat(np.arange(li.size), ln)[differ], minlength=li.size) == 0
+    # runs whose lines all equal their first line: every later line repeats it
+    run_ok = np.ones(first_of_run.size, dtype=bool)
+    run_ok[run[later][~same]] = False
+    ok = same & run_ok[run[later]]
+    n_dup += np.bincount(owner[li[ok]], minlength=n)[:n]
+    dup_chars += np.bincount(owner[li[ok]], weights=chars[li[ok]], minlength=n)[:n].astype(np.int64)
+    # other runs (a hash collision, or lines equal up to case/spacing): plain sets
+    if not run_ok.all():
+        rest = np.sort(np.concatenate([li[~ok], cand[order[first_of_run[~run_ok]]]]))
+        seen: set[tuple[int, bytes]] = set()
+        for o, x, y, ch in zip(owner[rest].tolist(), a[rest].tolist(), b[rest].tolist(), chars[rest].tolist()):
+            line = (o, sg.data[x:y])
+            if line in seen:
+                n_dup[o] += 1
+                dup_chars[o] += ch
+            else:
+                seen.add(line)
 
 
 def _line_stats(text: str) -> tuple[int, int, int, int, int]:
@@ -767,6 +814,34 @@ def _bucket_counts(g: np.ndarray, spread: int = 8) -> np.ndarray:
     return np.bincount(b, minlength=buckets)[b]
 
 
+def _top_ngrams(
+    cand: np.ndarray, g: np.ndarray, text: np.ndarray, chars: np.ndarray, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per text, the count of its most repeated n-gram among the windows ``cand`` (hashes ``g``,
+    texts ``text``, characters ``chars``) and the most characters such a top n-gram covers."""
+    top = np.zeros(size, dtype=np.int64)
+    best = np.zeros(size, dtype=np.int64)
+    if cand.size < 2:
+        return top, best
+    vals = g[cand]
+    order = np.argsort(vals)
+    sv = vals[order]
+    new = np.empty(sv.size, dtype=bool)
+    new[0] = True
+    np.not_equal(sv[1:], sv[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    counts = np.diff(starts, append=sv.size)
+    rep = counts >= 2
+    first = cand[order[starts[rep]]]  # one occurrence of each repeated n-gram
+    counts = counts[rep]
+    rtext = text[first]
+    by_text = np.argsort(rtext, kind="stable")
+    rtext, counts, rchars = rtext[by_text], counts[by_text], chars[first][by_text]
+    top = _group_max(counts, rtext, size)
+    is_top = counts == top[rtext]
+    return top, _group_max(rchars[is_top], rtext[is_top], size)
+
+
 def _top_ngram_fails(grp: _Group, alive: np.ndarray, total: np.ndarray, limits: Mapping[int, float]) -> np.ndarray:
     """Texts (among ``alive``) whose :func:`top_ngram_fraction` exceeds the limit for some n.
 
@@ -809,27 +884,7 @@ def _top_ngram_fails(grp: _Group, alive: np.ndarray, total: np.ndarray, limits: 
         need = select & (ub * longest > limit * total)
         if not need.any():
             continue
-        cand = np.flatnonzero(need[text] & (bc >= 2))
-        top = np.zeros(size, dtype=np.int64)
-        best = np.zeros(size, dtype=np.int64)
-        if cand.size >= 2:
-            vals = g[cand]
-            order = np.argsort(vals)
-            sv = vals[order]
-            new = np.empty(sv.size, dtype=bool)
-            new[0] = True
-            np.not_equal(sv[1:], sv[:-1], out=new[1:])
-            starts = np.flatnonzero(new)
-            counts = np.diff(starts, append=sv.size)
-            rep = counts >= 2
-            first = cand[order[starts[rep]]]  # one occurrence of each repeated n-gram
-            counts = counts[rep]
-            rtext = text[first]
-            by_text = np.argsort(rtext, kind="stable")
-            rtext, counts, rchars = rtext[by_text], counts[by_text], chars[first][by_text]
-            top = _group_max(counts, rtext, size)
-            is_top = counts == top[rtext]
-            best = _group_max(rchars[is_top], rtext[is_top], size)
+        top, best = _top_ngrams(np.flatnonzero(need[text] & (bc >= 2)), g, text, chars, size)
         fail |= need & (top * best > limit * total)
         top_ub = np.where(need, top, top_ub)
     return fail

@@ -51,22 +51,22 @@ _FOLD1 = np.arange(1, 257, dtype=np.uint64)
 _FOLD1[ord("A") : ord("Z") + 1] += np.uint64(32)
 _FOLD1[CLS == SPACE] = 0
 
-_P = 0x100000001B3  # FNV-1 64-bit prime (odd, so invertible mod 2**64)
+HASH_PRIME = 0x100000001B3  # FNV-1 64-bit prime (odd, so invertible mod 2**64)
 _MASK64 = (1 << 64) - 1
 _POW = np.ones(1, dtype=np.uint64)  # _POW[i] = P**i mod 2**64, grown on demand
 _IPOW = np.ones(1, dtype=np.uint64)  # _IPOW[i] = P**-i mod 2**64
-_CHUNK = (
+SEGMENT_BYTES = (
     1 << 17
 )  # bytes segmented per vectorized pass (pieces cut at whitespace); ~1 MiB arrays stay in cache (1.4x faster than 1 MiB pieces)
 
 
-def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+def hash_powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     global _POW, _IPOW
     if _POW.size < n:
         size = max(n, 2 * _POW.size, 1 << 16)
-        pinv = pow(_P, -1, 1 << 64)
+        pinv = pow(HASH_PRIME, -1, 1 << 64)
         with np.errstate(over="ignore"):
-            pw = np.full(size, _P, dtype=np.uint64)
+            pw = np.full(size, HASH_PRIME, dtype=np.uint64)
             pw[0] = 1
             ipw = np.full(size, pinv, dtype=np.uint64)
             ipw[0] = 1
@@ -166,7 +166,7 @@ def _has_unicode_space(data: bytes) -> bool:
     )
 
 
-def _encode(text: str) -> tuple[bytes, bool]:
+def space_folded_utf8(text: str) -> tuple[bytes, bool]:
     """UTF-8 of ``text`` with its Unicode spaces replaced by " " (and whether there were any)."""
     data = text.encode("utf-8", errors="surrogatepass")
     if len(data) != len(text) and _has_unicode_space(data):
@@ -186,14 +186,14 @@ def split_words_batch(texts: Sequence[str]) -> WordBatch:
 
 def segment_batch(texts: Sequence[str]) -> Segmented:
     """:func:`split_words_batch` plus the byte layout of the words (:class:`Segmented`)."""
-    enc, respaced = zip(*map(_encode, texts)) if len(texts) else ((), ())
+    enc, respaced = zip(*map(space_folded_utf8, texts)) if len(texts) else ((), ())
     data = b"\n".join(enc)  # a whitespace byte between texts: no word spans two texts
     text_start = np.zeros(len(enc) + 1, dtype=np.int64)
     np.cumsum([len(e) + 1 for e in enc], out=text_start[1:])
     n = len(data)
     cuts = [0]
-    while n - cuts[-1] > _CHUNK:  # pieces of at most _CHUNK bytes, cut right after whitespace
-        cuts.append(_cut(data, cuts[-1], cuts[-1] + _CHUNK))
+    while n - cuts[-1] > SEGMENT_BYTES:  # pieces of at most SEGMENT_BYTES bytes, cut right after whitespace
+        cuts.append(_cut(data, cuts[-1], cuts[-1] + SEGMENT_BYTES))
     cuts.append(n)
     cls = np.frombuffer(data.translate(_CLS_TABLE), dtype=np.uint8)
     values = np.frombuffer(data.translate(_VALUE_TABLE), dtype=np.uint8)
@@ -260,16 +260,12 @@ def _word_starts(cls: np.ndarray, cuts: Sequence[int]) -> np.ndarray:
     return np.flatnonzero(brk)
 
 
-def _words_at(
+def _piece_sums(
     cls: np.ndarray, values: np.ndarray, cuts: Sequence[int], starts: np.ndarray
-) -> tuple[Words, np.ndarray, np.ndarray]:
-    """The words starting at ``starts`` (byte offsets into the class and hash-value arrays, cut
-    into pieces at ``cuts``): Words, end offsets, PUNCT byte counts. Per piece (cache-sized
-    arrays): prefix sums of the hash terms and of the class counts, read at each word's bounds;
-    then the per-word arithmetic once for all pieces."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per word (starting at ``starts``): its unmixed hash, its per-class byte counts (8 bits per
+    class in one uint64) and its span (bytes to the next word's start, or the piece end)."""
     W = starts.size
-    if W == 0:
-        return _empty(), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     h = np.empty(W, dtype=np.uint64)
     d = np.empty(W, dtype=np.uint64)
     rel = np.empty(W, dtype=np.int64)  # offset of each word in its piece
@@ -288,7 +284,7 @@ def _words_at(
             last = np.empty_like(r)
             last[:-1] = before[1:]
             last[-1] = n - 1
-            pw = _powers(n)[0]
+            pw = hash_powers(n)[0]
             # acc[i] = sum_{j <= i} v[j] P^j, v[j] = folded byte + 1 (0 for whitespace)
             acc = np.multiply(values[lo : lo + n], pw[:n], dtype=np.uint64)
             np.cumsum(acc, out=acc)
@@ -303,7 +299,21 @@ def _words_at(
                 d[a] = cnt[last[0]]
             rel[a:b] = r
             np.subtract(last + 1, r, out=span[a:b])
-        h *= _powers(int(rel.max()) + 1)[1][rel]
+        h *= hash_powers(int(rel.max()) + 1)[1][rel]
+    return h, d, span
+
+
+def _words_at(
+    cls: np.ndarray, values: np.ndarray, cuts: Sequence[int], starts: np.ndarray
+) -> tuple[Words, np.ndarray, np.ndarray]:
+    """The words starting at ``starts`` (byte offsets into the class and hash-value arrays, cut
+    into pieces at ``cuts``): Words, end offsets, PUNCT byte counts. Per piece (cache-sized
+    arrays): prefix sums of the hash terms and of the class counts, read at each word's bounds;
+    then the per-word arithmetic once for all pieces."""
+    W = starts.size
+    if W == 0:
+        return _empty(), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    h, d, span = _piece_sums(cls, values, cuts, starts)
     hashes = mix64(h)
     fields = d.view(np.uint8).reshape(-1, 8)  # field k = bytes with class bit k (exact below 256)
     trailing = fields[:, 6].astype(np.int64)  # whitespace after the word
@@ -344,7 +354,7 @@ def ngram_hashes(hashes: np.ndarray, n: int, mix: bool = True) -> np.ndarray:
     with np.errstate(over="ignore"):
         g = hashes[:m].copy()
         for j in range(1, n):
-            g *= np.uint64(_P)
+            g *= np.uint64(HASH_PRIME)
             g += hashes[j : j + m]
     return mix64(g) if mix else g
 
@@ -365,7 +375,7 @@ def ngram_hashes_batch(hashes: np.ndarray, offsets: np.ndarray, n: int) -> tuple
     with np.errstate(over="ignore"):
         g = hashes[:m].copy()
         for j in range(1, n):
-            g *= np.uint64(_P)
+            g *= np.uint64(HASH_PRIME)
             g += hashes[j : j + m]
     if n > 1:  # drop the windows that start in the last n - 1 words of a text
         keep = np.ones(m, dtype=bool)

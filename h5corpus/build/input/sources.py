@@ -183,6 +183,14 @@ def _hub_input(spec: str, fmt: str, files: list[SourceFile], meta: dict[str, Any
     return Input(spec=spec, kind="hf", files=tuple(files), meta=meta)
 
 
+def _stdlib_input() -> Input:
+    """The ``stdlib`` SOURCE: the running Python's standard library sources."""
+    files = tuple(_local_file(n, p, "text") for n, p in stdlib_files())
+    return Input(
+        spec=STDLIB_SPEC, kind="stdlib", files=files, meta={"python": ".".join(map(str, sys.version_info[:3]))}
+    )
+
+
 def resolve_sources(
     specs: Sequence[Any], *, hf_cache_dir: str | os.PathLike[str] | None = None, text_field: str = "text"
 ) -> list[Input]:
@@ -201,10 +209,7 @@ def resolve_sources(
             out.append(resolve_dataset_object(spec, text_field))
             continue
         if spec == STDLIB_SPEC:
-            files = tuple(_local_file(n, p, "text") for n, p in stdlib_files())
-            out.append(
-                Input(spec=spec, kind="stdlib", files=files, meta={"python": ".".join(map(str, sys.version_info[:3]))})
-            )
+            out.append(_stdlib_input())
             continue
         if spec.startswith(HF_PREFIX):
             out.append(_resolve_hf(spec, hub_cache_dir(hf_cache_dir)))
@@ -260,6 +265,38 @@ def open_parquet(path: str):
     return pq.ParquetFile(path)
 
 
+def _parquet_cuts(f: SourceFile, task_bytes: int) -> list[dict[str, Any]]:
+    """A parquet file's tasks (as :class:`Task` fields): runs of row groups of about ``task_bytes``,
+    or the whole file as one task (its reader reports a footer that cannot be read)."""
+    try:
+        md = open_parquet(f.path).metadata
+        sizes = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
+        rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+    except Exception:
+        return [{"kind": "parquet", "files": (f,), "nbytes": f.size}]
+    if not sizes:
+        return [{"kind": "parquet", "files": (f,), "nbytes": f.size}]
+    out: list[dict[str, Any]] = []
+    a, acc, first_row = 0, 0, 0
+    for i, s in enumerate(sizes):
+        acc += s
+        if acc >= task_bytes or i == len(sizes) - 1:
+            whole = a == 0 and i == len(sizes) - 1
+            out.append(
+                {
+                    "kind": "parquet",
+                    "files": (f,),
+                    "start": 0 if whole else a,
+                    "stop": -1 if whole else i + 1,
+                    "first_row": first_row,
+                    "nbytes": acc,
+                }
+            )
+            first_row += sum(rows[a : i + 1])
+            a, acc = i + 1, 0
+    return out
+
+
 def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
     """Cut the inputs into tasks of about ``task_bytes`` input bytes, in input order.
 
@@ -298,31 +335,8 @@ def plan_tasks(inputs: Sequence[Input], *, task_bytes: int) -> list[Task]:
                     b = min(a + step, f.size)
                     add(kind="jsonl", files=(f,), start=a, stop=b if b < f.size else -1, nbytes=b - a)
             elif f.kind == "parquet":
-                try:
-                    md = open_parquet(f.path).metadata
-                    sizes = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
-                    rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-                except Exception:
-                    add(kind="parquet", files=(f,), nbytes=f.size)
-                    continue
-                a, acc = 0, 0
-                first_row = 0
-                for i, s in enumerate(sizes):
-                    acc += s
-                    if acc >= task_bytes or i == len(sizes) - 1:
-                        whole = a == 0 and i == len(sizes) - 1
-                        add(
-                            kind="parquet",
-                            files=(f,),
-                            start=0 if whole else a,
-                            stop=-1 if whole else i + 1,
-                            first_row=first_row,
-                            nbytes=acc,
-                        )
-                        first_row += sum(rows[a : i + 1])
-                        a, acc = i + 1, 0
-                if not sizes:
-                    add(kind="parquet", files=(f,), nbytes=f.size)
+                for kw in _parquet_cuts(f, task_bytes):
+                    add(**kw)
             else:
                 add(kind=f.kind, files=(f,), nbytes=f.size)
         if group:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..config import BuildError
+from ..config import BuildError, OnError, WarmFilters
 from ..oserrors import as_build_os_error, os_step
 from ..report import BuildReport
 from ..stages.buckets import run_bucket
@@ -28,7 +28,7 @@ from ..stages.decide import DecideInput, task_scores, worst_masks
 from ..stages.dispatch import Stage, StageCall, load_read_records, stage_lsh
 from ..stages.explain import ExplainFile
 from ..stages.merge import merge_buckets
-from ..stages.state import FinishRecord, ReadRecord, TaskDecision
+from ..stages.statedir import FinishRecord, ReadRecord, TaskDecision
 from .executor import Executor, StageResult
 from .prepare import Prepared, new_report, progress_bar, prove
 
@@ -213,7 +213,7 @@ class Driver:
     def decide_input(self, i: int) -> DecideInput:
         """Task ``i``'s read outputs as the decide stage takes them."""
         rec = self.read[i]
-        if self.cfg.on_error == "fail" and rec.skipped_total:
+        if self.cfg.on_error == OnError.FAIL and rec.skipped_total:
             raise BuildError(
                 f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
                 "pass --on-error skip, or fix the input)"
@@ -344,8 +344,6 @@ class BucketedDecide:
 
 def drive(prep: Prepared, executor: Executor, decide: DecideForm) -> BuildReport:
     """Run ``prep``'s stages on ``executor`` with ``decide`` and commit (the module docstring)."""
-    filters = prep.cfg.filters
-    warm_up = getattr(filters, "warm_up", None)
-    if callable(warm_up):
-        warm_up()  # load models once, before forking: the workers share them
+    if isinstance(prep.cfg.filters, WarmFilters):
+        prep.cfg.filters.warm_up()  # load models once, before forking: the workers share them
     return Driver(prep, executor, decide).run()

@@ -35,7 +35,7 @@ from ..oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error
 from ..stages.buildplan import StageContext
 from ..stages.dispatch import StageCall, run_stage
 from ..stages.runmarker import RunMarker
-from ..stages.state import LOCK_FILE, manifest_lock_path
+from ..stages.statedir import LOCK_FILE, manifest_lock_path
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
 #: (main process and workers) the N-th time (default 1st) one process reaches that point.
@@ -121,7 +121,7 @@ class LocalEvents:
 class BuildLock:
     """The run markers a build holds for its whole life, so that no two builds write one shards
     folder or one manifest at once: ``<shards_dir>/.build.lock`` and ``.<manifest name>.lock``
-    beside the manifest (:func:`~h5corpus.build.stages.state.manifest_lock_path`), taken in that order.
+    beside the manifest (:func:`~h5corpus.build.stages.statedir.manifest_lock_path`), taken in that order.
     Each holds host, pid and start time, for the message a second build prints; a second build
     refuses while the first is alive and replaces a stale marker. They are removed when the build
     ends (a Slurm build hands them over to its jobs: :meth:`update`, :meth:`hand_over`).

@@ -17,13 +17,20 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from ..config import BuildConfig, SplitRule, filters_detect_language, filters_score_perplexity
+from ..config import (
+    BuildConfig,
+    ExecutorKind,
+    SigningFilters,
+    SplitRule,
+    filters_detect_language,
+    filters_near_index,
+    filters_score_perplexity,
+)
 from ..input.hfrecords import in_process_only, task_label
 from ..input.records import newlines_before, sample_texts
 from ..input.sources import SourceError, Task
@@ -31,7 +38,7 @@ from ..report import BuildReport
 from ..stages.buckets import lsh_params
 from ..stages.buildplan import BuildPlan, filters_spec, rebuild_filters
 from ..stages.decide import Decider
-from ..stages.state import StateDir
+from ..stages.statedir import StateDir
 from ..tokenize.encoders import Encoder, HFEncoder
 from ..tokenize.proof import prove_fast_path
 from ..tokenize.tokenizer import Tokenizer, library_versions, source_sha256
@@ -44,14 +51,6 @@ PROOF_SAMPLE_TASK_CHARS = 8 << 10
 #: Input bytes per decide bucket when the count is picked automatically (~1 M documents of web
 #: text: a bucket's sort then needs ~100 MB; docs/SCALING.md).
 BUCKET_INPUT_BYTES = 1 << 30
-
-
-class ExecutorKind(str, Enum):
-    """Where the stages run (``BuildConfig.executor``, ``--executor``)."""
-
-    LOCAL = "local"
-    RAY = "ray"
-    SLURM = "slurm"
 
 
 class Background:
@@ -135,7 +134,7 @@ def new_decider(cfg: BuildConfig) -> Decider:
     return Decider(
         budgets=cfg.max_tokens,
         validation_fraction=float(cfg.validation_fraction),
-        near_index=f.near_duplicate_index() if callable(getattr(f, "near_duplicate_index", None)) else None,
+        near_index=filters_near_index(f),
         count_languages=filters_detect_language(f),
         explain=cfg.explain_drops is not None,
         drop_worst_fraction=cfg.drop_worst_fraction,
@@ -219,7 +218,7 @@ def make_plan(target: Target, tasks: Sequence[Task], encoder: Encoder, decider: 
         shard_tokens=int(cfg.shard_tokens),
         max_document_tokens=None if cfg.max_document_tokens is None else int(cfg.max_document_tokens),
         filters=filters_spec(cfg.filters),
-        want_signatures=decider.index is not None and callable(getattr(cfg.filters, "signature", None)),
+        want_signatures=decider.index is not None and isinstance(cfg.filters, SigningFilters),
         record_lang=decider.languages,
         explain=explain,
         newlines_before=newlines_before(tasks) if explain else {},

@@ -34,18 +34,18 @@ from typing import Any
 
 from ...storage.format import TokenizerIdentity
 from ...storage.manifest import read_manifest
-from ..config import DEFAULT_SHARD_TOKENS, BuildConfig, BuildConflict
+from ..config import DEFAULT_SHARD_TOKENS, BuildConfig, BuildConflict, ExecutorKind
 from ..input.sources import plan_tasks, resolve_sources
 from ..oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from ..report import BuildReport, check_build_sections, report_from_manifest
 from ..stages.buildplan import read_plan_run
 from ..stages.shards import our_shard_files
-from ..stages.state import StateDir
+from ..stages.statedir import StateDir
 from ..tokenize.encoders import fast_encoder
 from ..tokenize.tokenizer import load_tokenizer
 from .drive import BucketedDecide, DecideForm, InMemoryDecide, drive
 from .executor import BuildLock, Executor, LocalExecutor
-from .prepare import Background, ExecutorKind, Prepared, Target, prepare
+from .prepare import Background, Prepared, Target, prepare
 from .ray_executor import RayExecutor
 from .slurm import submit_slurm
 

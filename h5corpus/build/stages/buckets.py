@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..config import BuildConflict
-from .state import DOC_DTYPE, ReadRecord, StateDir, write_state_file
+from .statedir import DOC_DTYPE, ReadRecord, StateDir, write_state_file
 
 KEYS_VERSION = 1
 BUCKET_VERSION = 1

@@ -29,7 +29,7 @@ from ..config import BuildConflict, SplitRule
 from ..input.sources import Task
 from ..tokenize.encoders import Encoder, encoder_named
 from ..tokenize.tokenizer import Tokenizer
-from .state import StateDir, write_state_file
+from .statedir import StateDir, write_state_file
 
 PLAN_VERSION = 1
 

@@ -25,7 +25,7 @@ from .buildplan import StageContext
 from .explain import ExplainFile
 from .scores import write_scores
 from .shards import build_file_task, our_shard_files
-from .state import FinishRecord, ReadRecord, TaskDecision
+from .statedir import FinishRecord, ReadRecord, TaskDecision
 
 
 @dataclass
@@ -61,6 +61,53 @@ def add_up(reads: Sequence[ReadRecord], timed: set[int]) -> CommitTotals:
     return t
 
 
+def _manifest_extra(
+    plan: Any, reads: Sequence[ReadRecord], totals: CommitTotals, sources: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The manifest's build-specific sections: ``source``, ``build`` and (with filters) ``filters``."""
+    settings = plan.run["settings"]
+    build_info = {
+        "fingerprint": plan.fingerprint,
+        "settings": settings,
+        "on_error": plan.on_error,
+        "h5corpus_version": __version__,
+        "tasks": len(plan.tasks),
+        "tasks_read": len(reads),
+        "skip_reasons": totals.skip_codes,
+        "skipped_records": totals.skipped_records,
+        "skipped_records_total": totals.skipped_total,
+    }
+    extra: dict[str, Any] = {"source": dict(sources), "build": build_info}
+    if plan.filters is not None:
+        extra["filters"] = {"settings": settings["filters"], "counters": totals.filter_counters}
+    return extra
+
+
+def _publish_beside(
+    ctx: StageContext,
+    reads: Sequence[ReadRecord],
+    finishes: Mapping[int, FinishRecord],
+    explain: ExplainFile | None,
+    decisions: Mapping[int, TaskDecision] | None,
+) -> None:
+    """Before the manifest: the drop list and the perplexity scores published, every listed shard's
+    folder synced."""
+    plan, shards_dir = ctx.plan, ctx.shards_dir
+    if explain is not None:
+        with os_step("write the drop list", explain.path):
+            explain.publish()
+    if plan.perplexity_scores is not None:
+        if decisions is None:
+            raise ValueError("commit: the --perplexity-scores file needs the tasks' decisions")
+        with os_step("write the perplexity scores", Path(plan.perplexity_scores)):
+            write_scores(plan.perplexity_scores, ctx.state, reads, decisions)
+    # Every listed shard durable before the manifest that lists it: the data was fsynced when the
+    # shard was written (read stage, or the finish stage's copy); the renames into place, by their folders.
+    for d in dict.fromkeys((shards_dir / s.path).parent for rec in reads for s in finishes[rec.index].shards):
+        with os_step("sync the folder", d):
+            fsync_dir(d)
+
+
 def commit(
     ctx: StageContext,
     *,
@@ -87,21 +134,7 @@ def commit(
     for name, st in splits.items():
         st["pairs"] = st["tokens"] - st["documents"]
         st["shards"] = sum(1 for e in entries if e.split == name)
-    settings = plan.run["settings"]
-    build_info = {
-        "fingerprint": plan.fingerprint,
-        "settings": settings,
-        "on_error": plan.on_error,
-        "h5corpus_version": __version__,
-        "tasks": len(plan.tasks),
-        "tasks_read": len(reads),
-        "skip_reasons": totals.skip_codes,
-        "skipped_records": totals.skipped_records,
-        "skipped_records_total": totals.skipped_total,
-    }
-    extra: dict[str, Any] = {"source": dict(sources), "build": build_info}
-    if plan.filters is not None:
-        extra["filters"] = {"settings": settings["filters"], "counters": totals.filter_counters}
+    extra = _manifest_extra(plan, reads, totals, sources)
     m = Manifest(
         tokenizer=plan.tokenizer,
         dtype=fmt.dtype_name(fmt.token_dtype(plan.tokenizer.vocab_size)),
@@ -111,19 +144,7 @@ def commit(
         extra=extra,
         shards_dir=Path(os.path.relpath(shards_dir, manifest_path.parent)).as_posix(),
     )
-    if explain is not None:
-        with os_step("write the drop list", explain.path):
-            explain.publish()
-    if plan.perplexity_scores is not None:
-        if decisions is None:
-            raise ValueError("commit: the --perplexity-scores file needs the tasks' decisions")
-        with os_step("write the perplexity scores", Path(plan.perplexity_scores)):
-            write_scores(plan.perplexity_scores, ctx.state, reads, decisions)
-    # Every listed shard durable before the manifest that lists it: the data was fsynced when the
-    # shard was written (read stage, or the finish stage's copy); the renames into place, by their folders.
-    for d in dict.fromkeys((shards_dir / s.path).parent for rec in reads for s in finishes[rec.index].shards):
-        with os_step("sync the folder", d):
-            fsync_dir(d)
+    _publish_beside(ctx, reads, finishes, explain, decisions)
     ctx.step("manifest-before")
     with os_step("write the manifest", manifest_path):
         write_manifest(manifest_path, m)

@@ -3,7 +3,7 @@
 For each task, in input order: exact dedup across tasks (the first occurrence wins), then the
 near-duplicate index (fed the signatures of the exact-dedup survivors), then ``--max-tokens``
 budgets (whole documents in input order until a split's budget is filled; the last one is kept
-whole). The result per task is a :class:`~h5corpus.build.stages.state.TaskDecision`.
+whole). The result per task is a :class:`~h5corpus.build.stages.statedir.TaskDecision`.
 
 With ``--drop-worst-fraction F`` (:class:`WorstRule`) a rule sits between dedup and the budgets:
 of the documents that survive the read stage's filters and both dedup stages, the
@@ -36,10 +36,11 @@ import numpy as np
 
 from ...filters.perplexity import worst_fraction
 from ...storage import format as fmt
+from ..config import filters_near_index
 from ..report import empty_split
 from .buildplan import BuildPlan
 from .explain import explain_line
-from .state import ReadRecord, TaskDecision
+from .statedir import KeepCode, ReadRecord, SplitCode, TaskDecision
 
 
 class SeenIds:
@@ -69,7 +70,7 @@ class SeenIds:
 
 @dataclass(frozen=True)
 class DecideInput:
-    """One read task as the decide stage sees it (:meth:`~h5corpus.build.stages.state.StateDir.load_read_outputs`)."""
+    """One read task as the decide stage sees it (:meth:`~h5corpus.build.stages.statedir.StateDir.load_read_outputs`)."""
 
     record: ReadRecord
     docs: np.ndarray
@@ -170,11 +171,10 @@ class Decider:
     @classmethod
     def for_plan(cls, plan: BuildPlan, filters: Any) -> Decider:
         """The decider of the build ``plan`` describes (``filters``: its filters object, or None)."""
-        make_index = getattr(filters, "near_duplicate_index", None) if filters is not None else None
         return cls(
             budgets=plan.run["settings"]["max_tokens"],
             validation_fraction=plan.split.validation_fraction,
-            near_index=make_index() if callable(make_index) else None,
+            near_index=filters_near_index(filters),
             count_languages=plan.record_lang,
             explain=plan.explain,
             drop_worst_fraction=plan.drop_worst_fraction,
@@ -230,12 +230,12 @@ class Decider:
         keep = ~dup & ~near
         scores = row_scores(inp.meta, docs.size, f"task {rec.index}")
         if scores is not None:
-            for s in (0, 1):
+            for s in SplitCode:
                 self.scores[s].append(scores[keep & (docs["split"] == s)])
         bad = np.zeros(dup.size, bool) if worst is None else np.asarray(worst, dtype=bool) & keep
         keep &= ~bad
         over = self._budgets(keep, docs)
-        decision = np.where(keep, docs["split"].astype(np.uint8) + 1, 0).astype(np.uint8)
+        decision = np.where(keep, docs["split"].astype(np.uint8) + KeepCode.TRAIN, KeepCode.DROPPED).astype(np.uint8)
         self._add_kept(docs, keep, dup, near, over, inp.meta, bad)
         lines = self._explain_lines(ids, dup, near, over, inp.meta, bad, scores) if self.explain else []
         return (

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ...storage.manifest import Manifest
-from ..config import BuildConflict, BuildError
+from ..config import BuildConflict, BuildError, NearDedupFilters
 from .buckets import (
     BucketRecord,
     LshParams,
@@ -50,7 +50,7 @@ from .commit import add_up, commit
 from .explain import ExplainFile
 from .merge import load_decision, load_summary, merge_buckets, merge_inputs, summary_path
 from .runmarker import remove_marker_of
-from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision, manifest_lock_path
+from .statedir import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision, manifest_lock_path
 from .tasks import finish_task, read_task
 
 
@@ -88,10 +88,9 @@ DELAY_ENV = "H5CORPUS_TEST_STAGE_DELAY"
 
 def stage_lsh(ctx: StageContext) -> LshParams | None:
     """The LSH parameters of the build's near-duplicate index, or None when near dedup is off."""
-    make = getattr(ctx.filters, "near_duplicate_index", None)
-    if not ctx.plan.want_signatures or not callable(make):
+    if not ctx.plan.want_signatures or not isinstance(ctx.filters, NearDedupFilters):
         return None
-    return lsh_params(make())
+    return lsh_params(ctx.filters.near_duplicate_index())
 
 
 def run_stage(ctx: StageContext, call: StageCall) -> Any:

@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import BuildError
+from ..config import BuildError, OnError
 from .buckets import BucketRecord, LshParams, decide_dir, decide_inputs, load_bucket_arrays, load_npy
 from .buildplan import StageContext
 from .decide import DecideInput, Decider, task_scores, worst_masks
-from .state import ReadRecord, StateDir, TaskDecision, write_state_file
+from .statedir import ReadRecord, StateDir, TaskDecision, write_state_file
 
 SUMMARY_VERSION = 1
 _ROW = np.uint64(0xFFFFFFFF)
@@ -205,6 +205,43 @@ def _write_summary(
     write_state_file(summary_path(state), json.dumps(summary, sort_keys=True).encode(), durable=True)
 
 
+class _BucketDedup:
+    """Each task's exact and near duplicate rows, from the buckets' answers."""
+
+    def __init__(self, ctx: StageContext, arrays: Sequence[Mapping[str, Any]], resolver: NearResolver | None) -> None:
+        self.ctx, self.arrays, self.resolver = ctx, arrays, resolver
+
+    def task(self, rec: ReadRecord) -> tuple[DecideInput, np.ndarray, np.ndarray]:
+        """Task ``rec``'s decide input and its (exact, near) duplicate rows."""
+        if self.ctx.plan.on_error == OnError.FAIL and rec.skipped_total:
+            raise BuildError(
+                f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
+                "pass --on-error skip, or fix the input)"
+            )
+        inp = DecideInput(rec, *self.ctx.state.load_read_outputs(rec))
+        exact = np.zeros(inp.docs.size, dtype=bool)
+        lo, hi = np.uint64(rec.index) << np.uint64(32), np.uint64(rec.index + 1) << np.uint64(32)
+        for arr in self.arrays:
+            i, j = np.searchsorted(arr["exact"], [lo, hi])
+            exact[(np.asarray(arr["exact"][i:j]) & _ROW).astype(np.int64)] = True
+        if self.resolver is not None:
+            near = self.resolver.task(rec.index, exact, inp.signatures)
+        else:
+            near = np.zeros(inp.docs.size, dtype=bool)
+        return inp, exact, near
+
+    def worst_pass(self, reads: Sequence[ReadRecord]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+        """The worst-fraction rule's first pass: every task's (exact, near) rows and worst rows."""
+        flags, scores = [], []
+        for rec in reads:
+            inp, e, n = self.task(rec)
+            flags.append((e, n))
+            scores.append(task_scores(inp))
+        fraction = self.ctx.plan.drop_worst_fraction
+        assert fraction is not None
+        return flags, worst_masks(scores, [~e & ~n for e, n in flags], fraction)
+
+
 def merge_buckets(
     ctx: StageContext,
     reads: Sequence[ReadRecord],
@@ -218,52 +255,19 @@ def merge_buckets(
     the budgets), write the decisions and the summary; ``earlier``: tasks whose candidates come
     from an interrupted run (the finish stage re-hashes them)."""
     plan, state = ctx.plan, ctx.state
-    decider = Decider(
-        budgets=plan.run["settings"]["max_tokens"],
-        validation_fraction=plan.split.validation_fraction,
-        count_languages=plan.record_lang,
-        explain=plan.explain,
-        drop_worst_fraction=plan.drop_worst_fraction,
-    )
+    decider = Decider.for_plan(plan, None)  # near duplicates come from the buckets, not an index
     arrays = [load_bucket_arrays(state, b) for b in buckets]
-    kept = KeptSet([r.documents for r in reads])
-    resolver = NearResolver(state, arrays, lsh, kept) if lsh is not None else None
+    resolver = NearResolver(state, arrays, lsh, KeptSet([r.documents for r in reads])) if lsh is not None else None
+    dedup = _BucketDedup(ctx, arrays, resolver)
     decisions: dict[int, TaskDecision] = {}
     cut = len(reads) - 1
-
-    def dedup(rec: ReadRecord) -> tuple[DecideInput, np.ndarray, np.ndarray]:
-        if plan.on_error == "fail" and rec.skipped_total:
-            raise BuildError(
-                f"{rec.skipped_records[0]} (recorded by an earlier run with --on-error skip; "
-                "pass --on-error skip, or fix the input)"
-            )
-        inp = DecideInput(rec, *state.load_read_outputs(rec))
-        exact = np.zeros(inp.docs.size, dtype=bool)
-        lo, hi = np.uint64(rec.index) << np.uint64(32), np.uint64(rec.index + 1) << np.uint64(32)
-        for arr in arrays:
-            i, j = np.searchsorted(arr["exact"], [lo, hi])
-            exact[(np.asarray(arr["exact"][i:j]) & _ROW).astype(np.int64)] = True
-        if resolver is not None:
-            near = resolver.task(rec.index, exact, inp.signatures)
-        else:
-            near = np.zeros(inp.docs.size, dtype=bool)
-        return inp, exact, near
-
-    worst: list[np.ndarray] | None = None
-    flags: list[tuple[np.ndarray, np.ndarray]] = []
-    if plan.drop_worst_fraction is not None:  # first pass: every task's dedup flags and scores
-        scores = []
-        for rec in reads:
-            inp, e, n = dedup(rec)
-            flags.append((e, n))
-            scores.append(task_scores(inp))
-        worst = worst_masks(scores, [~e & ~n for e, n in flags], plan.drop_worst_fraction)
+    flags, worst = dedup.worst_pass(reads) if plan.drop_worst_fraction is not None else ([], None)
     for k, rec in enumerate(reads):
         if worst is not None:
             inp = DecideInput(rec, *state.load_read_outputs(rec))
             exact, near = flags[k]
         else:
-            inp, exact, near = dedup(rec)
+            inp, exact, near = dedup.task(rec)
         decision, lines = decider.feed(
             inp,
             verify_candidates=rec.index in earlier,

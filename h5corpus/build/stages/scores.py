@@ -23,7 +23,7 @@ import numpy as np
 
 from ...storage import format as fmt
 from .decide import DecideInput, task_scores
-from .state import ReadRecord, StateDir, TaskDecision
+from .statedir import ReadRecord, StateDir, TaskDecision
 
 HEADER = "id\tsplit\tperplexity\tstored\n"
 

@@ -4,10 +4,10 @@ task index, run by any executor, in any process.
 :func:`read_task` streams one task's records, applies the filters, hashes each document's UTF-8 text
 (document id = sha256), assigns its split, drops duplicates inside the task, tokenizes (appending
 EOS, or cutting at ``max_document_tokens``) and writes the kept documents into the task's
-*candidate* shards plus a per-document table; its :class:`~h5corpus.build.stages.state.ReadRecord`,
+*candidate* shards plus a per-document table; its :class:`~h5corpus.build.stages.statedir.ReadRecord`,
 written last, carries their hashes.
 
-:func:`finish_task` carries out the decide stage's :class:`~h5corpus.build.stages.state.TaskDecision`: a
+:func:`finish_task` carries out the decide stage's :class:`~h5corpus.build.stages.statedir.TaskDecision`: a
 task that keeps every candidate document has its candidate shards renamed into place; otherwise
 its kept documents are copied into new shards (at most ``shard_tokens`` tokens each, documents
 whole). Both report named steps through ``ctx.step`` (the executor's crash points in tests).
@@ -38,7 +38,16 @@ import numpy as np
 
 from ...storage import format as fmt
 from ...storage.format import ShardRecord
-from ..config import MAX_LISTED, BuildError
+from ..config import (
+    MAX_LISTED,
+    BatchFilters,
+    BuildError,
+    BuildFilters,
+    InfoFilters,
+    OnError,
+    SigningFilters,
+    TimedFilters,
+)
 from ..input.records import BadRecord, DocChunk, LocatingReader, TaskReader
 from .buildplan import StageContext
 from .explain import explain_line
@@ -51,9 +60,10 @@ from .shards import (
     shards_intact,
     task_shard_files,
 )
-from .state import (
+from .statedir import (
     DOC_DTYPE,
     FinishRecord,
+    KeepCode,
     ReadPaths,
     ReadRecord,
     SplitTally,
@@ -303,13 +313,13 @@ class _TaskRead:
         self.seen: set[bytes] = set()
         f = ctx.filters
         self.filters = f
-        self.process_batch = getattr(f, "process_batch", None) if f is not None else None
+        self.process_batch = f.process_batch if isinstance(f, BatchFilters) else None
         # Signatures are only computed when the decide stage has a near-duplicate index to feed.
-        self.signature = getattr(f, "signature", None) if plan.want_signatures else None
+        self.signature = f.signature if plan.want_signatures and isinstance(f, SigningFilters) else None
 
     def bad(self, rec: BadRecord) -> None:
         """A record that is not a document: stop the build, or count and list it (``skip``)."""
-        if self.ctx.plan.on_error == "fail":
+        if self.ctx.plan.on_error == OnError.FAIL:
             raise BuildError(f"{rec} (pass --on-error skip to skip and count bad records)")
         self.skipped[int(self.rule.indices([hashlib.sha256(rec.where.encode()).digest()])[0])] += 1
         self.skip_codes[rec.code] = self.skip_codes.get(rec.code, 0) + 1
@@ -345,7 +355,9 @@ class _TaskRead:
             res = []
             for text in b.texts:
                 new, reason = self.filters.process(text)
-                res.append((new, reason, None, getattr(self.filters, "last_info", None)))
+                res.append(
+                    (new, reason, None, self.filters.last_info if isinstance(self.filters, InfoFilters) else None)
+                )
         self.seconds["filter"] += time.process_time() - c0
         out = _Batch()
         dropped: list[tuple[int, str]] = []
@@ -507,8 +519,8 @@ def read_task(ctx: StageContext, index: int) -> ReadRecord:
     plan = ctx.plan
     task = plan.tasks[index]
     f = ctx.filters
-    counters0 = dict(f.counters()) if callable(getattr(f, "counters", None)) else None
-    timings0 = dict(f.timings()) if callable(getattr(f, "timings", None)) else None
+    counters0 = dict(f.counters()) if isinstance(f, BuildFilters) else None
+    timings0 = dict(f.timings()) if isinstance(f, TimedFilters) else None
     paths = ctx.state.read_paths(index)
     out = _ReadOutputs(ctx, task.label, paths)
     run = _TaskRead(ctx, task.label, out)
@@ -579,7 +591,7 @@ def finish_task(ctx: StageContext, index: int, decision: TaskDecision) -> Finish
         decision.verify_candidates and not shards_intact(cand_dir, cands, plan.tokenizer, plan.chunk_tokens)
     ):
         return None
-    keep = decision.keep != 0
+    keep = decision.keep != KeepCode.DROPPED
     shards: list[ShardRecord] = []
     if bool(keep.all()):
         for c in cands:

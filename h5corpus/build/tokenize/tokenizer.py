@@ -265,6 +265,30 @@ class Tokenizer:
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
 
+def _tokenizer_source(spec: str, cache_dir: str | os.PathLike[str] | None) -> tuple[bytes, str, str, str]:
+    """The tokenizer.json a spec names: its bytes, text, identity name and revision."""
+    if spec == BYTES_SPEC:
+        text = bytes_tokenizer_json()
+        return text.encode("utf-8"), text, BYTES_SPEC, BYTES_REVISION
+    if spec == "gpt2":
+        path = _fetch_gpt2_json(hf_cache_dir(cache_dir))
+        name, revision = GPT2_REPO, GPT2_REVISION
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"tokenizer {spec!r}: no such file {path} (a spec is 'gpt2', 'bytes', or a path to a tokenizer.json or its folder)"
+            )
+        name, revision = spec, "local"
+    try:
+        raw = path.read_bytes()
+        return raw, raw.decode("utf-8"), name, revision
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"tokenizer {spec!r}: cannot read {path} ({e})") from None
+
+
 def load_tokenizer(
     spec: str,
     *,
@@ -279,28 +303,7 @@ def load_tokenizer(
 
     Raises :class:`TokenizerError` naming the spec when it cannot be resolved.
     """
-    if spec == BYTES_SPEC:
-        text = bytes_tokenizer_json()
-        raw = text.encode("utf-8")
-        name, revision = BYTES_SPEC, BYTES_REVISION
-    else:
-        if spec == "gpt2":
-            path = _fetch_gpt2_json(hf_cache_dir(cache_dir))
-            name, revision = GPT2_REPO, GPT2_REVISION
-        else:
-            path = Path(spec)
-            if path.is_dir():
-                path = path / "tokenizer.json"
-            if not path.is_file():
-                raise TokenizerError(
-                    f"tokenizer {spec!r}: no such file {path} (a spec is 'gpt2', 'bytes', or a path to a tokenizer.json or its folder)"
-                )
-            name, revision = spec, "local"
-        try:
-            raw = path.read_bytes()
-            text = raw.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"tokenizer {spec!r}: cannot read {path} ({e})") from None
+    raw, text, name, revision = _tokenizer_source(spec, cache_dir)
     sha = hashlib.sha256(raw).hexdigest()
     facts = load_facts(sha, f"identity eos={eos_token!r}")
     if facts is not None:  # derived before from these exact bytes: no need to parse 1+ MB of JSON

@@ -30,6 +30,7 @@ import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,27 @@ FINISH_RECORD_VERSION = 1
 #: Version of :class:`TaskDecision`'s JSON.
 DECISION_VERSION = 1
 
+
+class SplitCode(IntEnum):
+    """A document's split in a read task's table (``DOC_DTYPE["split"]``): the index of its name in
+    :data:`h5corpus.storage.format.SPLITS`."""
+
+    TRAIN = 0
+    VALIDATION = 1
+
+
+class KeepCode(IntEnum):
+    """What the decide stage concluded for one table row (:attr:`TaskDecision.keep`): not stored, or
+    stored in a split, as :class:`SplitCode` + 1 (so 0 is always "not stored")."""
+
+    DROPPED = 0
+    TRAIN = 1
+    VALIDATION = 2
+
+
 DOC_DTYPE = np.dtype([("id", "V32"), ("tokens", "<i8"), ("chars", "<i8"), ("split", "u1"), ("flags", "u1")])
 """Per document of a read task's table: sha256 id, tokens as stored (EOS included; the cut length
-if truncated), characters of the text, split index (0 train, 1 validation), FLAG_* bits."""
+if truncated), characters of the text, :class:`SplitCode`, FLAG_* bits."""
 
 
 def manifest_lock_path(manifest: Path) -> Path:
@@ -145,13 +164,13 @@ class ReadRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskDecision:
-    """What the decide stage concluded for one task: per table row, 0 = not stored, 1 = train,
-    2 = validation; plus what the finish stage needs to act on it."""
+    """What the decide stage concluded for one task: a :class:`KeepCode` per table row, plus what
+    the finish stage needs to act on it."""
 
     index: int
     task: str
     keep: np.ndarray
-    """uint8 per table row (0 / split index + 1)."""
+    """uint8 :class:`KeepCode` per table row."""
     candidates: tuple[ShardRecord, ...]
     """The read record's candidate shards."""
     verify_candidates: bool
