@@ -376,7 +376,7 @@ def source_sha256() -> str:
     if _SOURCE_SHA256 is None:
         h = hashlib.sha256()
         try:
-            for name in ("tokenizer.py", "encoders.py", "tiktoken_bpe.py", "proof.py"):
+            for name in ("tokenizer.py", "encoders.py", "tiktoken_bpe.py", "proof.py", "kitoken_encoder.py"):
                 h.update((Path(__file__).parent / name).read_bytes())
             _SOURCE_SHA256 = h.hexdigest()
         except OSError:  # pragma: no cover - no source file (frozen): never reuse a cached proof
@@ -385,13 +385,13 @@ def source_sha256() -> str:
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of fastokens, tiktoken and tokenizers (part of a proof's cache key)."""
+    """Installed versions of fastokens, tiktoken, kitoken and tokenizers (part of a proof's cache key)."""
     global _VERSIONS
     if _VERSIONS is None:
         import importlib.metadata as md
 
         out = {}
-        for dist in ("fastokens", "tiktoken", "tokenizers"):
+        for dist in ("fastokens", "tiktoken", "kitoken", "tokenizers"):
             try:
                 out[dist] = md.version(dist)
             except md.PackageNotFoundError:
