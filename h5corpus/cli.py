@@ -15,8 +15,10 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperCommand, TyperOption
 
 from .storage.manifest import DEFAULT_MANIFEST
 
@@ -31,6 +33,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+class FlagHelpCommand(TyperCommand):
+    """A command whose help shows no value type beside flags (typer prints ``<bool>`` beside an
+    option such as ``--validate``, which takes no value)."""
+
+    def get_params(self, ctx: typer.Context) -> list[Any]:
+        params = super().get_params(ctx)
+        for p in params:
+            if isinstance(p, TyperOption) and p.is_flag and p.metavar is None:
+                p.metavar = ""
+        return params
 
 
 @app.callback()
@@ -209,7 +223,7 @@ def inspect_cli(
     raise typer.Exit(EXIT_OK if rep.ok else EXIT_BAD_DATA)
 
 
-@app.command("build")
+@app.command("build", cls=FlagHelpCommand)
 def build_cli(
     sources: list[str] | None = typer.Argument(
         None,
@@ -222,6 +236,12 @@ def build_cli(
         "-t",
         help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
         "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib.",
+    ),
+    eos_token: str | None = typer.Option(
+        None,
+        "--eos-token",
+        help="End-of-document token text, e.g. [SEP] for a BERT WordPiece tokenizer "
+        "(default: the first of <|endoftext|>, </s>, <|end_of_text|>, <eos> the tokenizer has).",
     ),
     workers: int | None = typer.Option(
         None, "--workers", "-w", help="Worker processes (default: all cores); never changes the output."
@@ -413,6 +433,7 @@ def build_cli(
         cfg = BuildConfig(
             sources=srcs,
             tokenizer=tokenizer,
+            eos_token=eos_token,
             shards_dir=shards_dir,
             manifest=manifest,
             workers=workers,

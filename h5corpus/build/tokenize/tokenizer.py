@@ -210,7 +210,8 @@ def _find_eos(d: dict[str, Any], where: str, eos_token: str | None) -> int:
             return int(vocab[name])
     specials = sorted(t["content"] for t in d.get("added_tokens") or [] if t.get("special"))
     raise TokenizerError(
-        f"{where}: no end-of-document token {list(names)} in this tokenizer (its special tokens: {specials[:12]})"
+        f"{where}: no end-of-document token {list(names)} in this tokenizer (its special tokens: {specials[:12]}); "
+        "name one with --eos-token TOKEN (BuildConfig.eos_token)"
     )
 
 
