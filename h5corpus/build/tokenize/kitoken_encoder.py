@@ -34,8 +34,11 @@ _INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 #: Rust's ``char::is_whitespace`` (Unicode White_Space), what ``BertPreTokenizer`` splits on. Not
 #: Python's ``\s``, which also matches U+001C..U+001F, control characters BertNormalizer deletes.
 _WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-#: The code points BertNormalizer's ``handle_chinese_chars`` surrounds with spaces.
-_CJK = "\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+#: The code points BertNormalizer's ``handle_chinese_chars`` surrounds with spaces (its exact ranges).
+_CJK = (
+    "\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f\U0002b740-\U0002b81f"
+    "\U0002b920-\U0002ceaf\uf900-\ufaff\U0002f800-\U0002fa1f"
+)
 _CUT_WS = re.compile(f"[{_WHITESPACE}]")
 _CUT_WS_CJK = re.compile(f"[{_WHITESPACE}{_CJK}]")
 
