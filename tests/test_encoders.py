@@ -483,3 +483,38 @@ def test_long_wordpiece_texts_are_cut_where_bert_splits_and_keep_their_ids(famil
     assert not any(p[0] in "\x1c\x1f" for p in pieces)
     enc, _ = KitokenEncoder.load(tok)
     assert np.array_equal(enc.encode(text), reference_ids(tok.json_text, [text])[0])
+
+
+# -- every family on the dev corpus and hostile text ---------------------------------------------
+def hostile_texts() -> list[str]:
+    """Text a build must survive: control characters, 1 MB lines (latin with emoji, and CJK without
+    a space), CJK, emoji sequences, and literal special-token text of every family."""
+    mixed = "Words, café naïve; 12,345 — emoji 👍🏽 👨‍👩‍👧 🇺🇸 and 日本語 text. "
+    return [
+        "".join(map(chr, range(1, 32))) + "\x7f\x85 control \x00 in text \u200b\ufeff\ufffd",
+        (mixed * (1_000_000 // len(mixed) + 1))[:1_000_000],
+        ("吾輩は猫である。名前はまだ無い。どこで生れたかとんと見当がつかぬ。" * 30_000)[:1_000_000],
+        "中文文本，包含标点符号。한국어 텍스트입니다. Tiếng Việt có dấu. ภาษาไทย",
+        "👍🏽👍🏽👍🏽 🧪🧬 ✨✨ 👩🏾‍🔬 🏳️‍🌈 #️⃣ " * 50,
+        SPECIAL_TEXT + " <|begin_of_text|><|eot_id|> [CLS] [PAD] [MASK] <s> <pad> ▁x",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TOKENIZER_FAMILIES)
+def test_every_family_builds_the_tokenizers_ids_on_the_dev_corpus_and_hostile_text(
+    tmp_path, families, dev_texts, family
+):
+    """A 2-worker build over a 15th of the dev corpus (every file) and the hostile texts runs on
+    the family's fast encoder (fastokens, kitoken) or on `tokenizers` for Unigram, proves it, falls
+    back on nothing, and stores exactly `tokenizers`' ids."""
+    texts = [t for t in dev_texts[::15] if t] + hostile_texts()
+    if family == "metaspace_unigram":  # its "</s>" is an ordinary piece: `tokenizers` emits the EOS id
+        texts = [t.replace("</s>", "") for t in texts]
+    texts = list(dict.fromkeys(texts))
+    src = write_jsonl(tmp_path / "in.jsonl", texts)
+    rep = build_corpus(_cfg(tmp_path / "o", [src], families[family], task_bytes=1 << 20))
+    assert rep.encoder == FIRST[family] and rep.encoder_fallbacks == 0
+    assert "disabled" not in rep.encoder_note
+    tok = load_tokenizer(str(families[family]))
+    _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
