@@ -518,3 +518,48 @@ def test_every_family_builds_the_tokenizers_ids_on_the_dev_corpus_and_hostile_te
     assert "disabled" not in rep.encoder_note
     tok = load_tokenizer(str(families[family]))
     _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
+
+
+# -- every family from the command line ------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**subprocess_env(), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "h5corpus", *args], env=env, capture_output=True, text=True)
+
+
+def test_wordpiece_and_unigram_build_from_the_cli_with_eos_token(tmp_path, families, held_out):
+    """A BERT WordPiece tokenizer whose EOS the build cannot infer: without --eos-token the CLI
+    exits 2 with one line listing its special tokens and naming the flag; with --eos-token [SEP]
+    it builds on kitoken with [SEP] as EOS. A Unigram tokenizer builds with its ``</s>``. The
+    report gives the rate with a unit that fits (never ``0.00 M``)."""
+    d = json.loads(families["bert_wordpiece"].read_text(encoding="utf-8"))
+    d["added_tokens"] = [t for t in d["added_tokens"] if t["content"] != "</s>"]
+    del d["model"]["vocab"]["</s>"]
+    bert = tmp_path / "bert" / "tokenizer.json"
+    bert.parent.mkdir()
+    bert.write_text(json.dumps(d), encoding="utf-8")
+    src = write_jsonl(tmp_path / "in.jsonl", list(dict.fromkeys(t for t in held_out[:30] if t and "</s>" not in t)))
+    common = ["--workers", "2", "--validation-fraction", "0"]
+    out = _cli("build", str(src), "--tokenizer", str(bert), "--shards-dir", str(tmp_path / "s0"), *common)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "no end-of-document token" in out.stderr and "[SEP]" in out.stderr and "--eos-token" in out.stderr
+    for name, tok, extra in (("bert", bert, ["--eos-token", "[SEP]"]), ("unigram", families["metaspace_unigram"], [])):
+        m = tmp_path / name / "shards.json"
+        out = _cli(
+            "build",
+            str(src),
+            "--tokenizer",
+            str(tok),
+            "--shards-dir",
+            str(tmp_path / name / "s"),
+            "--manifest",
+            str(m),
+            *common,
+            *extra,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "tokens/s" in out.stdout and "0.00 M tokens/s" not in out.stdout
+        manifest = json.loads(m.read_text())
+        want_eos = d["model"]["vocab"]["[SEP]"] if name == "bert" else load_tokenizer(str(tok)).eos_id
+        assert manifest["tokenizer"]["eos_id"] == want_eos
+    help_out = _cli("build", "--help")
+    assert help_out.returncode == 0 and "--eos-token" in help_out.stdout and "<bool>" not in help_out.stdout
