@@ -105,17 +105,19 @@ class KitokenEncoder:
 
     name = "kitoken"
 
-    def __init__(self, tok: Tokenizer, native: Any = None) -> None:
+    def __init__(self, tok: Tokenizer, native: Any = None, json_text: str | None = None) -> None:
         self.tok = tok
+        self.json_text = tok.json_text if json_text is None else json_text
+        """The ``tokenizer.json`` kitoken loaded (the tokenizer's own unless a test gave another)."""
         self._native = native
         self._rule = cut_rule(tok.json)
         self.fallbacks = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tok": self.tok}
+        return {"tok": self.tok, "json_text": self.json_text}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tok"])
+        self.__init__(state["tok"], json_text=state["json_text"])
 
     @classmethod
     def load(cls, tok: Tokenizer, json_text: str | None = None) -> tuple[KitokenEncoder | None, str]:
@@ -135,12 +137,12 @@ class KitokenEncoder:
             raise
         except BaseException as e:  # unsupported normalizer / pre-tokenizer / model; a Rust panic
             return None, f"kitoken refused the tokenizer ({_first_line(e)})"
-        return cls(tok, native), ""
+        return cls(tok, native, json_text), ""
 
     @property
     def native(self) -> Any:
         if self._native is None:
-            enc, why = self.load(self.tok)
+            enc, why = self.load(self.tok, self.json_text)
             if enc is None:
                 raise TokenizerError(f"kitoken encoder unavailable for {self.tok.identity.name!r}: {why}")
             self._native = enc._native

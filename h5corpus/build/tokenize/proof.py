@@ -67,7 +67,7 @@ def _proof_key(reference: HFEncoder, candidate: Encoder, texts: Sequence[str]) -
     if ident is None or not getattr(ident, "sha256", None):
         return None
     cand_json = getattr(candidate, "json_text", None)
-    if isinstance(candidate, (FastokensEncoder, KitokenEncoder)):
+    if isinstance(candidate, FastokensEncoder):
         cand_json = candidate.tok.json_text
     if isinstance(candidate, (TiktokenEncoder, FastokensEncoder, KitokenEncoder)):
         if cand_json is None or hashlib.sha256(cand_json.encode("utf-8")).hexdigest() != ident.sha256:
