@@ -2,6 +2,10 @@
 
     python bench/bench_build.py [--corpus ../shared/corpora/dev] [--tokenizer ../shared/tokenizers/gpt2/tokenizer.json]
                                 [--copies 5] [--rounds 3] [--hf-copies 1] [--procs 2] [--out bench/results/build.json]
+    python bench/bench_build.py --families [--procs 2] [--out bench/results/build_families.json]
+
+``--families`` measures each tokenizer family instead (bench/_families.py: the build with its fast
+encoder vs the build on ``tokenizers`` alone, raw ``tokenizers`` and the raw fast encoder, one run each).
 
 The documents: ``--copies`` copies of the corpus (5 copies of the dev corpus: ~53 K documents, ~50 M
 GPT-2 tokens), each copy's documents ending in a line of their own (``[copy k]``) so that exact
@@ -241,7 +245,20 @@ def main() -> None:
     ap.add_argument("--hf-copies", type=int, default=1, help="copies raw tokenizers encodes (0 skips it)")
     ap.add_argument("--procs", type=int, default=2, help="processes / workers of the parallel measurements")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--families",
+        action="store_true",
+        help="instead: each tokenizer family's build vs its tokenizers-only build and the raw encoders (_families.py)",
+    )
     args = ap.parse_args()
+    if args.families:
+        from _families import family_rows
+
+        with tempfile.TemporaryDirectory() as tmp:
+            load = os.getloadavg()
+            rows = family_rows(args.corpus, args.procs, Path(tmp), raw_hf, balanced)
+            emit({"benchmark": "build_families", "procs": args.procs, "load_before": load, "families": rows}, args.out)
+        return
 
     import fastokens
 

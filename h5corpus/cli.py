@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from typer.core import TyperCommand, TyperOption
 
 from .build import BuildConfig, BuildConflict, BuildError, BuildReport, build_corpus, format_report, parse_max_tokens
 from .build.config import EXECUTORS, RayOptions, SlurmOptions
@@ -47,6 +48,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+class FlagHelpCommand(TyperCommand):
+    """A command whose help shows no value type beside flags (typer prints ``<bool>`` beside an
+    option such as ``--validate``, which takes no value)."""
+
+    def get_params(self, ctx: typer.Context) -> list[Any]:
+        params = super().get_params(ctx)
+        for p in params:
+            if isinstance(p, TyperOption) and p.is_flag and p.metavar is None:
+                p.metavar = ""
+        return params
 
 
 @app.callback()
@@ -270,6 +283,16 @@ BUILD_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
             "-t",
             help="gpt2 (openai-community/gpt2 at a pinned revision, from the HF cache), "
             "bytes (offline byte-level), or a path to tokenizer.json. Default: gpt2; bytes when the only source is stdlib.",
+        ),
+    ),
+    (
+        "eos_token",
+        str | None,
+        typer.Option(
+            None,
+            "--eos-token",
+            help="End-of-document token text, e.g. [SEP] for a BERT WordPiece tokenizer "
+            "(default: the first of <|endoftext|>, </s>, <|end_of_text|>, <eos> the tokenizer has).",
         ),
     ),
     (
@@ -518,7 +541,7 @@ BUILD_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
 )
 
 
-@app.command("build")
+@app.command("build", cls=FlagHelpCommand)
 def build_cli(**flags: Any) -> None:
     """Tokenize SOURCEs into shards/<split>/*.h5 and a manifest: parallel, deterministic, resumable
     (re-run the same command after a crash). Filter stages are off unless a filter flag is given.
@@ -584,7 +607,7 @@ def _build_config(f: dict[str, Any], srcs: list[str], tokenizer: str, filters: A
         filters=filters,
         **{k: f[k] for k in ("shards_dir", "manifest", "workers", "text_field", "split_seed", "validation_fraction")},
         **{k: f[k] for k in ("max_document_tokens", "on_error", "overwrite", "explain_drops", "decide_buckets")},
-        **{k: f[k] for k in ("drop_worst_fraction", "perplexity_scores")},
+        **{k: f[k] for k in ("drop_worst_fraction", "perplexity_scores", "eos_token")},
         **executor_cfg,
     )
     if f["shard_tokens"] is not None:

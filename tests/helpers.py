@@ -194,9 +194,34 @@ LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 #: fastokens raises), while ``tokenizers`` and tiktoken match it.
 DEEP_PATTERN = r"(?:\p{L}|\p{N})+|\s+|[^\s\p{L}\p{N}]+"
 #: The families :func:`train_tokenizer_family` builds: byte-level BPE like GPT-2 and like
-#: Llama-3 (``Split`` regex), SentencePiece-style BPE (NFKC, Metaspace, byte fallback), BERT
+#: Llama-3 (``Split`` regex), SentencePiece-style BPE (NFKC, Metaspace, byte fallback), the same
+#: kind of model in Llama-2's layout (Prepend + Replace normalizers, no pre-tokenizer), BERT
 #: WordPiece, and a Metaspace Unigram.
-TOKENIZER_FAMILIES = ("gpt2_bpe", "llama3_bpe", "sentencepiece_bpe", "bert_wordpiece", "metaspace_unigram")
+TOKENIZER_FAMILIES = (
+    "gpt2_bpe",
+    "llama3_bpe",
+    "sentencepiece_bpe",
+    "llama2_bpe",
+    "bert_wordpiece",
+    "metaspace_unigram",
+)
+#: Llama-2's normalizer and decoder in ``tokenizer.json`` (its pre-tokenizer is null).
+LLAMA2_NORMALIZER = {
+    "type": "Sequence",
+    "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+    ],
+}
+LLAMA2_DECODER = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+    ],
+}
 
 
 def _chars_prefix(texts: Sequence[str], chars: int) -> list[str]:
@@ -236,9 +261,10 @@ def train_tokenizer_family(family: str, texts: Sequence[str]) -> str:
         trainer = trainers.BpeTrainer(
             vocab_size=2000, special_tokens=special, initial_alphabet=alphabet, show_progress=False
         )
-    elif family == "sentencepiece_bpe":
+    elif family in ("sentencepiece_bpe", "llama2_bpe"):
         t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-        t.normalizer = normalizers.NFKC()
+        if family == "sentencepiece_bpe":
+            t.normalizer = normalizers.NFKC()
         t.pre_tokenizer = pre_tokenizers.Metaspace()
         t.decoder = decoders.Metaspace()
         special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -265,7 +291,20 @@ def train_tokenizer_family(family: str, texts: Sequence[str]) -> str:
     else:
         raise ValueError(f"unknown tokenizer family {family!r}")
     t.train_from_iterator(list(texts), trainer)
-    return t.to_str()
+    return _as_released(family, t.to_str())
+
+
+def _as_released(family: str, tokenizer_json: str) -> str:
+    """A trained SentencePiece-style JSON laid out like released ones: the byte pieces
+    ``<0x00>``..``<0xFF>`` in the vocabulary only (the trainer also lists them as added special
+    tokens), and for ``llama2_bpe`` Llama-2's normalizer, null pre-tokenizer and decoder."""
+    if family not in ("sentencepiece_bpe", "llama2_bpe"):
+        return tokenizer_json
+    d = json.loads(tokenizer_json)
+    d["added_tokens"] = [t for t in d["added_tokens"] if not t["content"].startswith("<0x")]
+    if family == "llama2_bpe":
+        d["normalizer"], d["pre_tokenizer"], d["decoder"] = LLAMA2_NORMALIZER, None, LLAMA2_DECODER
+    return json.dumps(d, ensure_ascii=False)
 
 
 def with_split_pattern(tokenizer_json: str, pattern: str) -> str:

@@ -1,8 +1,9 @@
 """The fast encoders on tokenizer families trained here with `tokenizers` itself: fastokens where it
-loads the JSON (byte-level BPE like GPT-2 and Llama-3), a clean fallback where it refuses it
-(SentencePiece-style BPE, BERT WordPiece, Metaspace Unigram), the proof catching a fast encoder
-that differs, documents fastokens raises on, one thread per worker, and shard bytes that do not
-depend on the encoder (the synthetic families and the dev corpus with GPT-2).
+loads the JSON (byte-level BPE like GPT-2 and Llama-3, and the Llama-2 layout), kitoken where
+fastokens refuses it (SentencePiece-style BPE, BERT WordPiece), `tokenizers` for Metaspace Unigram,
+the proof catching a fast encoder that differs, documents a fast encoder raises on, one thread per
+worker, shard bytes that do not depend on the encoder (the synthetic families and the dev corpus
+with GPT-2), every family on the dev corpus and hostile text, and every family from the CLI.
 
 Every id is compared with `tokenizers` called directly (``tests.helpers.reference_ids``). No test
 here encodes a text of more than 64 K characters with fastokens in the test process: a fastokens
@@ -22,7 +23,8 @@ import numpy as np
 import pytest
 
 from h5corpus.build import BuildConfig, build_corpus, format_report
-from h5corpus.build.tokenize.encoders import FastokensEncoder, HFEncoder, TiktokenEncoder, fast_encoder
+from h5corpus.build.tokenize.encoders import FastokensEncoder, HFEncoder, fast_encoder
+from h5corpus.build.tokenize.kitoken_encoder import CHUNK_CHARS, KitokenEncoder, cut, cut_rule
 from h5corpus.build.tokenize.proof import PROOF_TEXTS, prove_fast_path, prove_same_ids
 from h5corpus.build.tokenize.tokenizer import Tokenizer, load_tokenizer
 from tests.helpers import (
@@ -38,15 +40,30 @@ from tests.helpers import (
     write_jsonl,
 )
 
-#: Families fastokens loads (and, being byte-level BPE, tiktoken mirrors), and the reason it gives
-#: for refusing each of the others.
+#: Byte-level BPE families: fastokens loads them and tiktoken mirrors them. fastokens also loads
+#: the Llama-2 layout (:data:`FASTOKENS_LOADS`); the reason it gives for refusing the others.
 LOADS = ("gpt2_bpe", "llama3_bpe")
+FASTOKENS_LOADS = (*LOADS, "llama2_bpe")
 REFUSES = {
     "sentencepiece_bpe": "unsupported normalizer type: NFKC",
     "bert_wordpiece": "unsupported normalizer type: BertNormalizer",
     "metaspace_unigram": "unsupported pre-tokenizer type: Metaspace",
 }
 SPECIAL_TEXT = "special tokens as text: <|endoftext|> <|end_of_text|> </s> [SEP] <unk> <0x41>"
+#: The encoder a build of each family runs, and the one it falls back to when that one differs.
+FIRST = {
+    "gpt2_bpe": "fastokens",
+    "llama3_bpe": "fastokens",
+    "llama2_bpe": "fastokens",
+    "sentencepiece_bpe": "kitoken",
+    "bert_wordpiece": "kitoken",
+    "metaspace_unigram": "tokenizers",
+}
+AFTER_FASTOKENS = {
+    "gpt2_bpe": "tiktoken",
+    "llama3_bpe": "tiktoken",
+    **dict.fromkeys(("llama2_bpe", "sentencepiece_bpe", "bert_wordpiece"), "kitoken"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +118,7 @@ def _check_stored(manifest: Path, texts: list[str], tokenizer_json: str, eos: in
 
 
 # -- fastokens where it loads ---------------------------------------------------------------------
-@pytest.mark.parametrize("family", LOADS)
+@pytest.mark.parametrize("family", FASTOKENS_LOADS)
 def test_fastokens_loads_byte_level_families_and_gives_the_tokenizers_ids(families, held_out, family):
     """Byte-level BPE (GPT-2 style, and Llama-3 style behind a `Split` regex): fastokens is the
     first fast encoder, and its ids equal `tokenizers`' on unseen text, edge cases and literal
@@ -119,7 +136,7 @@ def test_fastokens_loads_byte_level_families_and_gives_the_tokenizers_ids(famili
     assert prove_same_ids(HFEncoder(tok), fast, held_out[:20], cache=False) is None
 
 
-@pytest.mark.parametrize("family", LOADS)
+@pytest.mark.parametrize("family", FASTOKENS_LOADS)
 def test_fastokens_equals_tokenizers_on_unseen_dev_documents(families, dev_texts, family):
     """3,000 dev documents (news, books, web, many scripts) none of which the family was trained on."""
     texts = [t for t in dev_texts[::3] if len(t) < 60_000][:3000]
@@ -135,16 +152,17 @@ def test_fastokens_equals_tokenizers_on_unseen_dev_documents(families, dev_texts
 @pytest.mark.parametrize("family", sorted(REFUSES))
 def test_fastokens_refuses_the_other_families_and_the_build_falls_back(tmp_path, families, held_out, family):
     """SentencePiece BPE, WordPiece, Unigram: fastokens refuses the JSON at load (its reason is
-    reported), tiktoken does not apply, and the build runs on `tokenizers` with exact ids."""
+    reported), tiktoken does not apply, and a build offered only those two runs on `tokenizers`
+    with exact ids."""
     tok = load_tokenizer(str(families[family]))
     enc, why = FastokensEncoder.load(tok)
     assert enc is None and REFUSES[family] in why
-    fast, why_all = fast_encoder(tok)
+    fast, why_all = fast_encoder(tok, ["fastokens", "tiktoken"])
     assert fast is None and why_all.startswith("fastokens: fastokens refused the tokenizer (")
     assert REFUSES[family] in why_all and "; tiktoken: " in why_all
     texts = list(dict.fromkeys(t for t in held_out[:40] if t))
     src = write_jsonl(tmp_path / "in.jsonl", texts)
-    rep = build_corpus(_cfg(tmp_path / "o", [src], families[family]))
+    rep = build_corpus(_cfg(tmp_path / "o", [src], families[family], fast_encoders=("fastokens", "tiktoken")))
     assert rep.encoder == "tokenizers" and REFUSES[family] in rep.encoder_note
     assert "note: fast path not applicable: fastokens: fastokens refused the tokenizer (" in format_report(rep)
     _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
@@ -164,11 +182,12 @@ def _altered(tok: Tokenizer) -> Tokenizer:
 @pytest.mark.parametrize("family", TOKENIZER_FAMILIES)
 def test_the_proof_catches_a_fastokens_that_differs(families, held_out, family):
     """A fastokens that gives other ids than the reference is caught on ordinary text, never
-    taken from the proof cache, and the choice moves on: to tiktoken for byte-level BPE (which
-    proves equal), to `tokenizers` for the others. For families fastokens refuses, the differing
-    candidate is fastokens on the GPT-2-style family's JSON (a plausible wrong mirror)."""
+    taken from the proof cache, and the choice moves on: to tiktoken for byte-level BPE, to kitoken
+    for SentencePiece-style BPE and WordPiece (each proves equal), to `tokenizers` for Unigram. For
+    families fastokens refuses, the differing candidate is fastokens on the GPT-2-style family's
+    JSON (a plausible wrong mirror)."""
     tok = load_tokenizer(str(families[family]))
-    wrong_json = _altered(tok) if family in LOADS else load_tokenizer(str(families["gpt2_bpe"]))
+    wrong_json = _altered(tok) if family in FASTOKENS_LOADS else load_tokenizer(str(families["gpt2_bpe"]))
     wrong, why = FastokensEncoder.load(wrong_json)
     assert wrong is not None, why
     for _ in range(2):  # a difference is found every time (never cached)
@@ -176,13 +195,13 @@ def test_the_proof_catches_a_fastokens_that_differs(families, held_out, family):
         assert diff is not None and "differs at token" in diff and "fastokens gives" in diff
     chosen, note = prove_fast_path(HFEncoder(tok), wrong, held_out[:30])
     assert "fast path (fastokens) disabled" in note
-    if family in LOADS:
-        assert isinstance(chosen, TiktokenEncoder)
+    assert chosen.name == AFTER_FASTOKENS.get(family, "tokenizers"), note
+    if family in AFTER_FASTOKENS:
         assert [a.tolist() for a in chosen.encode_batch(held_out)] == [
             r.tolist() for r in reference_ids(tok.json_text, held_out)
         ]
     else:
-        assert isinstance(chosen, HFEncoder) and "not applicable: tiktoken: " in note
+        assert isinstance(chosen, HFEncoder) and "not applicable: tiktoken: " in note and "kitoken: " in note
 
 
 # -- the shard bytes do not depend on the encoder ----------------------------------------------------
@@ -199,26 +218,34 @@ def _family_inputs(tmp_path: Path, held_out: list[str]) -> tuple[Path, list[str]
 
 @pytest.mark.parametrize("family", TOKENIZER_FAMILIES)
 def test_shard_bytes_are_identical_whichever_encoder_runs(tmp_path, families, held_out, family):
-    """The same build with fastokens, with tiktoken and on `tokenizers` (each family where each
-    applies; the others fall back to `tokenizers` cleanly): identical shard and manifest bytes,
-    the reference ids in them, and the report naming the encoder that ran."""
+    """The same build with fastokens, with tiktoken, with kitoken and on `tokenizers` (each family
+    where each applies and proves equal; the others fall back to `tokenizers` cleanly): identical
+    shard and manifest bytes, the reference ids in them, and the report naming the encoder that ran."""
     src, texts = _family_inputs(tmp_path, held_out)
     trees, encoders = [], []
     for name, kw in (
         ("fastokens", {"fast_encoders": ("fastokens",)}),
         ("tiktoken", {"fast_encoders": ("tiktoken",)}),
+        ("kitoken", {"fast_encoders": ("kitoken",)}),
         ("tokenizers", {"fast_path": False}),
     ):
         rep = build_corpus(_cfg(tmp_path / name, [src], families[family], **kw))
         trees.append(tree(tmp_path / name))
         encoders.append(rep.encoder)
-    assert trees[0] == trees[1] == trees[2]
-    want = ["fastokens", "tiktoken", "tokenizers"] if family in LOADS else ["tokenizers"] * 3
+    assert trees[0] == trees[1] == trees[2] == trees[3]
+    want = [
+        "fastokens" if family in FASTOKENS_LOADS else "tokenizers",
+        "tiktoken" if family in LOADS else "tokenizers",
+        "tokenizers" if family == "metaspace_unigram" else "kitoken",
+        "tokenizers",
+    ]
+    if family in LOADS:  # kitoken is offered for byte-level BPE, and the proof decides (it differs on rare text)
+        want[2] = encoders[2] if encoders[2] in ("kitoken", "tokenizers") else "kitoken"
     assert encoders == want
     tok = load_tokenizer(str(families[family]))
     _check_stored(tmp_path / "tokenizers" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
     manifest = json.loads((tmp_path / "fastokens" / "manifests" / "shards.json").read_text())
-    assert "fastokens" not in json.dumps(manifest) and "tiktoken" not in json.dumps(manifest)
+    assert all(name not in json.dumps(manifest) for name in ("fastokens", "tiktoken", "kitoken"))
 
 
 def test_dev_corpus_gpt2_shards_are_identical_with_fastokens_tiktoken_and_tokenizers(tmp_path, dev_dir, gpt2_json):
@@ -350,3 +377,189 @@ def test_gpt2_spec_without_network_fails_at_once_with_the_good_message(tmp_path,
     assert "127.0.0.1:9" in hub_unreachable()
     with pytest.raises(TokenizerError, match=r"hub could not be reached \(127\.0\.0\.1:9: .*--tokenizer"):
         load_tokenizer("gpt2", cache_dir=tmp_path)
+
+
+# -- kitoken: SentencePiece-style BPE and WordPiece ----------------------------------------------
+KITOKEN_FAMILIES = ("sentencepiece_bpe", "llama2_bpe", "bert_wordpiece")
+
+
+@pytest.mark.parametrize("family", KITOKEN_FAMILIES)
+def test_kitoken_gives_the_tokenizers_ids_on_unseen_text_and_special_token_text(families, held_out, family):
+    """kitoken loads each BPE / WordPiece family and gives `tokenizers`' ids on unseen text, the
+    proof's edge cases and literal special-token text (read as text, never cut around); the proof
+    passes. For SentencePiece BPE and WordPiece it is the build's first fast encoder."""
+    tok = load_tokenizer(str(families[family]))
+    enc, why = KitokenEncoder.load(tok)
+    assert enc is not None, why
+    texts = [*held_out, "a</s>b <s>x</s>", "x [SEP] y[MASK]z", "<unk><0x41>"]
+    got = enc.encode_batch(texts)
+    refs = reference_ids(tok.json_text, texts)
+    assert [i for i, (a, b) in enumerate(zip(refs, got)) if not np.array_equal(a, b)] == []
+    assert enc.fallbacks == 0
+    assert prove_same_ids(HFEncoder(tok), enc, held_out[:20], cache=False) is None
+    first, _ = fast_encoder(tok)
+    assert first is not None and first.name == FIRST[family]
+
+
+def test_kitoken_is_not_offered_for_unigram(families):
+    """Unigram: kitoken breaks ties between equal-score segmentations (``"...."``) the other way
+    round from `tokenizers`, so it is refused with that reason; no fast encoder applies."""
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    enc, why = KitokenEncoder.load(tok)
+    assert enc is None and "Unigram" in why
+    fast, why_all = fast_encoder(tok)
+    assert fast is None and "kitoken: kitoken breaks ties" in why_all
+
+
+def _swapped_vocab(tok: Tokenizer) -> tuple[str, str]:
+    """The tokenizer's JSON with the ids of two vocabulary entries swapped (a kitoken loaded from
+    it gives other ids wherever either appears), and a text holding both."""
+    d = json.loads(tok.json_text)
+    vocab = d["model"]["vocab"]
+    ids = sorted(vocab.values())
+    by_id = {v: k for k, v in vocab.items()}
+    a, b = by_id[ids[-1]], by_id[ids[-2]]  # the last two pieces learned: real words
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    pieces = [a.lstrip("\u2581#"), b.lstrip("\u2581#")]
+    return json.dumps(d), " ".join(pieces * 3)
+
+
+@pytest.mark.parametrize("family", KITOKEN_FAMILIES)
+def test_the_proof_refuses_a_kitoken_that_differs_and_the_build_input_decides(families, held_out, family):
+    """A real kitoken loaded from a JSON whose vocabulary swaps two ids: the proof finds the
+    difference on text holding them (every time: never cached) and the choice falls back to
+    `tokenizers`; on text without them the proof has nothing to refuse."""
+    tok = load_tokenizer(str(families[family]))
+    wrong_json, text = _swapped_vocab(tok)
+    wrong, why = KitokenEncoder.load(tok, wrong_json)
+    assert wrong is not None, why
+    sample = [*held_out[:10], text]
+    for _ in range(2):
+        diff = prove_same_ids(HFEncoder(tok), wrong, sample)
+        assert diff is not None and "kitoken gives" in diff
+    chosen, note = prove_fast_path(HFEncoder(tok), wrong, sample, names=["kitoken"])
+    assert isinstance(chosen, HFEncoder) and "fast path (kitoken) disabled" in note
+
+
+def test_documents_kitoken_raises_on_go_to_tokenizers_and_are_counted(families, held_out):
+    """A real kitoken without an unknown token raises on text holding a character outside the
+    WordPiece vocabulary: exactly those documents are encoded by the reference and counted."""
+    tok = load_tokenizer(str(families["bert_wordpiece"]))
+    enc, _ = KitokenEncoder.load(tok)
+    d = enc.native.definition()
+    d["specials"] = [s for s in d["specials"] if s["kind"] != "Unknown"]
+    enc.native.set_definition(d)
+    texts = [*held_out[:30], "emoji 👍🏽 here", "plain words", "\U0001f9ea test tube", "more plain words"]
+
+    def raises(t: str) -> bool:
+        try:
+            enc.native.encode(t, False)
+        except ValueError:
+            return True
+        return False
+
+    n_raise = sum(map(raises, texts))
+    assert n_raise >= 2
+    got = enc.encode_batch(texts)
+    assert enc.fallbacks == n_raise
+    assert [a.tolist() for a in got] == [r.tolist() for r in reference_ids(tok.json_text, texts)]
+
+
+def test_long_wordpiece_texts_are_cut_where_bert_splits_and_keep_their_ids(families):
+    """BERT layout: a long text is cut before whitespace or a CJK ideograph (never before a
+    control character BertNormalizer deletes); the pieces rejoin to the text and kitoken's ids of
+    a 300,000-character mixed text equal `tokenizers`'. Other layouts are never cut."""
+    tok = load_tokenizer(str(families["bert_wordpiece"]))
+    rule = cut_rule(tok.json)
+    assert rule is not None
+    for fam in ("sentencepiece_bpe", "llama2_bpe", "gpt2_bpe"):
+        assert cut_rule(load_tokenizer(str(families[fam])).json) is None
+    unit = "吾輩は猫である。名前はまだ無い。ab\x1ccd e\u0301f \x1fgh\u3000ij Ünïcödé 👍🏽 [SEP] "
+    text = unit * (300_000 // len(unit))
+    pieces = cut(text, rule)
+    assert "".join(pieces) == text and len(pieces) > 100
+    assert all(len(p) >= CHUNK_CHARS for p in pieces[:-1])
+    assert all(p[0].isspace() or "\u4e00" <= p[0] <= "\u9fff" for p in pieces[1:])
+    assert not any(p[0] in "\x1c\x1f" for p in pieces)
+    enc, _ = KitokenEncoder.load(tok)
+    assert np.array_equal(enc.encode(text), reference_ids(tok.json_text, [text])[0])
+
+
+# -- every family on the dev corpus and hostile text ---------------------------------------------
+def hostile_texts() -> list[str]:
+    """Text a build must survive: control characters, 1 MB lines (latin with emoji, and CJK without
+    a space), CJK, emoji sequences, and literal special-token text of every family."""
+    mixed = "Words, café naïve; 12,345 — emoji 👍🏽 👨‍👩‍👧 🇺🇸 and 日本語 text. "
+    return [
+        "".join(map(chr, range(1, 32))) + "\x7f\x85 control \x00 in text \u200b\ufeff\ufffd",
+        (mixed * (1_000_000 // len(mixed) + 1))[:1_000_000],
+        ("吾輩は猫である。名前はまだ無い。どこで生れたかとんと見当がつかぬ。" * 30_000)[:1_000_000],
+        "中文文本，包含标点符号。한국어 텍스트입니다. Tiếng Việt có dấu. ภาษาไทย",
+        "👍🏽👍🏽👍🏽 🧪🧬 ✨✨ 👩🏾‍🔬 🏳️‍🌈 #️⃣ " * 50,
+        SPECIAL_TEXT + " <|begin_of_text|><|eot_id|> [CLS] [PAD] [MASK] <s> <pad> ▁x",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TOKENIZER_FAMILIES)
+def test_every_family_builds_the_tokenizers_ids_on_the_dev_corpus_and_hostile_text(
+    tmp_path, families, dev_texts, family
+):
+    """A 2-worker build over a 15th of the dev corpus (every file) and the hostile texts runs on
+    the family's fast encoder (fastokens, kitoken) or on `tokenizers` for Unigram, proves it, falls
+    back on nothing, and stores exactly `tokenizers`' ids."""
+    texts = [t for t in dev_texts[::15] if t] + hostile_texts()
+    if family == "metaspace_unigram":  # its "</s>" is an ordinary piece: `tokenizers` emits the EOS id
+        texts = [t.replace("</s>", "") for t in texts]
+    texts = list(dict.fromkeys(texts))
+    src = write_jsonl(tmp_path / "in.jsonl", texts)
+    rep = build_corpus(_cfg(tmp_path / "o", [src], families[family], task_bytes=1 << 20))
+    assert rep.encoder == FIRST[family] and rep.encoder_fallbacks == 0
+    assert "disabled" not in rep.encoder_note
+    tok = load_tokenizer(str(families[family]))
+    _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
+
+
+# -- every family from the command line ------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**subprocess_env(), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "h5corpus", *args], env=env, capture_output=True, text=True)
+
+
+def test_wordpiece_and_unigram_build_from_the_cli_with_eos_token(tmp_path, families, held_out):
+    """A BERT WordPiece tokenizer whose EOS the build cannot infer: without --eos-token the CLI
+    exits 2 with one line listing its special tokens and naming the flag; with --eos-token [SEP]
+    it builds on kitoken with [SEP] as EOS. A Unigram tokenizer builds with its ``</s>``. The
+    report gives the rate with a unit that fits (never ``0.00 M``)."""
+    d = json.loads(families["bert_wordpiece"].read_text(encoding="utf-8"))
+    d["added_tokens"] = [t for t in d["added_tokens"] if t["content"] != "</s>"]
+    del d["model"]["vocab"]["</s>"]
+    bert = tmp_path / "bert" / "tokenizer.json"
+    bert.parent.mkdir()
+    bert.write_text(json.dumps(d), encoding="utf-8")
+    src = write_jsonl(tmp_path / "in.jsonl", list(dict.fromkeys(t for t in held_out[:30] if t and "</s>" not in t)))
+    common = ["--workers", "2", "--validation-fraction", "0"]
+    out = _cli("build", str(src), "--tokenizer", str(bert), "--shards-dir", str(tmp_path / "s0"), *common)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "no end-of-document token" in out.stderr and "[SEP]" in out.stderr and "--eos-token" in out.stderr
+    for name, tok, extra in (("bert", bert, ["--eos-token", "[SEP]"]), ("unigram", families["metaspace_unigram"], [])):
+        m = tmp_path / name / "shards.json"
+        out = _cli(
+            "build",
+            str(src),
+            "--tokenizer",
+            str(tok),
+            "--shards-dir",
+            str(tmp_path / name / "s"),
+            "--manifest",
+            str(m),
+            *common,
+            *extra,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "tokens/s" in out.stdout and "0.00 M tokens/s" not in out.stdout
+        manifest = json.loads(m.read_text())
+        want_eos = d["model"]["vocab"]["[SEP]"] if name == "bert" else load_tokenizer(str(tok)).eos_id
+        assert manifest["tokenizer"]["eos_id"] == want_eos
+    help_out = _cli("build", "--help")
+    assert help_out.returncode == 0 and "--eos-token" in help_out.stdout and "<bool>" not in help_out.stdout

@@ -57,7 +57,7 @@ class BuildReport:
     shards_written: int = 0
     shards_reused: int = 0
     encoder: str = ""
-    """Encoder that tokenized this run: fastokens, tiktoken, bytes or tokenizers."""
+    """Encoder that tokenized this run: fastokens, tiktoken, kitoken, bytes or tokenizers."""
     encoder_note: str = ""
     """Why a fast encoder was not used (not applicable, or disabled by its proof), when one was not."""
     encoder_fallbacks: int = 0
@@ -229,6 +229,15 @@ def report_from_manifest(m: Manifest, shards_dir: str, elapsed: float) -> BuildR
     )
 
 
+def format_rate(tokens_per_s: float) -> str:
+    """A token rate with a unit that keeps three significant figures: ``1.23 M tokens/s``,
+    ``45.6 k tokens/s``, ``789 tokens/s`` (never ``0.00 M`` for a small build)."""
+    for scale, unit in ((1e6, "M "), (1e3, "k ")):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.3g} {unit}tokens/s"
+    return f"{tokens_per_s:.0f} tokens/s"
+
+
 def format_report(report: BuildReport) -> str:
     """The human summary the CLI prints: one row per split, then totals, speed, what each filter
     stage removed or changed, and skipped records. The ``dropped`` column counts the filter
@@ -262,7 +271,7 @@ def format_report(report: BuildReport) -> str:
     lines.append(
         f"  {report.tokens:,} tokens in {shards} shards from {report.tasks_read}/{report.tasks} tasks"
         + (f" ({report.tasks_reused} reused after hash checks)" if report.tasks_reused else "")
-        + f"; elapsed {report.elapsed_s:.2f} s, {report.tokens_per_s / 1e6:.2f} M tokens/s"
+        + f"; elapsed {report.elapsed_s:.2f} s, {format_rate(report.tokens_per_s)}"
     )
     if report.filter_counters:
         lines.extend(_filter_lines(report))

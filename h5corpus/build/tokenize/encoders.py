@@ -5,7 +5,9 @@
   first fast path for every tokenizer it loads (byte-level BPE: GPT-2, Llama-3, Qwen style);
 * :class:`TiktokenEncoder` -- a ``tiktoken`` encoding converted from a byte-level BPE
   ``tokenizer.json`` (:mod:`h5corpus.build.tokenize.tiktoken_bpe`);
-* :class:`BytesEncoder` -- the ``bytes`` tokenizer, whose ids are the UTF-8 bytes.
+* :class:`BytesEncoder` -- the ``bytes`` tokenizer, whose ids are the UTF-8 bytes;
+* :class:`~h5corpus.build.tokenize.kitoken_encoder.KitokenEncoder` -- ``kitoken`` on the same
+  ``tokenizer.json``: SentencePiece-style BPE and WordPiece, which fastokens refuses.
 
 :func:`fast_encoder` picks the first fast encoder that applies to a tokenizer, in the order of
 :data:`FAST_ENCODERS`; none is used before :mod:`h5corpus.build.tokenize.proof` proved it emits the
@@ -25,12 +27,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .kitoken_encoder import KitokenEncoder
 from .tiktoken_bpe import cached_tiktoken, is_bytes_model, tiktoken_encoding, tiktoken_plan
 from .tokenizer import Tokenizer, TokenizerError, load_facts, store_facts
 
 #: The fast encoders, in the order they are tried (each only where it applies: ``bytes`` for the
-#: ``bytes`` tokenizer, ``fastokens`` where it loads the JSON, ``tiktoken`` for byte-level BPE).
-FAST_ENCODERS: tuple[str, ...] = ("bytes", "fastokens", "tiktoken")
+#: ``bytes`` tokenizer, ``fastokens`` where it loads the JSON, ``tiktoken`` for byte-level BPE,
+#: ``kitoken`` for BPE and WordPiece models it loads).
+FAST_ENCODERS: tuple[str, ...] = ("bytes", "fastokens", "tiktoken", "kitoken")
 
 
 class Encoder(Protocol):
@@ -333,6 +337,8 @@ def _candidate(tok: Tokenizer, name: str) -> tuple[Encoder | None, str]:
     """The fast encoder ``name`` for ``tok``, or (None, why not; "" when not worth reporting)."""
     if name == "fastokens":
         return FastokensEncoder.load(tok)
+    if name == "kitoken":
+        return KitokenEncoder.load(tok)
     if name not in ("bytes", "tiktoken"):
         raise ValueError(f"unknown fast encoder {name!r} (known: {', '.join(FAST_ENCODERS)})")
     if name == "bytes":
@@ -359,7 +365,7 @@ def fast_encoder(tok: Tokenizer, names: Sequence[str] | None = None) -> tuple[En
 
 
 def encoder_named(tok: Tokenizer, name: str) -> Encoder:
-    """The encoder called ``name`` (``tokenizers``, ``fastokens``, ``tiktoken``, ``bytes``) for
+    """The encoder called ``name`` (``tokenizers`` or one of :data:`FAST_ENCODERS`) for
     ``tok``; raises :class:`~h5corpus.build.tokenize.tokenizer.TokenizerError` when that fast path does not
     apply to it."""
     if name == HFEncoder.name:

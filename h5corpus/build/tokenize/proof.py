@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .encoders import FAST_ENCODERS, BytesEncoder, Encoder, FastokensEncoder, HFEncoder, TiktokenEncoder, fast_encoder
+from .kitoken_encoder import KitokenEncoder
 from .tokenizer import cache_dir, library_versions, source_sha256, write_cache_file
 
 #: Strings every fast-path proof includes besides the build's own sample: whitespace runs,
@@ -50,6 +51,9 @@ PROOF_TEXTS: tuple[str, ...] = (
     "ﬁ ﬂ ｆｕｌｌｗｉｄｔｈ ① Ⅻ ㎏ ǅ \u212a \u212b e\u0301",
     "12345678901234567890 1.2.3.4 0x1F -42",
     "\r\n\r\n  \t \n x\u00a0y\u2028z\u3000w",
+    "runs.... ---- ==== !!!! ____ hahaha ababab ………",
+    # longer than the pieces a WordPiece text is cut into for kitoken (kitoken_encoder.CHUNK_CHARS)
+    "混合 text\x1c with\u3000ideographic 日本語の文 e\u0301 \u0301x \x1fcontrol\x1f \u0085next " * 40,
 )
 
 #: Format of the proof cache files (bump to invalidate every entry).
@@ -65,7 +69,7 @@ def _proof_key(reference: HFEncoder, candidate: Encoder, texts: Sequence[str]) -
     cand_json = getattr(candidate, "json_text", None)
     if isinstance(candidate, FastokensEncoder):
         cand_json = candidate.tok.json_text
-    if isinstance(candidate, (TiktokenEncoder, FastokensEncoder)):
+    if isinstance(candidate, (TiktokenEncoder, FastokensEncoder, KitokenEncoder)):
         if cand_json is None or hashlib.sha256(cand_json.encode("utf-8")).hexdigest() != ident.sha256:
             return None  # built from another JSON than the reference: do not guess
     elif not isinstance(candidate, BytesEncoder):

@@ -192,7 +192,8 @@ def _find_eos(d: dict[str, Any], where: str, eos_token: str | None) -> int:
             return int(vocab[name])
     specials = sorted(t["content"] for t in d.get("added_tokens") or [] if t.get("special"))
     raise TokenizerError(
-        f"{where}: no end-of-document token {list(names)} in this tokenizer (its special tokens: {specials[:12]})"
+        f"{where}: no end-of-document token {list(names)} in this tokenizer (its special tokens: {specials[:12]}); "
+        "name one with --eos-token TOKEN (BuildConfig.eos_token)"
     )
 
 
@@ -355,7 +356,7 @@ def source_sha256() -> str:
     if _SOURCE_SHA256 is None:
         h = hashlib.sha256()
         try:
-            for name in ("tokenizer.py", "encoders.py", "tiktoken_bpe.py", "proof.py"):
+            for name in ("tokenizer.py", "encoders.py", "tiktoken_bpe.py", "proof.py", "kitoken_encoder.py"):
                 h.update((Path(__file__).parent / name).read_bytes())
             _SOURCE_SHA256 = h.hexdigest()
         except OSError:  # pragma: no cover - no source file (frozen): never reuse a cached proof
@@ -364,11 +365,11 @@ def source_sha256() -> str:
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of fastokens, tiktoken and tokenizers (part of a proof's cache key)."""
+    """Installed versions of fastokens, tiktoken, kitoken and tokenizers (part of a proof's cache key)."""
     global _VERSIONS
     if _VERSIONS is None:
         out = {}
-        for dist in ("fastokens", "tiktoken", "tokenizers"):
+        for dist in ("fastokens", "tiktoken", "kitoken", "tokenizers"):
             try:
                 out[dist] = md.version(dist)
             except md.PackageNotFoundError:
