@@ -1,5 +1,5 @@
 """Build throughput per tokenizer family (``bench_build.py --families``): for each family of
-``tests.helpers.TOKENIZER_FAMILIES``, trained by ``tokenizers`` on a slice of the corpus, on the
+``testkit.tokenizers.TOKENIZER_FAMILIES``, trained by ``tokenizers`` on a slice of the corpus, on the
 same documents and ``--procs`` cores, one run each, side by side:
 
 * raw ``tokenizers`` (``encode_batch_fast``, one Rayon thread per process);
@@ -72,7 +72,7 @@ def family_rows(corpus: Path, procs: int, tmp: Path, raw_hf: Any, balanced: Any)
     bench_build's raw ``tokenizers`` timing and its character-balanced split."""
     from h5corpus.build.tokenize.encoders import fast_encoder
     from h5corpus.build.tokenize.tokenizer import load_tokenizer
-    from tests.helpers import TOKENIZER_FAMILIES, train_tokenizer_family
+    from testkit.tokenizers import TOKENIZER_FAMILIES, train_tokenizer_family
 
     texts = []
     for p in sorted(corpus.glob("*.jsonl")):
