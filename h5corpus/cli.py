@@ -693,8 +693,8 @@ def quality_score_cli(
     as_json: bool = typer.Option(False, "--json", help="Print the scores and quantiles as JSON."),
 ) -> None:
     """Print each document's perplexity (where, perplexity, units, start of the text; tab-separated)
-    and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a corrupt
-    model or a bad record, 2 on usage errors."""
+    and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a bad
+    record, 2 on usage errors and on a model file that is missing, corrupt or refused."""
     from .build.sources import SourceError
     from .filters.perplexity import ModelFileError
     from .qualitymodel import BadReference, score_sources
@@ -713,9 +713,9 @@ def quality_score_cli(
             max_chars=max_chars,
             progress=sys.stderr.isatty() and not as_json,
         )
-    except SourceError as e:
+    except (SourceError, ModelFileError) as e:
         raise fail(str(e), EXIT_USAGE) from None
-    except (ModelFileError, BadReference) as e:
+    except BadReference as e:
         raise fail(str(e), EXIT_BAD_DATA) from None
     if as_json:
         typer.echo(json.dumps(rep.to_json(documents=not summary_only), indent=2, sort_keys=True))

@@ -479,8 +479,10 @@ class _ModelArchive:
 
 def _open_model_file(path: str | os.PathLike[str]) -> _ModelArchive:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ModelFileError(f"{path}: model file not found")
+    if not p.is_file():  # a device, a FIFO, a folder: nothing to read a size from
+        raise ModelFileError(f"{path}: not a regular file (a model file is a .npz)")
     try:
         with open(p, "rb") as fh:
             if fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
