@@ -167,8 +167,8 @@ def _parts(args: tuple) -> dict[str, float]:
     import orjson
 
     from h5corpus.build.config import SplitRule
-    from h5corpus.build.encoders import FastokensEncoder
-    from h5corpus.build.tokenizer import load_tokenizer
+    from h5corpus.build.tokenize.encoders import FastokensEncoder
+    from h5corpus.build.tokenize.tokenizer import load_tokenizer
     from h5corpus.storage.format import token_dtype
     from h5corpus.storage.writer import ShardWriter
 
@@ -245,8 +245,8 @@ def main() -> None:
 
     import fastokens
 
-    from h5corpus.build.encoders import fast_encoder, fastokens_on_one_thread
-    from h5corpus.build.tokenizer import load_tokenizer
+    from h5corpus.build.tokenize.encoders import fast_encoder, fastokens_on_one_thread
+    from h5corpus.build.tokenize.tokenizer import load_tokenizer
 
     load_before = os.getloadavg()
     saved_cache = os.environ.get("H5CORPUS_CACHE_DIR")

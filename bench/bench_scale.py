@@ -16,10 +16,10 @@ stage's memory per million documents, in memory vs bucketed.
   submission and of an ``afterok`` link (submission to completion of a no-op job, and of its
   dependent).
 * ``stages``: every stage of the same build run in this process from the state folder, one after
-  the other (``h5corpus.build.stages``): seconds per call, and per stage (wall and CPU seconds).
+  the other (``h5corpus.build.stages.dispatch``): seconds per call, and per stage (wall and CPU seconds).
 * ``decide_memory``: a synthetic JSONL corpus of ``--docs`` short documents (10 % exact copies,
   20 % near copies: one word changed) read with ``--near-dedup``; then the decide stage over its
-  state folder in memory (:func:`h5corpus.build.decide.decide`, the in-memory ids and LSH index)
+  state folder in memory (:func:`h5corpus.build.stages.decide.decide`, the in-memory ids and LSH index)
   and bucketed (every bucket, then the merge) with 1 and 8 buckets: tracemalloc peak per process,
   as bytes per million documents, and seconds. Both give the same decisions (checked here).
 
@@ -159,7 +159,7 @@ def slurm_latency(cluster: SlurmCluster, tmp: Path) -> dict:
 
 
 def stages(args: list[str], tmp: Path) -> dict:
-    from h5corpus.build import stages as st
+    from h5corpus.build.stages import dispatch as st
 
     out = tmp / "stages"
     shutil.rmtree(out, ignore_errors=True)
@@ -239,11 +239,11 @@ def _peak(fn):
 def decide_memory(n: int, tmp: Path) -> dict:
     from concurrent.futures import ProcessPoolExecutor
 
-    from h5corpus.build import stages as st
-    from h5corpus.build.buckets import bucket_file, run_bucket
-    from h5corpus.build.decide import DecideInput, Decider, decide
-    from h5corpus.build.merge import merge_buckets
-    from h5corpus.build.plan import StageContext
+    from h5corpus.build.stages import dispatch as st
+    from h5corpus.build.stages.buckets import bucket_file, run_bucket
+    from h5corpus.build.stages.buildplan import StageContext
+    from h5corpus.build.stages.decide import DecideInput, Decider, decide
+    from h5corpus.build.stages.merge import merge_buckets
 
     out = tmp / "mem"
     shutil.rmtree(out, ignore_errors=True)

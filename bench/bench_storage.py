@@ -202,7 +202,7 @@ def bench_validate(
     in-memory baselines leave out. CPU seconds per GB (user + sys, every
     thread and child) are reported too: they are robust to other load on the machine, wall is not.
     """
-    from h5corpus.build.runner import DEFAULT_SHARD_TOKENS
+    from h5corpus.build.run.runner import DEFAULT_SHARD_TOKENS
     from h5corpus.storage.format import DEFAULT_CHUNK_TOKENS
 
     per = int(shard_tokens or DEFAULT_SHARD_TOKENS)

@@ -46,7 +46,7 @@ _EXPORTS = {
     "build_corpus": "build",
     "BuildConfig": "build",
     "DatasetSource": "build",
-    "load_tokenizer": "build.tokenizer",
+    "load_tokenizer": "build.tokenize.tokenizer",
     # filters (optional extra "filters")
     "FilterConfig": "filters",
     "DocumentFilter": "filters",

@@ -359,9 +359,9 @@ def build_cli(
     shards/.build/.
     """
     from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
+    from .build.input.sources import SourceError
     from .build.oserrors import BuildOSError
-    from .build.sources import SourceError
-    from .build.tokenizer import TokenizerError
+    from .build.tokenize.tokenizer import TokenizerError
     from .storage.format import FormatError
 
     srcs = list(sources or ["stdlib"])
@@ -551,7 +551,7 @@ def build_stage_cli(
     (then the state folder is removed).
     """
     from .build import BuildConflict, BuildError
-    from .build.stages import main_stage, stage_status
+    from .build.stages.dispatch import main_stage, stage_status
     from .storage.format import FormatError
 
     check_path_arg("--state", state)
@@ -649,7 +649,7 @@ def quality_train_cli(
 
     CREATES: the model file (written to a temporary name, then renamed).
     """
-    from .build.sources import SourceError
+    from .build.input.sources import SourceError
     from .filters.perplexity import MAX_ORDER
     from .qualitymodel import BadReference, train_from_sources
 
@@ -695,7 +695,7 @@ def quality_score_cli(
     """Print each document's perplexity (where, perplexity, units, start of the text; tab-separated)
     and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a bad
     record, 2 on usage errors and on a model file that is missing, corrupt or refused."""
-    from .build.sources import SourceError
+    from .build.input.sources import SourceError
     from .filters.perplexity import ModelFileError
     from .qualitymodel import BadReference, score_sources
 

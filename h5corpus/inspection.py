@@ -222,7 +222,7 @@ def _decode_top(manifest: Manifest, ids: Sequence[int]) -> list[str] | None:
     """Texts of ``ids`` when the manifest's tokenizer can be loaded offline and is the same one
     (sha256 of its JSON); None otherwise (the table then shows ids)."""
     try:
-        from .build.tokenizer import load_tokenizer
+        from .build.tokenize.tokenizer import load_tokenizer
 
         tok = load_tokenizer(manifest.tokenizer.name)
         if tok.identity.sha256 != manifest.tokenizer.sha256:

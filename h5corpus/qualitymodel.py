@@ -1,7 +1,7 @@
 """Quality models from build sources: train an n-gram language model on reference documents and
 score documents by perplexity (the library behind ``h5corpus quality-model train|score``).
 
-Documents are read as the build reads them (:mod:`h5corpus.build.sources`: files, folders,
+Documents are read as the build reads them (:mod:`h5corpus.build.input.sources`: files, folders,
 globs, ``hf://`` datasets, ``stdlib``); the model itself is :mod:`h5corpus.filters.perplexity`.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .build.readers import BadRecord, TaskReader
-from .build.sources import Input, plan_tasks, resolve_sources
+from .build.input.records import BadRecord, TaskReader
+from .build.input.sources import Input, plan_tasks, resolve_sources
 from .filters.ngramtrain import train_ngram_model
 from .filters.perplexity import NgramModel, load_model
 
@@ -32,7 +32,7 @@ class BadReference(ValueError):
 def iter_documents(specs: Sequence[str], text_field: str = "text") -> Iterator[tuple[str, str]]:
     """``(where, text)`` of every document of build SOURCE specs, in input order; ``where`` is
     the file name for a ``.txt`` document, else ``file#n`` (the n-th document of the file,
-    1-based). Raises :class:`h5corpus.build.sources.SourceError` for a spec that resolves to
+    1-based). Raises :class:`h5corpus.build.input.sources.SourceError` for a spec that resolves to
     nothing and :class:`BadReference` for a bad record."""
     return _documents(resolve_sources(specs), text_field)
 

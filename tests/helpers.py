@@ -109,7 +109,7 @@ def task_records(task, text_field: str = "text") -> list:
     """A task's records, ``(text, utf8 bytes)`` or ``BadRecord``, from the per-record reader, after
     asserting that the read stage's run reader of its kind (``jsonl_chunks``, ``parquet_chunks``),
     flattened, gives exactly the same records."""
-    from h5corpus.build.readers import BadRecord, TaskReader
+    from h5corpus.build.input.records import BadRecord, TaskReader
 
     recs = list(TaskReader(task, text_field))
     reader = TaskReader(task, text_field)
@@ -264,7 +264,7 @@ def reference_quality_reason(text: str, t) -> str | None:
 
 def bpe_tokenizer_json(merges: list[tuple[str, str]], *, normalizer=None, pre_tokenizer=None) -> dict:
     """A byte-level BPE tokenizer.json: the 256 byte symbols, then one id per merge, then EOS."""
-    from h5corpus.build.tokenizer import byte_level_alphabet
+    from h5corpus.build.tokenize.tokenizer import byte_level_alphabet
 
     alpha = byte_level_alphabet()
     vocab = {alpha[b]: b for b in range(256)}
@@ -331,7 +331,7 @@ def _chars_prefix(texts: Sequence[str], chars: int) -> list[str]:
 def train_tokenizer_family(family: str, texts: Sequence[str]) -> str:
     """A ``tokenizer.json`` of ``family`` (:data:`TOKENIZER_FAMILIES`), trained by ``tokenizers``
     itself on ``texts`` (a small vocabulary, so it trains in seconds). Each has an EOS token of
-    :data:`h5corpus.build.tokenizer.EOS_CANDIDATES`."""
+    :data:`h5corpus.build.tokenize.tokenizer.EOS_CANDIDATES`."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -528,8 +528,8 @@ def owned(batch):
 # -- build
 _READ_STAGE = (
     "import json, sys\n"
-    "from h5corpus.build.plan import StageContext\n"
-    "from h5corpus.build.tasks import read_task\n"
+    "from h5corpus.build.stages.buildplan import StageContext\n"
+    "from h5corpus.build.stages.tasks import read_task\n"
     "print(json.dumps(read_task(StageContext.load(sys.argv[1]), int(sys.argv[2])).to_json()))\n"
 )
 

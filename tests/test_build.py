@@ -33,8 +33,8 @@ from h5corpus.build import (
     format_report,
     parse_max_tokens,
 )
-from h5corpus.build.readers import BadRecord, TaskReader
-from h5corpus.build.sources import plan_tasks, resolve_sources
+from h5corpus.build.input.records import BadRecord, TaskReader
+from h5corpus.build.input.sources import plan_tasks, resolve_sources
 from h5corpus.storage import format as fmt
 from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.validate import validate_corpus
@@ -271,7 +271,7 @@ def test_every_listed_shard_is_fsynced_before_the_manifest(tmp_path, core_source
     """Every shard the manifest lists is durable before the manifest is written: its data fsynced
     (by the worker that wrote it, in the background) and its folder fsynced after the rename into
     place, so a power cut never leaves a manifest pointing at unwritten bytes or names."""
-    import h5corpus.build.commit as B
+    import h5corpus.build.stages.commit as B
 
     log = tmp_path / "fsynced.log"  # appended to by every process (workers fsync their shards)
     at_manifest: list[set[str]] = []
@@ -567,7 +567,7 @@ def test_fast_path_that_differs_on_the_input_falls_back_to_tokenizers(tmp_path):
     """A tokenizer whose tiktoken mirror looks eligible but merges "abc" differently: the proof at
     build start catches it on the build's own text, and the corpus equals the tokenizers ids.
     (fastokens gives the right ids here: the build is limited to tiktoken to reach the fallback.)"""
-    from h5corpus.build.tokenizer import load_tokenizer
+    from h5corpus.build.tokenize.tokenizer import load_tokenizer
     from tests.helpers import bpe_tokenizer_json
 
     tj = tmp_path / "tokenizer.json"
@@ -678,7 +678,7 @@ def test_kill_9_at_every_stage_then_resume_gives_identical_bytes(tmp_path, core_
     """Fault injection (H5CORPUS_TEST_CRASH_AT): SIGKILL the whole build exactly at each stage
     boundary, then re-run: the result equals an uninterrupted build byte for byte, and no state,
     partial or temporary file is left."""
-    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.run.executor import CRASH_ENV
 
     srcs = core_sources[:2]  # b.jsonl repeats documents of a.jsonl, so some tasks take the copy path
     build_corpus(config(tmp_path / "ref", srcs, workers=2))
@@ -704,7 +704,7 @@ def test_kill_9_at_every_stage_then_resume_gives_identical_bytes(tmp_path, core_
 
 def _kill_at(point: str, cfg: dict, cwd: Path | None = None) -> Path:
     """Run the build of ``cfg`` in a subprocess killed at ``point``; returns its state folder."""
-    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.run.executor import CRASH_ENV
 
     p = subprocess.run(
         [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(cfg)],
@@ -742,9 +742,9 @@ def test_stage_records_round_trip_and_decide_at_once_equals_the_run(tmp_path, co
     read, finish) parses into its dataclass and back to the same JSON; folding every read task
     through the decide stage at once gives the decisions the incremental run finished with, and
     stops at the same task."""
-    from h5corpus.build.decide import DecideInput, Decider, decide
-    from h5corpus.build.plan import BuildPlan
-    from h5corpus.build.state import FinishRecord, ReadRecord, StateDir, TaskDecision
+    from h5corpus.build.stages.buildplan import BuildPlan
+    from h5corpus.build.stages.decide import DecideInput, Decider, decide
+    from h5corpus.build.stages.state import FinishRecord, ReadRecord, StateDir, TaskDecision
 
     cfg = _cfg_json(
         tmp_path / "b", core_sources, workers=2, task_bytes=40_000, max_tokens={"train": 400_000, "validation": 30_000}
@@ -890,7 +890,7 @@ def dev_build(tmp_path_factory, dev_inputs, gpt2_json):
 @pytest.fixture(scope="session")
 def dev_encode(gpt2_json, dev_texts, dev_gpt2_ids):
     """text -> reference ids (HF tokenizers, special-token text as text), from the session cache."""
-    from h5corpus.build.tokenizer import load_tokenizer
+    from h5corpus.build.tokenize.tokenizer import load_tokenizer
 
     cache = {t: ids for t, ids in zip(dev_texts, dev_gpt2_ids)}
     tok = load_tokenizer(str(gpt2_json))

@@ -213,7 +213,7 @@ _BUILD_SCRIPT = (
 
 def _killed_at(point: str, settings: dict) -> None:
     """Run a build of ``settings`` in a subprocess that is SIGKILLed at the stage boundary ``point``."""
-    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.run.executor import CRASH_ENV
 
     p = subprocess.run(
         [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(settings)],

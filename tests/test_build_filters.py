@@ -491,7 +491,7 @@ def test_cli_without_filter_flags_is_the_filter_free_build(tmp_path, core_inputs
 def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_list(tmp_path, core_inputs):
     """SIGKILL the filtered build at stage boundaries (H5CORPUS_TEST_CRASH_AT), re-run the same
     command: shards, manifest and explain file equal an uninterrupted run, nothing left over."""
-    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.run.executor import CRASH_ENV
 
     srcs = [str(s) for s in core_inputs["sources"]]
     flags = [
@@ -523,7 +523,7 @@ def test_cli_kill_at_every_stage_then_resume_gives_identical_output_and_drop_lis
 def test_resume_of_a_run_without_explain_rereads_tasks_for_the_drop_list(tmp_path, core_inputs):
     """A build interrupted without --explain-drops and resumed with it re-reads the tasks whose
     records lack locations: the drop list equals a fresh run's."""
-    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.run.executor import CRASH_ENV
 
     srcs = [str(s) for s in core_inputs["sources"]]
     flags = ["--tokenizer", "bytes", "--workers", "2", "--clean", "--near-dedup"]
@@ -542,9 +542,9 @@ def test_filtered_stages_run_from_the_state_folder_alone(tmp_path, core_inputs):
     reruns that read task (same record, table, .npy signatures, meta, candidates). Killed again
     just before its manifest: the decide stage folded over every task at once, from the state
     folder, gives the run's decisions and exactly the drop list it published."""
-    from h5corpus.build.decide import DecideInput, Decider, decide
-    from h5corpus.build.executor import CRASH_ENV
-    from h5corpus.build.plan import StageContext
+    from h5corpus.build.run.executor import CRASH_ENV
+    from h5corpus.build.stages.buildplan import StageContext
+    from h5corpus.build.stages.decide import DecideInput, Decider, decide
 
     srcs = [str(s) for s in core_inputs["sources"]]
     flags = ["--tokenizer", "bytes", "--workers", "2", "--clean", "--near-dedup", "--explain-drops", "drops.jsonl"]

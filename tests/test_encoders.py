@@ -7,7 +7,7 @@ depend on the encoder (the synthetic families and the dev corpus with GPT-2).
 Every id is compared with `tokenizers` called directly (``tests.helpers.reference_ids``). No test
 here encodes a text of more than 64 K characters with fastokens in the test process: a fastokens
 thread pool started here would make the build's forked workers refuse fastokens (see
-``h5corpus.build.encoders``); long texts go through builds, whose workers encode them.
+``h5corpus.build.tokenize.encoders``); long texts go through builds, whose workers encode them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from h5corpus.build import BuildConfig, build_corpus, format_report
-from h5corpus.build.encoders import FastokensEncoder, HFEncoder, TiktokenEncoder, fast_encoder
-from h5corpus.build.proof import PROOF_TEXTS, prove_fast_path, prove_same_ids
-from h5corpus.build.tokenizer import Tokenizer, load_tokenizer
+from h5corpus.build.tokenize.encoders import FastokensEncoder, HFEncoder, TiktokenEncoder, fast_encoder
+from h5corpus.build.tokenize.proof import PROOF_TEXTS, prove_fast_path, prove_same_ids
+from h5corpus.build.tokenize.tokenizer import Tokenizer, load_tokenizer
 from tests.helpers import (
     DEEP_PATTERN,
     TOKENIZER_FAMILIES,
@@ -290,8 +290,8 @@ def test_documents_fastokens_raises_on_are_encoded_by_tokenizers_counted_and_rep
 # -- one thread, and no fork after fastokens started its pool -------------------------------------------
 _THREADS_SCRIPT = r"""
 import json, os, sys
-from h5corpus.build.encoders import fast_encoder
-from h5corpus.build.tokenizer import load_tokenizer
+from h5corpus.build.tokenize.encoders import fast_encoder
+from h5corpus.build.tokenize.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 enc, _ = fast_encoder(tok)
 threads = lambda: len(os.listdir("/proc/self/task"))
@@ -341,7 +341,7 @@ def test_fastokens_runs_on_one_thread_and_is_not_offered_to_forked_workers_once_
 def test_gpt2_spec_without_network_fails_at_once_with_the_good_message(tmp_path, monkeypatch):
     """Not cached and the hub unreachable (here: HF_ENDPOINT on a closed local port, without
     HF_HUB_OFFLINE): the network probe answers before any hub retry, with the same advice."""
-    from h5corpus.build.tokenizer import TokenizerError, hub_unreachable
+    from h5corpus.build.tokenize.tokenizer import TokenizerError, hub_unreachable
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):

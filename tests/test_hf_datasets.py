@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from h5corpus.build import BuildConfig, BuildError, DatasetSource, build_corpus
-from h5corpus.build.sources import SourceError
+from h5corpus.build.input.sources import SourceError
 from tests.helpers import (
     read_built,
     read_stage_files,
@@ -148,7 +148,7 @@ def test_dataset_rows_in_tasks_equal_the_jsonl_route_for_any_worker_count(tmp_pa
 
 
 def _plan_tasks(d, column: str) -> list[dict]:
-    from h5corpus.build.sources import plan_tasks, resolve_sources
+    from h5corpus.build.input.sources import plan_tasks, resolve_sources
 
     return [t.to_json() for t in plan_tasks(resolve_sources([DatasetSource(d, text_column=column)]), task_bytes=50_000)]
 
@@ -346,7 +346,7 @@ _DATASET_BUILD = (
 
 def _killed_build(tmp_path: Path, root: Path, sources: list[str], texts: list[str], point: str) -> Path:
     """Run a build in a subprocess killed at ``point`` (H5CORPUS_TEST_CRASH_AT); its state folder."""
-    from h5corpus.build.executor import CRASH_ENV
+    from h5corpus.build.run.executor import CRASH_ENV
 
     (tmp_path / "texts.json").write_text(json.dumps(texts), encoding="utf-8")
     c = {k: v for k, v in asdict(cfg(root, sources, task_bytes=50_000)).items() if k != "filters"}
@@ -389,8 +389,8 @@ def test_in_memory_tasks_refuse_another_process_and_resume_with_the_same_rows(tm
     """An in-memory Dataset: a process that loads the plan from the state folder gets a SourceError
     saying the task needs the planning process; re-running the build with the same rows (same
     fingerprint) in a new process resumes it to the uninterrupted build's bytes."""
-    from h5corpus.build.plan import StageContext
-    from h5corpus.build.tasks import read_task
+    from h5corpus.build.stages.buildplan import StageContext
+    from h5corpus.build.stages.tasks import read_task
 
     build_corpus(cfg(tmp_path / "ref", [ds.Dataset.from_dict({"text": texts})], task_bytes=50_000))
     root = tmp_path / "b"

@@ -311,7 +311,7 @@ def test_stage_commands_decide_the_worst_fraction_as_the_local_build_does(stdlib
     """The Slurm executor's plan (a dry run: nothing is submitted), then every stage command run
     here as a scheduler would: the same shards, scores file and drop list as the local build."""
     from h5corpus.build.config import SlurmOptions
-    from h5corpus.build.stages import main_stage
+    from h5corpus.build.stages.dispatch import main_stage
 
     root, model, files, _, _ = stdlib_case
     small = {"task_bytes": 200_000, "validation_fraction": 0.1}

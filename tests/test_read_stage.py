@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from h5corpus.build import BuildConfig, build_corpus
-from h5corpus.build.readers import BadRecord, TaskReader
-from h5corpus.build.sources import plan_tasks, resolve_sources
+from h5corpus.build.input.records import BadRecord, TaskReader
+from h5corpus.build.input.sources import plan_tasks, resolve_sources
 from tests.helpers import read_built, stdlib_texts, write_jsonl
 
 

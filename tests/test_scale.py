@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from h5corpus.build import BuildConfig, BuildConflict, build_corpus
-from h5corpus.build.buckets import (
+from h5corpus.build.stages.buckets import (
     LshParams,
     Members,
     NearEdges,
@@ -29,10 +29,10 @@ from h5corpus.build.buckets import (
     positions,
     task_keys,
 )
-from h5corpus.build.merge import KeptSet, NearResolver
-from h5corpus.build.runmarker import RunMarker
-from h5corpus.build.shards import parse_shard_file_name, shard_file_name
-from h5corpus.build.state import DOC_DTYPE, StateDir
+from h5corpus.build.stages.merge import KeptSet, NearResolver
+from h5corpus.build.stages.runmarker import RunMarker
+from h5corpus.build.stages.shards import parse_shard_file_name, shard_file_name
+from h5corpus.build.stages.state import DOC_DTYPE, StateDir
 from h5corpus.filters import DocumentFilter, FilterConfig
 from h5corpus.filters.neardedup import NearDedupIndex
 from tests.helpers import subprocess_env, tree
@@ -62,7 +62,7 @@ def test_shard_names_below_the_cap_are_the_old_ones_and_all_names_sort_in_input_
 _HOLD = (
     "import sys, time\n"
     "from pathlib import Path\n"
-    "from h5corpus.build.runmarker import RunMarker\n"
+    "from h5corpus.build.stages.runmarker import RunMarker\n"
     "m = RunMarker(Path(sys.argv[1]), 'the test output').acquire()\n"
     "print('held', flush=True)\n"
     "time.sleep(600)\n"
@@ -114,7 +114,7 @@ def test_run_marker_is_taken_by_exactly_one_of_many_racing_processes(tmp_path):
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from h5corpus.build.runmarker import RunMarker\n"
+        "from h5corpus.build.stages.runmarker import RunMarker\n"
         "from h5corpus.build import BuildConflict\n"
         "while time.time() < float(sys.argv[2]): pass\n"
         "try:\n"

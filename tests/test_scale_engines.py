@@ -136,8 +136,8 @@ def test_ray_worker_killed_during_a_read_task_gives_the_same_bytes(ray_cluster, 
 def test_ray_task_that_cannot_see_the_state_folder_names_the_path_and_its_node(ray_cluster):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from h5corpus.build.ray_executor import read_stage
-    from h5corpus.build.tasks import StageCall
+    from h5corpus.build.run.ray_executor import read_stage
+    from h5corpus.build.stages.tasks import StageCall
 
     missing = str(ray_cluster.shared_dir / "not-mounted-here" / ".build")
     with ray_cluster.connect() as ray:

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from h5corpus.build.readers import BadRecord
-from h5corpus.build.sources import SourceError, parse_hf_spec, plan_tasks, resolve_sources, stdlib_files
+from h5corpus.build.input.records import BadRecord
+from h5corpus.build.input.sources import SourceError, parse_hf_spec, plan_tasks, resolve_sources, stdlib_files
 from tests.helpers import task_records, write_fineweb_parquet
 
 FINEWEB_REV = "9bb295ddab0e05d785b879661af7260fed5140fc"
@@ -56,7 +56,7 @@ def test_jsonl_block_reads_give_the_same_records_and_line_numbers(tmp_path, text
     """The JSONL reader splits lines out of fixed-size blocks: any block size (lines spanning many
     blocks, blank and CRLF lines, a last line without a newline, byte ranges) gives exactly the
     records, order and line numbers of whole-file reading."""
-    import h5corpus.build.readers as src
+    import h5corpus.build.input.records as src
 
     rows = [json.dumps({"text": t}, ensure_ascii=False) for t in texts[:30]]
     rows[7] = '{"text": broken'
@@ -306,7 +306,7 @@ _TRICKY_JSONL_LINES = [
 
 def _records_both_ways(monkeypatch, specs, *, task_bytes=1 << 30) -> tuple[list, list]:
     """Every record, (text, utf8) or BadRecord, read with orjson and with the json module alone."""
-    import h5corpus.build.readers as src
+    import h5corpus.build.input.records as src
 
     def records() -> list:
         tasks = plan_tasks(resolve_sources(specs), task_bytes=task_bytes)
@@ -458,7 +458,7 @@ def test_a_utf8_bom_at_the_start_of_a_jsonl_file_is_not_data(tmp_path, texts, mo
     """A BOM at the very start of a .jsonl/.jsonl.gz/.jsonl.zst is skipped (any read block size,
     byte-range tasks too); a BOM at the start of a later line is data: that line is malformed JSON
     at its own line number."""
-    import h5corpus.build.readers as src
+    import h5corpus.build.input.records as src
 
     monkeypatch.setattr(src, "_JSONL_BLOCK", block)
     bom = b"\xef\xbb\xbf"

@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from h5corpus.build.encoders import BytesEncoder, TiktokenEncoder, fast_encoder
-from h5corpus.build.proof import prove_same_ids
-from h5corpus.build.tokenizer import (
+from h5corpus.build.tokenize.encoders import BytesEncoder, TiktokenEncoder, fast_encoder
+from h5corpus.build.tokenize.proof import prove_same_ids
+from h5corpus.build.tokenize.tokenizer import (
     BYTES_REVISION,
     GPT2_REPO,
     GPT2_REVISION,
@@ -201,7 +201,7 @@ def test_the_proof_cache_key_covers_tokenizer_and_encoder(tmp_path, monkeypatch)
 def test_cached_tiktoken_ranks_build_the_same_encoding(tmp_path, monkeypatch, stdlib_corpus_texts):
     """The ranks cache (keyed by the JSON's sha256 and this module's source, payload hashed) gives
     the ranks the conversion gives; a damaged file is ignored and rewritten."""
-    from h5corpus.build import tiktoken_bpe as tk
+    from h5corpus.build.tokenize import tiktoken_bpe as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)
@@ -260,7 +260,7 @@ def test_cached_tokenizer_facts_give_the_same_identity_and_encoder(tmp_path, mon
 
 def test_cached_ranks_equal_the_conversion_for_gpt2(tmp_path, monkeypatch, gpt2_json):
     """GPT-2's 50,257-entry vocabulary round-trips through the ranks cache exactly."""
-    from h5corpus.build import tiktoken_bpe as tk
+    from h5corpus.build.tokenize import tiktoken_bpe as tk
 
     monkeypatch.setenv("H5CORPUS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("H5CORPUS_NO_CACHE", raising=False)

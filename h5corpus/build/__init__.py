@@ -4,20 +4,19 @@ Imports :mod:`h5corpus.storage` (to write and check shards) and :mod:`h5corpus.f
 optional document filters); nothing imports it but the CLI and the inspection layer. See
 ``docs/BUILD.md`` and ``docs/ARCHITECTURE.md``.
 
-Modules: :mod:`~.config` (settings, split rule, errors), :mod:`~.sources` (SOURCE specs -> tasks),
-:mod:`~.readers` (a task's records), :mod:`~.hfdatasets` and :mod:`~.hfreaders` (``datasets``
-sources and their tasks' records), :mod:`~.tokenizer` and :mod:`~.encoders`, :mod:`~.plan` (the
-persisted plan, the stage context), :mod:`~.tasks` (read and finish stages), :mod:`~.decide`,
-:mod:`~.commit`, :mod:`~.state` (state folder, records, shard names), :mod:`~.executor`,
-:mod:`~.explain`, :mod:`~.report`, :mod:`~.runner` (the driver, :func:`build_corpus`).
+Subpackages, each owning one job: :mod:`.input` (SOURCE specs -> tasks -> records),
+:mod:`.tokenize` (tokenizer, encoders, the fast-path proof), :mod:`.stages` (the build plan, the
+state folder, the read/decide/finish/commit stages and their dispatcher) and :mod:`.run` (the
+driver :func:`build_corpus` and the executors). :mod:`.config` (settings, split rule, errors),
+:mod:`.oserrors` and :mod:`.report` are shared by all of them.
 """
 
 from __future__ import annotations
 
 from .config import BuildConfig, BuildConflict, BuildError, document_split, parse_max_tokens
-from .hfdatasets import DatasetSource
+from .input.hfdatasets import DatasetSource
 from .report import BuildReport, filtered_total, format_report
-from .runner import build_corpus
+from .run.runner import build_corpus
 
 __all__ = [
     "BuildConfig",

@@ -69,7 +69,7 @@ class DocumentFilters(Protocol):
     * ``describe() -> Mapping``: JSON-able settings, recorded in the manifest and part of the
       build fingerprint (changing them invalidates an interrupted build).
     * ``from_description(description)`` (a classmethod): rebuild the object from ``describe()``, so
-      a process that has only the state folder (:meth:`h5corpus.build.plan.StageContext.load`) can
+      a process that has only the state folder (:meth:`h5corpus.build.stages.buildplan.StageContext.load`) can
       run the stages.
     * ``timings() -> Mapping[str, float]``: growing seconds per stage (build report only).
     * ``warm_up()``: load models; called once in the main process before the workers fork.
@@ -137,7 +137,7 @@ class BuildConfig:
 
     sources: Sequence[Any] = ("stdlib",)
     """SOURCE specs (files, folders, globs, ``hf://datasets/...@REV/PATH``, ``stdlib``) and ``datasets``
-    objects (``Dataset``, ``IterableDataset``, :class:`~h5corpus.build.hfdatasets.DatasetSource`), in
+    objects (``Dataset``, ``IterableDataset``, :class:`~h5corpus.build.input.hfdatasets.DatasetSource`), in
     input order."""
     tokenizer: str = "gpt2"
     """Tokenizer spec: ``gpt2``, ``bytes``, or a path to ``tokenizer.json`` / its folder."""

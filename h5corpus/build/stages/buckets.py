@@ -1,6 +1,6 @@
 """The bucketed decide stage: exact and near duplicates found in buckets that run as separate tasks.
 
-The in-memory decide (:class:`~h5corpus.build.decide.Decider`) keeps every id (32 bytes per
+The in-memory decide (:class:`~h5corpus.build.stages.decide.Decider`) keeps every id (32 bytes per
 document) and the near-duplicate index (~1.9 KB per kept document) in one process. Here the same
 answers come from ``B`` buckets, each a task that needs only its share of the build:
 
@@ -20,7 +20,7 @@ answers come from ``B`` buckets, each a task that needs only its share of the bu
   test; any member with ``verify`` off), and whether there were more. Output: those edges, and the
   full member list of every group where a list was cut short.
 
-The merge (:mod:`~h5corpus.build.merge`) then walks the documents in input order: a document is a
+The merge (:mod:`~h5corpus.build.stages.merge`) then walks the documents in input order: a document is a
 near duplicate when one of its listed earlier members was kept (and, for a cut list, when any
 earlier kept member of that group is similar), which is the in-memory index's rule, since the index
 compares a document with exactly the kept members of its groups. Groups of one document, the vast
@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import BuildConflict
+from ..config import BuildConflict
 from .state import DOC_DTYPE, ReadRecord, StateDir, write_state_file
 
 KEYS_VERSION = 1

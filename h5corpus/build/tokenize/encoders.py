@@ -4,11 +4,11 @@
 * :class:`FastokensEncoder` -- ``fastokens`` (Rust, PCRE2 JIT) on the same ``tokenizer.json``: the
   first fast path for every tokenizer it loads (byte-level BPE: GPT-2, Llama-3, Qwen style);
 * :class:`TiktokenEncoder` -- a ``tiktoken`` encoding converted from a byte-level BPE
-  ``tokenizer.json`` (:mod:`h5corpus.build.tiktoken_bpe`);
+  ``tokenizer.json`` (:mod:`h5corpus.build.tokenize.tiktoken_bpe`);
 * :class:`BytesEncoder` -- the ``bytes`` tokenizer, whose ids are the UTF-8 bytes.
 
 :func:`fast_encoder` picks the first fast encoder that applies to a tokenizer, in the order of
-:data:`FAST_ENCODERS`; none is used before :mod:`h5corpus.build.proof` proved it emits the
+:data:`FAST_ENCODERS`; none is used before :mod:`h5corpus.build.tokenize.proof` proved it emits the
 reference's ids on the build's own input. :func:`encoder_named` rebuilds an encoder from its name
 (the persisted plan records the name). docs/BUILD.md has the measured speeds.
 """
@@ -360,7 +360,7 @@ def fast_encoder(tok: Tokenizer, names: Sequence[str] | None = None) -> tuple[En
 
 def encoder_named(tok: Tokenizer, name: str) -> Encoder:
     """The encoder called ``name`` (``tokenizers``, ``fastokens``, ``tiktoken``, ``bytes``) for
-    ``tok``; raises :class:`~h5corpus.build.tokenizer.TokenizerError` when that fast path does not
+    ``tok``; raises :class:`~h5corpus.build.tokenize.tokenizer.TokenizerError` when that fast path does not
     apply to it."""
     if name == HFEncoder.name:
         return HFEncoder(tok)

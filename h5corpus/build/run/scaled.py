@@ -1,19 +1,19 @@
 """How a build runs: which executor, and whether the decide stage runs in memory or in buckets.
 
-:func:`make_run` picks, for :func:`~h5corpus.build.runner.build_corpus`, the run that drives the
+:func:`make_run` picks, for :func:`~h5corpus.build.run.runner.build_corpus`, the run that drives the
 stages (docs/SCALING.md):
 
-- in-memory decide (:class:`~h5corpus.build.runner._Run`, the local executor's default): the driver
+- in-memory decide (:class:`~h5corpus.build.run.runner._Run`, the local executor's default): the driver
   decides each task as soon as it and every earlier one are read, so finishing overlaps reading
   and budgets stop reading early;
 - bucketed decide (:class:`BucketedRun`): every task is read (with its sorted keys), then the
   decide buckets run as tasks on the executor, the driver merges them
-  (:func:`~h5corpus.build.merge.merge_buckets`) and the finish tasks follow. Same bytes, memory
+  (:func:`~h5corpus.build.stages.merge.merge_buckets`) and the finish tasks follow. Same bytes, memory
   bounded per bucket;
-- Slurm (:class:`~h5corpus.build.slurm.SlurmRun`): no driver at all; the stages are job arrays.
+- Slurm (:class:`~h5corpus.build.run.slurm.SlurmRun`): no driver at all; the stages are job arrays.
 
 Ray replaces the local process pool in either of the first two
-(:class:`~h5corpus.build.ray_executor.RayExecutor`).
+(:class:`~h5corpus.build.run.ray_executor.RayExecutor`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .buckets import lsh_params, run_bucket
-from .decide import Decider
-from .merge import merge_buckets
-from .plan import BuildPlan, filters_spec, rebuild_filters
+from ..stages.buckets import lsh_params, run_bucket
+from ..stages.buildplan import BuildPlan, filters_spec, rebuild_filters
+from ..stages.decide import Decider
+from ..stages.dispatch import load_read_records, stage_lsh
+from ..stages.merge import merge_buckets
+from ..stages.tasks import StageCall
 from .runner import _Run
-from .stages import load_read_records, stage_lsh
-from .tasks import StageCall
 
 #: Input bytes per decide bucket when the count is picked automatically (~1 M documents of web
 #: text: a bucket's sort then needs ~100 MB; docs/SCALING.md).
@@ -85,8 +85,8 @@ def make_run(target: Any, tasks: list, resumed: bool, lock: Any, t_start: float)
 
 def _refuse_in_process_tasks(executor: str, tasks: list) -> None:
     """An in-memory ``datasets`` object cannot travel in the plan: refuse it before submitting."""
-    from .hfreaders import in_process_only, task_label
-    from .sources import SourceError
+    from ..input.hfrecords import in_process_only, task_label
+    from ..input.sources import SourceError
 
     held = [t for t in tasks if in_process_only(t)]
     if held:

@@ -2,9 +2,9 @@
 
 :func:`prove_same_ids` compares a fast encoder with the reference (``tokenizers``) on
 :data:`PROOF_TEXTS` and a sample of the build's own input. :func:`prove_fast_path` proves the build's
-first fast encoder and, when it differs, the next ones in :data:`~h5corpus.build.encoders.FAST_ENCODERS`
+first fast encoder and, when it differs, the next ones in :data:`~h5corpus.build.tokenize.encoders.FAST_ENCODERS`
 order, down to the reference. A *passed* proof is cached
-(:func:`h5corpus.build.tokenizer.cache_dir`) by everything its answer depends on, so re-running a
+(:func:`h5corpus.build.tokenize.tokenizer.cache_dir`) by everything its answer depends on, so re-running a
 build on the same input does not load ``tokenizers`` and prove again; a failed proof is never cached.
 """
 
@@ -147,7 +147,7 @@ def prove_fast_path(
 ) -> tuple[Encoder, str]:
     """The encoder a build uses: ``first`` when :func:`prove_same_ids` finds it equal to the
     reference on ``texts``; else the next fast encoder after it in ``names`` (default
-    :data:`~h5corpus.build.encoders.FAST_ENCODERS`) that applies and proves equal; else the reference.
+    :data:`~h5corpus.build.tokenize.encoders.FAST_ENCODERS`) that applies and proves equal; else the reference.
     Also returns a note naming each fast encoder that was disabled and why ("" when ``first`` won)."""
     texts = list(texts)
     order = list(FAST_ENCODERS if names is None else names)

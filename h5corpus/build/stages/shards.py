@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..storage import format as fmt
-from ..storage.format import PARTIAL_SUFFIX, ShardRecord, TokenizerIdentity
-from ..storage.writer import ShardWriter, fsync_files
+from ...storage import format as fmt
+from ...storage.format import PARTIAL_SUFFIX, ShardRecord, TokenizerIdentity
+from ...storage.writer import ShardWriter, fsync_files
 
 # -- names ------------------------------------------------------------------------------------
 TASK_DIGITS = 5
@@ -259,7 +259,7 @@ def shards_intact(
     directory: Path, shards: Sequence[ShardRecord], identity: TokenizerIdentity, chunk_tokens: int
 ) -> bool:
     """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
-    from ..storage.validate import ShardExpectation, check_shard
+    from ...storage.validate import ShardExpectation, check_shard
 
     expect = ShardExpectation.of(identity, chunk_tokens)
     return all(not check_shard(str(directory / s.path), s, expect)[0] for s in shards)

@@ -1,8 +1,8 @@
 """The merge of the bucketed decide stage: one cheap sequential pass over the tasks in input order.
 
-For each task it gathers, from every bucket (:mod:`~h5corpus.build.buckets`), the positions of its
+For each task it gathers, from every bucket (:mod:`~h5corpus.build.stages.buckets`), the positions of its
 exact duplicates and its documents' near-duplicate edges, resolves the near duplicates in input order
-(:class:`NearResolver`), and hands both to :meth:`Decider.feed <h5corpus.build.decide.Decider.feed>`,
+(:class:`NearResolver`), and hands both to :meth:`Decider.feed <h5corpus.build.stages.decide.Decider.feed>`,
 which applies the budgets and counts exactly as the in-memory path does. The state it keeps is one
 byte per document read so far (kept or not) and one task's table at a time; the buckets' arrays are
 memory-mapped and read in slices.
@@ -13,7 +13,7 @@ the finish stage can run anywhere (:func:`load_decision`).
 
 With ``--drop-worst-fraction`` the merge makes two passes: the dedup flags of every task first
 (one byte each per document, kept), then the worst-fraction rule over every task's scores
-(:func:`~h5corpus.build.decide.worst_masks`) and the decisions, in input order as before.
+(:func:`~h5corpus.build.stages.decide.worst_masks`) and the decisions, in input order as before.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from ..config import BuildError
 from .buckets import BucketRecord, LshParams, decide_dir, decide_inputs, load_bucket_arrays, load_npy
-from .config import BuildError
+from .buildplan import StageContext
 from .decide import DecideInput, Decider, task_scores, worst_masks
-from .plan import StageContext
 from .state import ReadRecord, StateDir, TaskDecision, write_state_file
 
 SUMMARY_VERSION = 1
@@ -57,7 +57,7 @@ class KeptSet:
 class NearResolver:
     """The near duplicates of each task, in input order, from the buckets' edges: a document is one
     when an earlier member of one of its groups that is similar to it was kept (the in-memory
-    index's rule; see :mod:`~h5corpus.build.buckets`)."""
+    index's rule; see :mod:`~h5corpus.build.stages.buckets`)."""
 
     def __init__(self, state: StateDir, arrays: Sequence[Mapping[str, np.ndarray]], lsh: LshParams, kept: KeptSet):
         self.state, self.arrays, self.lsh, self.kept = state, arrays, lsh, kept

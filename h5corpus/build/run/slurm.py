@@ -8,13 +8,13 @@ submits::
         -> finish array (one per task) -> commit
 
 each job ``--dependency=afterok:`` the previous one(s). Every element runs one stage command
-(``python -m h5corpus build-stage STAGE --state DIR [--task-index I]``, :mod:`~h5corpus.build.stages`),
+(``python -m h5corpus build-stage STAGE --state DIR [--task-index I]``, :mod:`~h5corpus.build.stages.dispatch`),
 which does nothing when its stage's record is already valid. The run marker of the shards folder
-(:mod:`~h5corpus.build.runmarker`) is handed to the jobs (``kind: "slurm"`` with their ids); the
+(:mod:`~h5corpus.build.stages.runmarker`) is handed to the jobs (``kind: "slurm"`` with their ids); the
 commit job removes it.
 
 Re-running the same command after a failed or cancelled element asks the state folder what is
-missing (:func:`~h5corpus.build.stages.stage_status`), cancels the old run's jobs that would pend
+missing (:func:`~h5corpus.build.stages.dispatch.stage_status`), cancels the old run's jobs that would pend
 forever (``DependencyNeverSatisfied``) and submits only the missing elements and what follows them.
 ``wait`` follows the jobs with a progress bar until the manifest is written; a job that failed or
 pends forever is a failure (:class:`~h5corpus.build.config.BuildError`, naming the job and its log).
@@ -30,15 +30,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..storage.manifest import read_manifest
-from .buckets import lsh_params
-from .config import BuildConflict, BuildError
-from .encoders import HFEncoder
-from .proof import prove_fast_path
-from .report import BuildReport, report_from_manifest
+from ...storage.manifest import read_manifest
+from ..config import BuildConflict, BuildError
+from ..report import BuildReport, report_from_manifest
+from ..stages.buckets import lsh_params
+from ..stages.dispatch import stage_status
+from ..tokenize.encoders import HFEncoder
+from ..tokenize.proof import prove_fast_path
 from .runner import _Run
 from .scaled import plan_for_stages
-from .stages import stage_status
 
 #: The stages in chain order; ``True``: one array element per task / bucket.
 CHAIN = (("read", True), ("bucket", True), ("decide", False), ("finish", True), ("commit", False))
@@ -195,7 +195,7 @@ class SlurmRun(_Run):
 
     @staticmethod
     def _wanted(todo: dict[str, Any]) -> dict[str, list[int] | bool]:
-        """What to submit per stage (:func:`~h5corpus.build.stages.stage_status` already says "all"
+        """What to submit per stage (:func:`~h5corpus.build.stages.dispatch.stage_status` already says "all"
         for every stage after one with missing work)."""
         return {stage: (list(todo[stage]) if per else bool(todo[stage])) for stage, per in CHAIN}
 

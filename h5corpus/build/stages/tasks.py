@@ -1,13 +1,13 @@
-"""The read and finish stages: plain functions of a :class:`~h5corpus.build.plan.StageContext` and a
+"""The read and finish stages: plain functions of a :class:`~h5corpus.build.stages.buildplan.StageContext` and a
 task index, run by any executor, in any process.
 
 :func:`read_task` streams one task's records, applies the filters, hashes each document's UTF-8 text
 (document id = sha256), assigns its split, drops duplicates inside the task, tokenizes (appending
 EOS, or cutting at ``max_document_tokens``) and writes the kept documents into the task's
-*candidate* shards plus a per-document table; its :class:`~h5corpus.build.state.ReadRecord`,
+*candidate* shards plus a per-document table; its :class:`~h5corpus.build.stages.state.ReadRecord`,
 written last, carries their hashes.
 
-:func:`finish_task` carries out the decide stage's :class:`~h5corpus.build.state.TaskDecision`: a
+:func:`finish_task` carries out the decide stage's :class:`~h5corpus.build.stages.state.TaskDecision`: a
 task that keeps every candidate document has its candidate shards renamed into place; otherwise
 its kept documents are copied into new shards (at most ``shard_tokens`` tokens each, documents
 whole). Both report named steps through ``ctx.step`` (the executor's crash points in tests).
@@ -36,12 +36,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..storage import format as fmt
-from ..storage.format import ShardRecord
-from .config import MAX_LISTED, BuildError
+from ...storage import format as fmt
+from ...storage.format import ShardRecord
+from ..config import MAX_LISTED, BuildError
+from ..input.records import BadRecord, DocChunk, LocatingReader, TaskReader
+from .buildplan import StageContext
 from .explain import explain_line
-from .plan import StageContext
-from .readers import BadRecord, DocChunk, LocatingReader, TaskReader
 from .shards import (
     ShardSequence,
     Syncer,

@@ -1,6 +1,6 @@
 """Streaming a task's records: documents ``(text, utf8_bytes)`` or :class:`BadRecord`, in input order.
 
-:class:`TaskReader` reads one :class:`~h5corpus.build.sources.Task` (a byte range of a JSONL file, row
+:class:`TaskReader` reads one :class:`~h5corpus.build.input.sources.Task` (a byte range of a JSONL file, row
 groups of a parquet file, a compressed file, a run of ``.txt`` files). Memory holds one 1 MiB block
 of JSONL lines, one parquet row batch, or one ``.txt`` document at a time. :class:`LocatingReader`
 also names where each record came from (``--explain-drops``); :func:`sample_texts` takes the
@@ -210,7 +210,7 @@ class TaskReader:
         if k == "text":
             return self._text()
         if k.startswith(DATASETS_KIND_PREFIX):
-            from .hfreaders import read_records
+            from .hfrecords import read_records
 
             return read_records(self.task, self.text_field)
         raise ValueError(f"unknown task kind {k!r}")
@@ -577,7 +577,7 @@ class LocatingReader(TaskReader):
         """Where record number ``ordinal`` (0-based, bad records included) of the task is."""
         t = self.task
         if t.kind.startswith(DATASETS_KIND_PREFIX):
-            from .hfreaders import record_location
+            from .hfrecords import record_location
 
             return record_location(t, ordinal)
         if t.kind == "parquet":

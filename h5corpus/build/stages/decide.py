@@ -3,7 +3,7 @@
 For each task, in input order: exact dedup across tasks (the first occurrence wins), then the
 near-duplicate index (fed the signatures of the exact-dedup survivors), then ``--max-tokens``
 budgets (whole documents in input order until a split's budget is filled; the last one is kept
-whole). The result per task is a :class:`~h5corpus.build.state.TaskDecision`.
+whole). The result per task is a :class:`~h5corpus.build.stages.state.TaskDecision`.
 
 With ``--drop-worst-fraction F`` (:class:`WorstRule`) a rule sits between dedup and the budgets:
 of the documents that survive the read stage's filters and both dedup stages, the
@@ -20,7 +20,7 @@ every read, then runs :meth:`Decider.dedup` over all tasks and :meth:`Decider.fe
 flags it found (what :func:`decide` does).
 
 That in-memory fold is the fast path of one machine. The bucketed decide stage
-(:mod:`~h5corpus.build.buckets`) finds the same exact and near duplicates in buckets that run as
+(:mod:`~h5corpus.build.stages.buckets`) finds the same exact and near duplicates in buckets that run as
 separate tasks (by id prefix and by LSH band key), and its merge feeds them to :meth:`Decider.feed`
 (``exact=``, ``near=``), which then only applies the budgets and counts: the same decisions, with
 memory bounded per bucket instead of per build.
@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from ..filters.perplexity import worst_fraction
-from ..storage import format as fmt
+from ...filters.perplexity import worst_fraction
+from ...storage import format as fmt
+from ..report import empty_split
+from .buildplan import BuildPlan
 from .explain import explain_line
-from .plan import BuildPlan
-from .report import empty_split
 from .state import ReadRecord, TaskDecision
 
 
@@ -69,7 +69,7 @@ class SeenIds:
 
 @dataclass(frozen=True)
 class DecideInput:
-    """One read task as the decide stage sees it (:meth:`~h5corpus.build.state.StateDir.load_read_outputs`)."""
+    """One read task as the decide stage sees it (:meth:`~h5corpus.build.stages.state.StateDir.load_read_outputs`)."""
 
     record: ReadRecord
     docs: np.ndarray
@@ -215,7 +215,7 @@ class Decider:
 
         ``exact`` and ``near`` (one bool per table row), when given, are the task's exact and near
         duplicates as :meth:`dedup` or the bucketed decide stage found them
-        (:mod:`~h5corpus.build.buckets`); the decider's own id set and index are then left alone,
+        (:mod:`~h5corpus.build.stages.buckets`); the decider's own id set and index are then left alone,
         and only the rules after dedup and the counts run. ``worst``: the rows the worst-fraction
         rule drops (:func:`worst_masks`)."""
         rec, docs = inp.record, inp.docs

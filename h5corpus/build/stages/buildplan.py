@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..storage.format import TokenizerIdentity
-from .config import BuildConflict, SplitRule
-from .encoders import Encoder, encoder_named
-from .sources import Task
+from ...storage.format import TokenizerIdentity
+from ..config import BuildConflict, SplitRule
+from ..input.sources import Task
+from ..tokenize.encoders import Encoder, encoder_named
+from ..tokenize.tokenizer import Tokenizer
 from .state import StateDir, write_state_file
-from .tokenizer import Tokenizer
 
 PLAN_VERSION = 1
 
@@ -90,7 +90,7 @@ class BuildPlan:
     newlines_before: dict[int, int] = field(default_factory=dict)
     """Task index -> line breaks before its first byte (JSONL tasks inside a file; explain only)."""
     decide_buckets: int = 0
-    """Buckets of the decide stage (:mod:`~h5corpus.build.buckets`); 0: the in-memory decide. The read
+    """Buckets of the decide stage (:mod:`~h5corpus.build.stages.buckets`); 0: the in-memory decide. The read
     stage writes each task's sorted keys when it is not 0. Never changes an output byte."""
     manifest: str | None = None
     """Absolute path of the manifest (for a commit stage run from the state folder alone)."""

@@ -1,6 +1,6 @@
-"""Reading the ``datasets-*`` tasks :mod:`h5corpus.build.hfdatasets` plans: records
-``(text, utf8_bytes)`` or :class:`~h5corpus.build.readers.BadRecord`, in row order, in batches of
-:data:`~h5corpus.build.hfdatasets.BATCH_ROWS` rows.
+"""Reading the ``datasets-*`` tasks :mod:`h5corpus.build.input.hfdatasets` plans: records
+``(text, utf8_bytes)`` or :class:`~h5corpus.build.input.records.BadRecord`, in row order, in batches of
+:data:`~h5corpus.build.input.hfdatasets.BATCH_ROWS` rows.
 
 ``datasets-table`` tasks reopen their Arrow files with pyarrow (memory-mapped; ``datasets`` is not
 imported); ``datasets-object`` tasks read the object the task holds (``Task.live``);
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .hfdatasets import BATCH_ROWS, FILE_KIND_PREFIX, OBJECT_KIND, TABLE_KIND, builder_options
-from .readers import BadRecord, Doc
+from .records import BadRecord, Doc
 from .sources import SourceError, Task
 
 

@@ -19,9 +19,9 @@ A SOURCE is one of
   folders and site-packages, one document per file): real text that ships with every Python, so
   a build runs on a fresh machine with no network;
 * a Hugging Face ``datasets`` object (``Dataset``, ``IterableDataset``, a ``DatasetDict`` split,
-  optionally wrapped in :class:`~h5corpus.build.hfdatasets.DatasetSource`) or a ``save_to_disk``
+  optionally wrapped in :class:`~h5corpus.build.input.hfdatasets.DatasetSource`) or a ``save_to_disk``
   folder; hub files that are not parquet (jsonl, json, csv, tsv, arrow) are read with
-  ``datasets``' own builders (:mod:`h5corpus.build.hfdatasets`).
+  ``datasets``' own builders (:mod:`h5corpus.build.input.hfdatasets`).
 
 Input order is the order of the SOURCE arguments, then file order within each, then line/row order.
 The unit of work is a :class:`Task`: a byte range of an uncompressed ``.jsonl`` (whole lines: a
@@ -29,7 +29,7 @@ line belongs to the range holding its first byte), a run of row groups of a parq
 compressed file, or a run of consecutive ``.txt`` files. Tasks are planned from file sizes and
 parquet footers only; no document is read while planning. A task serializes to JSON
 (:meth:`Task.to_json`), so the persisted plan carries everything its reader needs
-(:mod:`h5corpus.build.readers` streams its records).
+(:mod:`h5corpus.build.input.records` streams its records).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ EXTENSIONS = {
 }
 STDLIB_SPEC = "stdlib"
 HF_PREFIX = "hf://"
-#: Task and file kinds read through :mod:`h5corpus.build.hfdatasets` start with this.
+#: Task and file kinds read through :mod:`h5corpus.build.input.hfdatasets` start with this.
 DATASETS_KIND_PREFIX = "datasets-"
 _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
 #: Files that make a folder a ``datasets`` ``save_to_disk`` folder (read as one dataset).
@@ -111,7 +111,7 @@ class Input:
     meta: dict[str, Any] = field(default_factory=dict)
     """hf: repo, revision, path; stdlib: python version; datasets: fingerprint, builder, split, ..."""
     dataset: Any = field(default=None, compare=False, repr=False)
-    """datasets: the resolved object (:class:`~h5corpus.build.hfdatasets.ResolvedDataset`) the
+    """datasets: the resolved object (:class:`~h5corpus.build.input.hfdatasets.ResolvedDataset`) the
     planner cuts into tasks; never described or persisted."""
 
     def describe(self) -> dict[str, Any]:
@@ -193,7 +193,7 @@ class Task:
     def label(self) -> str:
         """Short description for messages."""
         if self.kind.startswith(DATASETS_KIND_PREFIX):
-            from .hfreaders import task_label
+            from .hfrecords import task_label
 
             return task_label(self)
         f = self.files[0].name
@@ -280,7 +280,7 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
         fmt, chosen = hub_files_to_read(spec, [n for n, _ in listing])
         files = [_local_file(listing[i][0], listing[i][1], kind) for i, kind in chosen]
         return _hub_input(spec, fmt, files, meta)
-    from .tokenizer import hub_offline
+    from ..tokenize.tokenizer import hub_offline
 
     if hub_offline():
         raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and HF_HUB_OFFLINE is set")
@@ -329,9 +329,9 @@ def resolve_sources(
     """Resolve SOURCE arguments to files, in input order. Raises :class:`SourceError` naming the
     spec for a missing path, an unsupported file type, or a pattern that matches nothing.
 
-    A spec is a string (or path), or a ``datasets`` object (:mod:`h5corpus.build.hfdatasets`),
+    A spec is a string (or path), or a ``datasets`` object (:mod:`h5corpus.build.input.hfdatasets`),
     whose text column defaults to ``text_field``."""
-    from .tokenizer import hf_cache_dir as _cache
+    from ..tokenize.tokenizer import hf_cache_dir as _cache
 
     if not specs:
         raise SourceError("no SOURCE given")

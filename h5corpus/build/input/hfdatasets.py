@@ -141,7 +141,7 @@ def _pick_split(src: DatasetSource, ds_mod: Any) -> tuple[Any, str | None]:
 
 
 def resolve_dataset_object(source: Any, text_field: str, *, spec: str | None = None) -> Input:
-    """The :class:`~h5corpus.build.sources.Input` of a ``datasets`` object (or a
+    """The :class:`~h5corpus.build.input.sources.Input` of a ``datasets`` object (or a
     :class:`DatasetSource`); raises :class:`SourceError` for anything else, a missing split, or a
     text column that is missing or not a string column."""
     src = source if isinstance(source, DatasetSource) else DatasetSource(source)

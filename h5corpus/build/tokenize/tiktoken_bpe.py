@@ -1,7 +1,7 @@
 """The tiktoken fast path's construction: a ``tiktoken.Encoding`` from a byte-level BPE
 ``tokenizer.json`` (vocabulary -> mergeable ranks, the pre-tokenizer's split regex), its structural
-checks, and the cache of converted vocabularies. :class:`h5corpus.build.encoders.TiktokenEncoder`
-uses it; the proof that it gives the reference ids is in :mod:`h5corpus.build.encoders`.
+checks, and the cache of converted vocabularies. :class:`h5corpus.build.tokenize.encoders.TiktokenEncoder`
+uses it; the proof that it gives the reference ids is in :mod:`h5corpus.build.tokenize.encoders`.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def tiktoken_from_json(d: dict[str, Any], *, json_sha256: str | None = None):
     Equality of ids is then proven empirically (:func:`prove_same_ids`), never assumed.
 
     ``json_sha256`` (the sha256 of the JSON text ``d`` was parsed from) enables the ranks cache
-    (:func:`~h5corpus.build.tokenizer.cache_dir`): the vocabulary conversion and its checks, a pure
+    (:func:`~h5corpus.build.tokenize.tokenizer.cache_dir`): the vocabulary conversion and its checks, a pure
     function of the JSON and of the source, are then loaded instead of redone (docs/BUILD.md).
     """
     try:

@@ -1,5 +1,5 @@
 """Tokenizer specs and their identity (:func:`load_tokenizer`), and the cache of facts derived from
-a tokenizer's JSON. The encoders that turn text into ids are in :mod:`h5corpus.build.encoders`.
+a tokenizer's JSON. The encoders that turn text into ids are in :mod:`h5corpus.build.tokenize.encoders`.
 
 A *spec* names a tokenizer:
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..storage.format import TokenizerIdentity
+from ...storage.format import TokenizerIdentity
 
 if TYPE_CHECKING:
     from .encoders import HFEncoder
@@ -369,8 +369,8 @@ _VERSIONS: dict[str, str] | None = None
 
 
 def source_sha256() -> str:
-    """sha256 of the source of this module and of :mod:`~h5corpus.build.encoders`,
-    :mod:`~h5corpus.build.tiktoken_bpe` and :mod:`~h5corpus.build.proof`: part of every cache key, so
+    """sha256 of the source of this module and of :mod:`~h5corpus.build.tokenize.encoders`,
+    :mod:`~h5corpus.build.tokenize.tiktoken_bpe` and :mod:`~h5corpus.build.tokenize.proof`: part of every cache key, so
     a change to how facts are derived never reuses an old answer."""
     global _SOURCE_SHA256
     if _SOURCE_SHA256 is None:

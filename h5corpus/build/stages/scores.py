@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..storage import format as fmt
+from ...storage import format as fmt
 from .decide import DecideInput, task_scores
 from .state import ReadRecord, StateDir, TaskDecision
 

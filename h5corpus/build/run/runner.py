@@ -2,15 +2,15 @@
 resumably. See ``docs/BUILD.md``.
 
 :func:`build_corpus` is the driver. It resolves the sources and the tokenizer, takes the lock,
-checks what the output folders already hold, plans the *tasks* (:func:`~h5corpus.build.sources.plan_tasks`)
-and persists the plan (:mod:`~h5corpus.build.plan`), then runs the stages:
+checks what the output folders already hold, plans the *tasks* (:func:`~h5corpus.build.input.sources.plan_tasks`)
+and persists the plan (:mod:`~h5corpus.build.stages.buildplan`), then runs the stages:
 
-1. **read** (:func:`~h5corpus.build.tasks.read_task`, parallel, one call per task) on an executor;
-2. **decide** (:class:`~h5corpus.build.decide.Decider`, here, in input order, as far as the read
+1. **read** (:func:`~h5corpus.build.stages.tasks.read_task`, parallel, one call per task) on an executor;
+2. **decide** (:class:`~h5corpus.build.stages.decide.Decider`, here, in input order, as far as the read
    tasks allow): exact and near dedup across tasks, budgets; reading stops at the task where every
    budget is filled;
-3. **finish** (:func:`~h5corpus.build.tasks.finish_task`, parallel) as soon as a task is decided;
-4. **commit** (:func:`~h5corpus.build.commit.commit`): the manifest, last and atomically.
+3. **finish** (:func:`~h5corpus.build.stages.tasks.finish_task`, parallel) as soon as a task is decided;
+4. **commit** (:func:`~h5corpus.build.stages.commit.commit`): the manifest, last and atomically.
 
 Every output byte is a function of the inputs and the settings, never of the worker count or
 timing, so any worker count gives identical files, and a build killed at any moment (``kill -9``)
@@ -34,10 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from ..storage.format import TokenizerIdentity
-from ..storage.manifest import read_manifest
-from .commit import add_up, commit
-from .config import (
+from ...storage.format import TokenizerIdentity
+from ...storage.manifest import read_manifest
+from ..config import (
     DEFAULT_SHARD_TOKENS,
     BuildConfig,
     BuildConflict,
@@ -46,20 +45,21 @@ from .config import (
     filters_detect_language,
     filters_score_perplexity,
 )
-from .decide import DecideInput, Decider, task_scores, worst_masks
-from .encoders import Encoder, HFEncoder, fast_encoder
+from ..input.records import newlines_before, sample_texts
+from ..input.sources import Task, plan_tasks, resolve_sources
+from ..oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
+from ..report import BuildReport, check_build_sections, report_from_manifest
+from ..stages.buildplan import BuildPlan, StageContext, filters_spec, read_plan_run
+from ..stages.commit import add_up, commit
+from ..stages.decide import DecideInput, Decider, task_scores, worst_masks
+from ..stages.explain import ExplainFile
+from ..stages.shards import our_shard_files
+from ..stages.state import FinishRecord, ReadRecord, StateDir, TaskDecision
+from ..stages.tasks import StageCall
+from ..tokenize.encoders import Encoder, HFEncoder, fast_encoder
+from ..tokenize.proof import prove_fast_path
+from ..tokenize.tokenizer import Tokenizer, library_versions, load_tokenizer, source_sha256
 from .executor import BuildLock, LocalExecutor
-from .explain import ExplainFile
-from .oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
-from .plan import BuildPlan, StageContext, filters_spec, read_plan_run
-from .proof import prove_fast_path
-from .readers import newlines_before, sample_texts
-from .report import BuildReport, check_build_sections, report_from_manifest
-from .shards import our_shard_files
-from .sources import Task, plan_tasks, resolve_sources
-from .state import FinishRecord, ReadRecord, StateDir, TaskDecision
-from .tasks import StageCall
-from .tokenizer import Tokenizer, library_versions, load_tokenizer, source_sha256
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "build_corpus"]
 
@@ -103,14 +103,14 @@ class _Target:
     run_id: dict[str, Any]
     fingerprint: str
     fast_loading: _Background | None = None
-    """The fast encoder being loaded (:func:`~h5corpus.build.encoders.fast_encoder` on a thread)."""
+    """The fast encoder being loaded (:func:`~h5corpus.build.tokenize.encoders.fast_encoder` on a thread)."""
 
 
 def build_corpus(config: BuildConfig) -> BuildReport:
     """Build (or resume, or confirm up to date) the corpus ``config`` describes.
 
     Raises ValueError (bad settings, an output path of the wrong kind),
-    :class:`~h5corpus.build.tokenizer.TokenizerError` / :class:`~h5corpus.build.sources.SourceError`
+    :class:`~h5corpus.build.tokenize.tokenizer.TokenizerError` / :class:`~h5corpus.build.input.sources.SourceError`
     (spec cannot be resolved), :class:`BuildConflict` (a live run marker, output built otherwise),
     :class:`BuildError` (bad input under ``on_error="fail"``) and
     :class:`~h5corpus.build.oserrors.BuildOSError` (the OS refused a write: disk full, read-only or

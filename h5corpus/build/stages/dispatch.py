@@ -1,8 +1,8 @@
 """Every stage by name, run from the state folder alone: what each executor's worker and each
 ``h5corpus build-stage`` command runs (docs/SCALING.md, "The stage commands").
 
-:func:`run_stage` is the dispatcher of one :class:`~h5corpus.build.tasks.StageCall` in a process that
-has a :class:`~h5corpus.build.plan.StageContext`: ``read`` (and, when the plan has decide buckets, the
+:func:`run_stage` is the dispatcher of one :class:`~h5corpus.build.stages.tasks.StageCall` in a process that
+has a :class:`~h5corpus.build.stages.buildplan.StageContext`: ``read`` (and, when the plan has decide buckets, the
 task's sorted keys), ``keys``, ``bucket``, ``finish``.
 
 The ``stage_*`` functions are the stage commands of a build driven by a scheduler (Slurm's job
@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..storage.manifest import Manifest
+from ...storage.manifest import Manifest
+from ..config import BuildConflict, BuildError
 from .buckets import BucketRecord, LshParams, load_bucket_record, lsh_params, run_bucket, write_task_keys
+from .buildplan import StageContext
 from .commit import add_up, commit
-from .config import BuildConflict, BuildError
 from .explain import ExplainFile
 from .merge import load_decision, load_summary, merge_buckets, merge_inputs, summary_path
-from .plan import StageContext
 from .runmarker import remove_marker_of
 from .state import LOCK_FILE, FinishRecord, ReadRecord, StateDir, TaskDecision, manifest_lock_path
 from .tasks import StageCall, finish_task, read_task

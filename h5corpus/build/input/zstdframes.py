@@ -1,6 +1,6 @@
 """Whether a ``.zst`` file ends where its last zstd frame does (RFC 8878): the zstd stream reader
 delivers the data of every complete block and then ends silently, so a file cut at a block
-boundary would otherwise read as complete. Used by the JSONL reader (:mod:`~h5corpus.build.readers`)."""
+boundary would otherwise read as complete. Used by the JSONL reader (:mod:`~h5corpus.build.input.records`)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Layout of ``<shards_dir>/.build/`` (it exists only while a build runs or after it was interrupted)::
 
-    plan.json                the persisted plan (:class:`h5corpus.build.plan.BuildPlan`)
+    plan.json                the persisted plan (:class:`h5corpus.build.stages.buildplan.BuildPlan`)
     tokenizer.json           the tokenizer's JSON, so a process with only this folder can encode
     read/00042.json          ReadRecord of task 42 (written last: its presence means "read done")
     read/00042.docs          per-document table, DOC_DTYPE records in table order
@@ -17,7 +17,7 @@ State files are written atomically (temp file + rename) without fsync: each is v
 before reuse, so one that outlived its data after a power loss is detected and redone. Only
 ``plan.json`` is fsynced: a state folder whose plan is lost cannot be resumed.
 
-Shard files are named in :mod:`h5corpus.build.shards`.
+Shard files are named in :mod:`h5corpus.build.stages.shards`.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from ..storage.format import ShardRecord
-from ..storage.writer import fsync_dir
-from .config import BuildConflict
+from ...storage.format import ShardRecord
+from ...storage.writer import fsync_dir
+from ..config import BuildConflict
 
 STATE_DIR = ".build"
 LOCK_FILE = ".build.lock"
@@ -100,7 +100,7 @@ class ReadRecord:
 
     index: int
     task: str
-    """The task's key (:attr:`h5corpus.build.sources.Task.key`): its input's identity."""
+    """The task's key (:attr:`h5corpus.build.input.sources.Task.key`): its input's identity."""
     encoder: str
     """Encoder that produced the tokens (``fastokens``, ``tiktoken``, ``bytes``, ``tokenizers``)."""
     explain: bool

@@ -1,18 +1,18 @@
-"""Executors run stage calls (:class:`~h5corpus.build.tasks.StageCall`) somewhere and hand back
+"""Executors run stage calls (:class:`~h5corpus.build.stages.tasks.StageCall`) somewhere and hand back
 their results; they decide nothing about the build.
 
 :class:`Executor` is the whole interface the driver uses: ``start`` with a context, ``submit`` calls,
 ``next_result`` as they complete, ``cancel`` everything, ``shutdown``. A call carries only a stage
 name, a task index and (for ``finish``) the decision, so an executor whose workers live in other
 processes or on other nodes can run it from the state folder
-(:meth:`~h5corpus.build.plan.StageContext.load`) and :func:`~h5corpus.build.tasks.run_stage`.
+(:meth:`~h5corpus.build.stages.buildplan.StageContext.load`) and :func:`~h5corpus.build.stages.tasks.run_stage`.
 
 :class:`LocalExecutor` is a process pool on this machine, and all the worker plumbing lives here:
 forked workers that inherit the context (encoder and filters loaded once), die with the main
 process (``PR_SET_PDEATHSIG`` on Linux), close their copy of the build lock, share progress
 counters, and turn the stages' named steps into test crash points (:data:`CRASH_ENV`).
 :class:`BuildLock` is what a build holds on its shards folder and its manifest: run markers
-(:mod:`~h5corpus.build.runmarker`), which work on NFS and Lustre where ``flock`` does not.
+(:mod:`~h5corpus.build.stages.runmarker`), which work on NFS and Lustre where ``flock`` does not.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import BuildError
-from .oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error
-from .plan import StageContext
-from .runmarker import RunMarker
-from .stages import run_stage
-from .state import LOCK_FILE, manifest_lock_path
-from .tasks import StageCall
+from ..config import BuildError
+from ..oserrors import NOT_WRITABLE, BuildOSError, as_build_os_error
+from ..stages.buildplan import StageContext
+from ..stages.dispatch import run_stage
+from ..stages.runmarker import RunMarker
+from ..stages.state import LOCK_FILE, manifest_lock_path
+from ..stages.tasks import StageCall
 
 #: Fault injection for the crash-consistency tests: ``POINT`` or ``POINT:N`` SIGKILLs the whole build
 #: (main process and workers) the N-th time (default 1st) one process reaches that point.
@@ -117,7 +117,7 @@ class LocalEvents:
 class BuildLock:
     """The run markers a build holds for its whole life, so that no two builds write one shards
     folder or one manifest at once: ``<shards_dir>/.build.lock`` and ``.<manifest name>.lock``
-    beside the manifest (:func:`~h5corpus.build.state.manifest_lock_path`), taken in that order.
+    beside the manifest (:func:`~h5corpus.build.stages.state.manifest_lock_path`), taken in that order.
     Each holds host, pid and start time, for the message a second build prints; a second build
     refuses while the first is alive and replaces a stale marker. They are removed when the build
     ends (a Slurm build hands them over to its jobs: :meth:`update`, :meth:`hand_over`).

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .config import BuildConflict
+from ..config import BuildConflict
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0

@@ -1,9 +1,9 @@
 """The Ray executor: stage calls as Ray tasks on an existing cluster (``--executor ray``).
 
-Each :class:`~h5corpus.build.tasks.StageCall` becomes one task (``num_cpus`` = ``cpus_per_task``,
+Each :class:`~h5corpus.build.stages.tasks.StageCall` becomes one task (``num_cpus`` = ``cpus_per_task``,
 ``max_retries`` on worker or node loss: every stage is idempotent, so a rerun task gives the same
 files). A task gets nothing but the state folder's path, the plan's sha256 and the call; it loads
-its :class:`~h5corpus.build.plan.StageContext` from the state folder (once per worker process and
+its :class:`~h5corpus.build.stages.buildplan.StageContext` from the state folder (once per worker process and
 plan, :func:`_context`) and returns the stage's record, which flows back to the driver's loop and
 progress bar. So sources, shards and the state folder must be on a filesystem every node mounts at
 the same path: :meth:`RayExecutor.start` checks it on every node (a probe file written by the
@@ -22,11 +22,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .config import BuildConflict, BuildError, RayOptions
+from ..config import BuildConflict, BuildError, RayOptions
+from ..stages.buildplan import StageContext
+from ..stages.dispatch import run_stage
+from ..stages.tasks import StageCall
 from .executor import CrashPoints, LocalEvents, StageResult
-from .plan import StageContext
-from .stages import run_stage
-from .tasks import StageCall
 
 _LOADED: dict[str, tuple[str, StageContext]] = {}
 """Per worker process: state folder -> (plan sha256, its context). A memo of what the plan says (the

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..storage import format as fmt
-from ..storage.manifest import Manifest, write_manifest
-from ..storage.writer import fsync_dir
-from .config import MAX_LISTED
+from ... import __version__
+from ...storage import format as fmt
+from ...storage.manifest import Manifest, write_manifest
+from ...storage.writer import fsync_dir
+from ..config import MAX_LISTED
+from ..oserrors import os_step
+from .buildplan import StageContext
 from .explain import ExplainFile
-from .oserrors import os_step
-from .plan import StageContext
 from .shards import build_file_task, our_shard_files
 from .state import FinishRecord, ReadRecord, TaskDecision
 
