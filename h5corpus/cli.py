@@ -321,6 +321,12 @@ def build_cli(
     task_bytes: int | None = typer.Option(
         None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."
     ),
+    max_record_bytes: str = typer.Option(
+        "64M",
+        "--max-record-bytes",
+        help="Longest record read (a JSON line, a parquet cell, a .txt file), in bytes; K, M, G are powers "
+        "of 1024. A longer one is a bad record (stops the build, or counted under --on-error skip).",
+    ),
     executor: str = typer.Option(
         "local", "--executor", help="Where the stages run: local (process pool), ray or slurm (docs/SCALING.md)."
     ),
@@ -358,7 +364,15 @@ def build_cli(
     and while running the run markers shards/.build.lock and .<manifest>.lock beside the manifest and
     shards/.build/.
     """
-    from .build import BuildConfig, BuildConflict, BuildError, build_corpus, format_report, parse_max_tokens
+    from .build import (
+        BuildConfig,
+        BuildConflict,
+        BuildError,
+        build_corpus,
+        format_report,
+        parse_byte_size,
+        parse_max_tokens,
+    )
     from .build.input.sources import SourceError
     from .build.oserrors import BuildOSError
     from .build.tokenize.tokenizer import TokenizerError
@@ -429,6 +443,7 @@ def build_cli(
             decide_buckets=decide_buckets,
             drop_worst_fraction=drop_worst_fraction,
             perplexity_scores=perplexity_scores,
+            max_record_bytes=parse_byte_size("--max-record-bytes", max_record_bytes),
             **executor_cfg,
         )
         if shard_tokens is not None:

@@ -29,16 +29,16 @@ class Measured:
     timed_out: bool
 
     def one_clear_error(self, code: int, *needles: str) -> str:
-        """Assert exit ``code``, no traceback, no hang, and ``needles`` in the last stderr line;
-        return that line."""
+        """Assert exit ``code``, no traceback, no hang, and exactly one ``error: ...`` line on
+        stderr holding every one of ``needles``; return that line."""
         assert not self.timed_out, f"hung: {self.stderr[-2000:]}"
         assert self.returncode == code, (self.returncode, self.stdout[-2000:], self.stderr[-2000:])
         assert "Traceback" not in self.stderr and "FATAL" not in self.stderr, self.stderr[-4000:]
-        lines = self.stderr.strip().splitlines()
-        assert lines, "no error message"
+        errors = [x for x in self.stderr.splitlines() if x.startswith("error: ")]
+        assert len(errors) == 1, self.stderr[-4000:]
         for needle in needles:
-            assert needle in lines[-1], (needle, lines[-1])
-        return lines[-1]
+            assert needle in errors[0], (needle, errors[0])
+        return errors[0]
 
 
 def run_measured(

@@ -76,7 +76,7 @@ def test_under_skip_the_long_line_is_counted_and_the_rest_of_the_file_is_read(tm
     _sparse_middle_line(tmp_path / "big.jsonl", 256 * MiB)
     m = _build(tmp_path, "big.jsonl", options=("--max-record-bytes", "1M", "--on-error", "skip"))
     rep = _report(m)
-    assert rep["skipped_records_total"] == 1 and rep["skipped_records"][0].startswith("big.jsonl:2: record longer")
+    assert rep["skipped_total"] == 1 and rep["skipped_records"][0].startswith("big.jsonl:2: record longer")
     assert sum(s["documents"] for s in rep["splits"].values()) == 2
     assert m.peak_rss < RSS_BOUND, m.peak_rss
 
@@ -85,7 +85,7 @@ def test_the_default_limit_is_far_above_real_documents_and_a_line_below_the_limi
     assert BuildConfig(sources=["stdlib"]).max_record_bytes >= 64 * MiB
     write_jsonl(tmp_path / "long.jsonl", ["x" * (3 * MiB), "short"])
     rep = _report(_build(tmp_path, "long.jsonl", options=("--max-record-bytes", "4M")))
-    assert rep["skipped_records_total"] == 0
+    assert rep["skipped_total"] == 0
     assert sum(s["tokens"] for s in rep["splits"].values()) == 3 * MiB + 5 + 2  # bytes + one EOS each
 
 
@@ -114,7 +114,7 @@ def test_a_txt_file_over_the_limit_is_refused_before_it_is_read_and_counted_unde
     m.one_clear_error(1, "b.txt", "536,870,912 bytes", "--max-record-bytes")
     assert m.peak_rss < RSS_BOUND
     rep = _report(_build(tmp_path, "docs", options=("--max-record-bytes", "1M", "--on-error", "skip")))
-    assert rep["skipped_records_total"] == 1 and "b.txt" in rep["skipped_records"][0]
+    assert rep["skipped_total"] == 1 and "b.txt" in rep["skipped_records"][0]
     assert sum(s["documents"] for s in rep["splits"].values()) == 2
 
 
@@ -127,7 +127,7 @@ def test_a_parquet_cell_over_the_limit_is_refused_naming_the_row(tmp_path):
     m = _build(tmp_path, "cells.parquet", options=("--max-record-bytes", "1M"))
     m.one_clear_error(1, "cells.parquet row 1", "longer than 1,048,576 bytes")
     rep = _report(_build(tmp_path, "cells.parquet", options=("--max-record-bytes", "1M", "--on-error", "skip")))
-    assert rep["skipped_records_total"] == 1 and rep["skipped_records"][0].startswith("cells.parquet row 1:")
+    assert rep["skipped_total"] == 1 and rep["skipped_records"][0].startswith("cells.parquet row 1:")
     assert sum(s["documents"] for s in rep["splits"].values()) == 2
 
 
@@ -141,7 +141,7 @@ def test_a_bad_record_limit_is_a_usage_error_naming_the_flag(tmp_path, value):
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "64M"])
 def test_the_library_refuses_a_bad_record_limit_naming_the_field(value):
     with pytest.raises(ValueError, match="max_record_bytes"):
-        BuildConfig(sources=["stdlib"], max_record_bytes=value)
+        BuildConfig(sources=["stdlib"], max_record_bytes=value).check()
 
 
 # -- JSON strings ---------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_a_raw_nul_in_a_json_string_is_refused_and_an_escaped_one_is_kept(tmp_pa
     m = _build(tmp_path, "nul.jsonl")
     m.one_clear_error(1, "nul.jsonl:2", "NUL")
     rep = _report(_build(tmp_path, "nul.jsonl", options=("--on-error", "skip")))
-    assert rep["skipped_records_total"] == 1 and rep["skipped_records"][0].startswith("nul.jsonl:2:")
+    assert rep["skipped_total"] == 1 and rep["skipped_records"][0].startswith("nul.jsonl:2:")
     assert sum(s["documents"] for s in rep["splits"].values()) == 2
 
 
@@ -177,7 +177,7 @@ def test_a_dot_dot_in_an_hf_spec_is_refused_and_never_reaches_the_cache_path(tmp
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     m = _build(tmp_path, spec, env=env)
     m.one_clear_error(2, spec)
-    assert ".." in m.stderr.strip().splitlines()[-1] or "repository name" in m.stderr
+    assert "'..'" in m.stderr or "repository name" in m.stderr
     assert not (tmp_path / "shards").exists()
 
 
@@ -223,7 +223,7 @@ def test_a_hub_that_never_answers_fails_fast_in_one_line_without_an_abort(tmp_pa
 
 
 def test_the_hub_probe_leaves_no_thread_behind():
-    from h5corpus.build.tokenizer import hub_unreachable
+    from h5corpus.build.tokenize.tokenizer import hub_unreachable
 
     before = threading.active_count()
     with _HungListener() as port:
@@ -232,5 +232,5 @@ def test_the_hub_probe_leaves_no_thread_behind():
             why = hub_unreachable(timeout_s=0.5)
         finally:
             del os.environ["HF_ENDPOINT"]
-    assert "no answer within 0.5 s" in why
+    assert str(port) in why and ("timed out" in why or "no answer" in why), why
     assert threading.active_count() == before

@@ -323,7 +323,13 @@ class _Run:
     def _proof_sample(self) -> list[str]:
         """The proof's sample of the build's input (read once), with the proof key's other parts."""
         if self.sample is None:
-            self.sample = sample_texts(self.tasks, self.cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
+            self.sample = sample_texts(
+                self.tasks,
+                self.cfg.text_field,
+                PROOF_SAMPLE_CHARS,
+                PROOF_SAMPLE_TASK_CHARS,
+                int(self.cfg.max_record_bytes),
+            )
             library_versions(), source_sha256()  # computed once per process; the proof's cache key
         return self.sample
 
@@ -340,6 +346,7 @@ class _Run:
             text_field=cfg.text_field,
             split=SplitRule(int(cfg.split_seed), float(cfg.validation_fraction)),
             on_error=cfg.on_error,
+            max_record_bytes=int(cfg.max_record_bytes),
             chunk_tokens=int(cfg.chunk_tokens),
             shard_tokens=int(cfg.shard_tokens),
             max_document_tokens=None if cfg.max_document_tokens is None else int(cfg.max_document_tokens),
