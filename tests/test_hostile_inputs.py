@@ -234,3 +234,63 @@ def test_the_hub_probe_leaves_no_thread_behind():
             del os.environ["HF_ENDPOINT"]
     assert str(port) in why and ("timed out" in why or "no answer" in why), why
     assert threading.active_count() == before
+
+
+# -- the reader itself: ranges, line numbers, files that change ------------------------------------
+def _records(path: Path, *, task_bytes: int, limit: int) -> list:
+    from h5corpus.build.input.records import TaskReader
+    from h5corpus.build.input.sources import plan_tasks, resolve_sources
+
+    tasks = plan_tasks(resolve_sources([str(path)]), task_bytes=task_bytes)
+    return [rec for t in tasks for rec in TaskReader(t, max_record_bytes=limit)]
+
+
+@pytest.mark.parametrize("task_bytes", [1 << 30, 4096, 700])
+def test_a_long_line_across_task_ranges_is_one_bad_record_and_every_other_line_is_read_once(tmp_path, task_bytes):
+    """Lines of 0.1-3x the limit, cut into byte ranges at any place: each line is read by exactly
+    one task, the too-long ones become one ``too_long`` record each, naming the right line and
+    its byte offset (an oracle from the file's own bytes)."""
+    from h5corpus.build.input.records import BadRecord
+
+    limit = 1000
+    texts = [("t%d " % i) * (40 if i % 4 else 900 if i % 8 else 90) for i in range(24)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", texts)
+    raw = path.read_bytes().split(b"\n")[:-1]
+    offsets = [sum(len(x) + 1 for x in raw[:i]) for i in range(len(raw))]
+    want_bad = [f"{path}:{i + 1}" for i, line in enumerate(raw) if len(line) > limit]
+    assert 2 <= len(want_bad) < len(raw)
+    got = _records(path, task_bytes=task_bytes, limit=limit)
+    docs = [r[0] for r in got if not isinstance(r, BadRecord)]
+    bad = [r for r in got if isinstance(r, BadRecord)]
+    assert docs == [t for t, line in zip(texts, raw) if len(line) <= limit]
+    assert [b.where for b in bad] == want_bad and {b.code for b in bad} == {"too_long"}
+    for b in bad:
+        n = int(b.where.rsplit(":", 1)[1])
+        assert f"at byte offset {offsets[n - 1]:,}" in b.reason and not b.fatal
+
+
+def test_a_file_cut_short_after_planning_is_reported_as_changed_not_as_malformed_json(tmp_path):
+    from h5corpus.build.input.records import BadRecord, TaskReader
+    from h5corpus.build.input.sources import plan_tasks, resolve_sources
+
+    path = write_jsonl(tmp_path / "cut.jsonl", [f"document {i} " * 30 for i in range(200)])
+    tasks = plan_tasks(resolve_sources([str(path)]), task_bytes=16_000)
+    assert len(tasks) > 2
+    os.truncate(path, path.stat().st_size // 2 + 7)  # mid-line, as a writer still copying it
+    got = [rec for t in tasks for rec in TaskReader(t)]
+    bad = [r for r in got if isinstance(r, BadRecord)]
+    assert bad and {b.code for b in bad} == {"changed"} and all(b.fatal for b in bad), bad
+    assert "changed while the build read it" in bad[0].reason and bad[0].where.startswith(f"{path}:")
+
+
+def test_a_changed_file_stops_the_build_even_under_skip(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("one document\n")
+    from h5corpus.build.input.records import TaskReader
+    from h5corpus.build.input.sources import plan_tasks, resolve_sources
+
+    (task,) = plan_tasks(resolve_sources([str(docs)]), task_bytes=1 << 20)
+    (docs / "a.txt").write_text("one document, and more written after planning\n")
+    (rec,) = list(TaskReader(task))
+    assert rec.code == "changed" and "13 bytes when planned, now 46" in rec.reason
