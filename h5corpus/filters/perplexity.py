@@ -25,8 +25,8 @@ uniform hashes, so one or two steps from the directory entry find the place).
 Model files (``.npz``: a zip of uncompressed ``.npy`` arrays, nothing pickled) hold a JSON header
 (format, version, unit definition, order, smoothing parameters, what the model was trained on, the
 sha256 of its arrays) and the arrays. Nothing a file declares is allocated before it is checked
-against the file's size (:class:`_ModelArchive`), so loading any file takes memory proportional to its
-size; a file that is not a model, of another version, with values no model holds (NaN, infinite
+against the file's size (:class:`_ModelArchive`), so loading any file takes memory proportional
+to its size; a file that is not a model, of another version, with values no model holds (NaN, infinite
 weights), or whose arrays do not match their sha256 raises :class:`ModelFileError` naming the file
 and the array or header field.
 """
@@ -366,8 +366,8 @@ def read_model_header(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_model(path: str | os.PathLike[str]) -> NgramModel:
     """Read a model file, checking its members (names, sizes, dtypes, shapes) before reading
     them, then the values (sorted keys, no NaN or infinite values except ``<s>``'s) and their
-    sha256. Memory is proportional to the file's size (its arrays plus a lookup directory of 2-4 slots per key). Raises :class:`ModelFileError` naming the file
-    and the array."""
+    sha256. Memory is proportional to the file's size (its arrays plus a lookup directory of 2-4
+    slots per key). Raises :class:`ModelFileError` naming the file and the array."""
     with _open_model_file(path) as archive:
         header = _header(archive)
         order = header["order"]
