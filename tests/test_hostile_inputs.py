@@ -294,3 +294,20 @@ def test_a_changed_file_stops_the_build_even_under_skip(tmp_path):
     (docs / "a.txt").write_text("one document, and more written after planning\n")
     (rec,) = list(TaskReader(task))
     assert rec.code == "changed" and "13 bytes when planned, now 46" in rec.reason
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (f"hf://datasets/x/y@{REV}/" + "a/" * 3000 + "d.jsonl", "File name too long"),
+        (f"hf://datasets/{'a' * 200}/y@{REV}/d.jsonl", "is not a hub repository name"),
+        (f"hf://datasets/x--z/y@{REV}/d.jsonl", "is not a hub repository name"),
+        (f"hf://datasets/x/-y@{REV}/d.jsonl", "is not a hub repository name"),
+        (f"hf://datasets/x/y@{REV}/a/./b.jsonl", "'.' or '..'"),
+    ],
+)
+def test_odd_hf_specs_are_one_usage_error_naming_the_spec(tmp_path, spec, message):
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    m = _build(tmp_path, spec, env=env)
+    m.one_clear_error(2, spec[:60], message)

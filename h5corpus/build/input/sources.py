@@ -289,7 +289,10 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
     meta: dict[str, Any] = {"repo": repo, "revision": rev, "path": sub}
     snap = cache_dir / f"datasets--{repo.replace('/', '--')}" / "snapshots" / rev
     local = snap / sub if sub else snap
-    listing = _hub_listing(local, snap, sub)
+    try:
+        listing = _hub_listing(local, snap, sub)
+    except OSError as e:  # a path too long for the file system, a cache folder that cannot be read
+        raise SourceError(f"{spec}: cannot look in the local Hugging Face cache ({e.strerror or e})") from None
     if listing:
         fmt, chosen = hub_files_to_read(spec, [n for n, _ in listing])
         files = [_local_file(listing[i][0], listing[i][1], kind) for i, kind in chosen]
