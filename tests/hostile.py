@@ -1,6 +1,6 @@
 """Running a command against a hostile input and measuring what it cost: exit code, output, and
-the peak resident memory of that one process (``os.wait4``), with a wall-clock limit so a hang
-fails the test instead of stalling the suite."""
+the peak resident memory of that process and its workers (``os.wait4``), with a wall-clock limit
+so a hang fails the test instead of stalling the suite."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class Measured:
     stdout: str
     stderr: str
     peak_rss: int
-    """Peak resident set size of the process, in bytes (children it waited for not included)."""
+    """Peak resident set size, in bytes, of the process or of the largest of the descendants it
+    waited for (worker processes included: Linux's ``wait4`` reports the larger of the two)."""
     timed_out: bool
 
     def one_clear_error(self, code: int, *needles: str) -> str:
