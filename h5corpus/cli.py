@@ -22,7 +22,16 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperOption
 
-from .build import BuildConfig, BuildConflict, BuildError, BuildReport, build_corpus, format_report, parse_max_tokens
+from .build import (
+    BuildConfig,
+    BuildConflict,
+    BuildError,
+    BuildReport,
+    build_corpus,
+    format_report,
+    parse_byte_size,
+    parse_max_tokens,
+)
 from .build.config import EXECUTORS, RayOptions, SlurmOptions
 from .build.input.sources import SourceError
 from .build.oserrors import BuildOSError
@@ -486,6 +495,16 @@ BUILD_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
         typer.Option(None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."),
     ),
     (
+        "max_record_bytes",
+        str,
+        typer.Option(
+            "64M",
+            "--max-record-bytes",
+            help="Longest record read (a JSON line, a parquet cell, a .txt file), in bytes; K, M, G are powers "
+            "of 1024. A longer one is a bad record (stops the build, or counted under --on-error skip).",
+        ),
+    ),
+    (
         "executor",
         str,
         typer.Option(
@@ -608,6 +627,7 @@ def _build_config(f: dict[str, Any], srcs: list[str], tokenizer: str, filters: A
         **{k: f[k] for k in ("shards_dir", "manifest", "workers", "text_field", "split_seed", "validation_fraction")},
         **{k: f[k] for k in ("max_document_tokens", "on_error", "overwrite", "explain_drops", "decide_buckets")},
         **{k: f[k] for k in ("drop_worst_fraction", "perplexity_scores", "eos_token")},
+        max_record_bytes=parse_byte_size("--max-record-bytes", f["max_record_bytes"]),
         **executor_cfg,
     )
     if f["shard_tokens"] is not None:
@@ -873,8 +893,8 @@ def quality_score_cli(
     as_json: bool = typer.Option(False, "--json", help="Print the scores and quantiles as JSON."),
 ) -> None:
     """Print each document's perplexity (where, perplexity, units, start of the text; tab-separated)
-    and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a corrupt
-    model or a bad record, 2 on usage errors."""
+    and the quantiles (p80 is the --max-perplexity that drops the worst 20%). Exit 1 on a bad
+    record, 2 on usage errors and on a model file that is missing, corrupt or refused."""
 
     check_path_arg("MODEL", model)
     check_positive("--max-documents", max_documents)
@@ -890,9 +910,9 @@ def quality_score_cli(
             max_chars=max_chars,
             progress=sys.stderr.isatty() and not as_json,
         )
-    except SourceError as e:
+    except (SourceError, ModelFileError) as e:
         raise fail(str(e), EXIT_USAGE) from None
-    except (ModelFileError, BadReference) as e:
+    except BadReference as e:
         raise fail(str(e), EXIT_BAD_DATA) from None
     if as_json:
         typer.echo(json.dumps(rep.to_json(documents=not summary_only), indent=2, sort_keys=True))

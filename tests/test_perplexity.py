@@ -410,7 +410,7 @@ def test_cli_train_and_score_with_exit_codes(tmp_path):
     np.testing.assert_allclose(got, lib.perplexities(texts[40:] + [""]), rtol=1e-3)
     p = _cli(tmp_path, "score", "out/m.npz", str(probe), "--json", "--summary-only")
     assert p.returncode == 0 and json.loads(p.stdout)["documents"] == 11
-    # usage errors: 2; bad data: 1 (run side by side)
+    # usage errors and bad model files: 2; bad records: 1 (run side by side)
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": 3}\n')
     (tmp_path / "corrupt.npz").write_bytes(b"PK\x03\x04 not really")
     cases = [
@@ -418,7 +418,7 @@ def test_cli_train_and_score_with_exit_codes(tmp_path):
         (["train", str(ref), "-o", "x.npz", "--order", "9"], 2, "--order"),
         (["train", "bad.jsonl", "-o", "x.npz"], 1, "bad.jsonl:2"),
         (["score", "none.npz", str(probe)], 2, "not found"),
-        (["score", "corrupt.npz", str(probe)], 1, "corrupt.npz"),
+        (["score", "corrupt.npz", str(probe)], 2, "corrupt.npz"),
         (["score", "out/m.npz", "bad.jsonl"], 1, "bad.jsonl:2"),
     ]
     procs = [_cli(tmp_path, *args, wait=False) for args, _, _ in cases]

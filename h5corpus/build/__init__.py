@@ -13,7 +13,7 @@ driver :func:`build_corpus` and the executors). :mod:`.config` (settings, split 
 
 from __future__ import annotations
 
-from .config import BuildConfig, BuildConflict, BuildError, document_split, parse_max_tokens
+from .config import BuildConfig, BuildConflict, BuildError, document_split, parse_byte_size, parse_max_tokens
 from .input.hfdatasets import DatasetSource
 from .report import BuildReport, filtered_total, format_report
 from .run.runner import build_corpus
@@ -28,5 +28,6 @@ __all__ = [
     "document_split",
     "filtered_total",
     "format_report",
+    "parse_byte_size",
     "parse_max_tokens",
 ]

@@ -206,6 +206,11 @@ class SlurmOptions:
     """Interpreter the jobs run (default: this one, ``sys.executable``)."""
 
 
+#: Default of :attr:`BuildConfig.max_record_bytes`: 64 MiB, far above any real document (a long
+#: book is a few MB) and small enough that a worker holding one stays well inside its memory.
+DEFAULT_MAX_RECORD_BYTES = 64 << 20
+
+
 @dataclass(kw_only=True)
 class BuildConfig:
     """Everything a build depends on. Paths are relative to the current directory."""
@@ -232,6 +237,11 @@ class BuildConfig:
     """Cut longer documents to this many tokens when writing (no EOS after a cut; flagged)."""
     on_error: str = "fail"
     """``fail``: a bad record stops the build, naming file and line. ``skip``: count and list it."""
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """Longest record read, in bytes: a JSON line, a parquet cell, a ``.txt`` file. A longer one is
+    a bad record (``too_long``: file, line or row, byte offset), read past without being held in
+    memory; it stops the build, or is counted under ``on_error="skip"``. Bounds a worker's memory
+    on an input without line ends (docs/BUILD.md, "Limits")."""
     overwrite: bool = False
     """Delete the manifest, this build's shards and any interrupted state first."""
     shard_tokens: int = DEFAULT_SHARD_TOKENS
@@ -302,6 +312,9 @@ class BuildConfig:
             raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens}")
         if self.on_error not in tuple(e.value for e in OnError):
             raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
+        n = self.max_record_bytes
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"max_record_bytes must be a positive integer (bytes), got {n!r}")
         for name in ("shard_tokens", "chunk_tokens", "task_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -357,7 +370,23 @@ class BuildConfig:
         }
         if self.drop_worst_fraction is not None:
             out["drop_worst_fraction"] = float(self.drop_worst_fraction)
+        if int(self.max_record_bytes) != DEFAULT_MAX_RECORD_BYTES:  # decides which records are bad
+            out["max_record_bytes"] = int(self.max_record_bytes)
         return out
+
+
+def parse_byte_size(option: str, text: str) -> int:
+    """``"64M"`` -> 67108864: a positive whole number of bytes, with an optional binary suffix
+    K, M, G (powers of 1024; ``KiB``, ``MB`` and the like read the same) and ``_`` separators.
+    Raises ValueError naming ``option``."""
+    m = re.fullmatch(r"(\d[\d_]*)\s*(?:([kKmMgG])(?:i?[bB])?)?", text.strip())
+    n = 0
+    if m:
+        shift = {None: 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower() if m.group(2) else None]
+        n = int(m.group(1).replace("_", "")) << shift
+    if n < 1:
+        raise ValueError(f"{option}: {text!r} is not a positive number of bytes (e.g. 67108864, 64M, 512K)")
+    return n
 
 
 def parse_max_tokens(spec: str) -> dict[str, int]:

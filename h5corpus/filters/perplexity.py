@@ -22,10 +22,13 @@ shorter n-gram was found and its context can be extended), no per-unit Python. L
 ``searchsorted`` over the sorted keys, accelerated by a directory on their top bits (keys are
 uniform hashes, so one or two steps from the directory entry find the place).
 
-Model files (``.npz``, loaded with ``allow_pickle=False``) hold a JSON header (format, version,
-unit definition, order, smoothing parameters, what the model was trained on, the sha256 of its
-arrays) and the arrays; a file that is not a model, of another version, or whose arrays do not
-match their sha256 raises :class:`ModelFileError` naming the file.
+Model files (``.npz``: a zip of uncompressed ``.npy`` arrays, nothing pickled) hold a JSON header
+(format, version, unit definition, order, smoothing parameters, what the model was trained on, the
+sha256 of its arrays) and the arrays. Nothing a file declares is allocated before it is checked
+against the file's size (:class:`_ModelArchive`), so loading any file takes memory proportional
+to its size; a file that is not a model, of another version, with values no model holds (NaN, infinite
+weights), or whose arrays do not match their sha256 raises :class:`ModelFileError` naming the file
+and the array or header field.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -355,61 +359,151 @@ def model_header(levels: Sequence[Level], unk_log_prob: float, **info: Any) -> d
 
 def read_model_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON header of a model file, checked for format and version (arrays not read)."""
-    with _open_npz(path) as npz:
-        return _header(path, npz)
+    with _open_model_file(path) as archive:
+        return _header(archive)
 
 
 def load_model(path: str | os.PathLike[str]) -> NgramModel:
-    """Read a model file, checking its header, its arrays (names, dtypes, shapes, sorted keys)
-    and their sha256. Raises :class:`ModelFileError` naming the file."""
-    with _open_npz(path) as npz:
-        header = _header(path, npz)
+    """Read a model file, checking its members (names, sizes, dtypes, shapes) before reading
+    them, then the values (sorted keys, no NaN or infinite values except ``<s>``'s) and their
+    sha256. Memory is proportional to the file's size (its arrays plus a lookup directory of 2-4
+    slots per key). Raises :class:`ModelFileError` naming the file and the array."""
+    with _open_model_file(path) as archive:
+        header = _header(archive)
         order = header["order"]
-        try:
-            arrays = {n[:-4] if n.endswith(".npy") else n: npz[n] for n in npz.files if n != "header"}
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-            raise ModelFileError(f"{path}: unreadable model arrays ({type(e).__name__}: {e})") from None
-    expected = {f"{p}{k}" for k in range(1, order + 1) for p in ("keys", "logp")}
-    expected |= {f"{p}{k}" for k in range(1, order) for p in ("bow", "ctx")}
-    if set(arrays) != expected:
-        raise ModelFileError(f"{path}: arrays {sorted(arrays)} do not match an order-{order} model")
+        expected = {f"{p}{k}" for k in range(1, order + 1) for p in ("keys", "logp")}
+        expected |= {f"{p}{k}" for k in range(1, order) for p in ("bow", "ctx")}
+        if set(archive.arrays) != expected:
+            raise ModelFileError(f"{path}: arrays {sorted(archive.arrays)} do not match an order-{order} model")
+        arrays = {name: archive.read(name, _DTYPES[name.rstrip("0123456789")]) for name in sorted(expected)}
     if arrays_sha256(arrays) != header.get("arrays_sha256"):
         raise ModelFileError(f"{path}: the arrays do not match their sha256 (corrupt or modified file)")
-    levels = []
-    for k in range(1, order + 1):
-        keys, logp = arrays[f"keys{k}"], arrays[f"logp{k}"]
-        bow, ctx = arrays.get(f"bow{k}"), arrays.get(f"ctx{k}")
-        shapes_ok = keys.dtype == np.uint64 and logp.dtype == np.float32 and keys.shape == logp.shape == (keys.size,)
-        if bow is not None:
-            shapes_ok &= bow.dtype == np.float32 and ctx.dtype == np.bool_ and bow.shape == ctx.shape == keys.shape
-        if not shapes_ok or keys.size == 0 or (keys.size > 1 and not bool(np.all(keys[1:] > keys[:-1]))):
-            raise ModelFileError(f"{path}: order-{k} arrays malformed (dtypes, shapes, or keys not sorted)")
-        levels.append(Level(keys, logp, bow, ctx))
+    levels = [_level(path, arrays, k) for k in range(1, order + 1)]
+    if header.get("ngrams") != [int(lv.keys.size) for lv in levels]:
+        raise ModelFileError(f"{path}: header field 'ngrams' does not match the arrays' lengths")
     if model_sha256(order, float(header["unk_log_prob"]), header["arrays_sha256"]) != header.get("sha256"):
         raise ModelFileError(f"{path}: header sha256 does not match its content")
     return NgramModel(levels, header["unk_log_prob"], header)
 
 
-def _open_npz(path: str | os.PathLike[str]):
+#: dtype of every array of a model file by name prefix (little-endian, as :meth:`NgramModel.save`
+#: writes them); any other dtype, byte order or layout is refused.
+_DTYPES = {
+    "header": np.dtype(np.uint8),
+    "keys": np.dtype("<u8"),
+    "logp": np.dtype("<f4"),
+    "bow": np.dtype("<f4"),
+    "ctx": np.dtype(np.bool_),
+}
+_MEMBER = re.compile(r"(header|(keys|logp|bow|ctx)[1-9])\.npy")
+MAX_HEADER_BYTES = 1 << 24
+"""Largest model header accepted, in bytes of JSON (real headers are a few KB)."""
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _level(path: str | os.PathLike[str], arrays: dict[str, np.ndarray], k: int) -> Level:
+    """Order ``k`` of a model from its checked arrays; refuses unsorted keys and values no model
+    holds: a NaN or positive ``ln p``, ``-inf`` except at ``<s>`` (order 1), a non-finite backoff."""
+    keys, logp = arrays[f"keys{k}"], arrays[f"logp{k}"]
+    bow, ctx = arrays.get(f"bow{k}"), arrays.get(f"ctx{k}")
+    same = keys.shape == logp.shape and (bow is None or bow.shape == ctx.shape == keys.shape)  # type: ignore[union-attr]
+    if not same or keys.size == 0 or (keys.size > 1 and not bool(np.all(keys[1:] > keys[:-1]))):
+        raise ModelFileError(f"{path}: order-{k} arrays malformed (lengths differ, empty, or keys not sorted)")
+    minus_inf = logp == -np.inf
+    if k == 1:
+        minus_inf &= keys != key_of(np.array([BOS_HASH], dtype=np.uint64))[0]
+    if bool(np.any(minus_inf | ~(logp <= 0.0))):  # NaN fails every comparison
+        raise ModelFileError(f"{path}: array logp{k} holds a NaN, positive or infinite log-probability")
+    if bow is not None and not bool(np.all(np.isfinite(bow))):
+        raise ModelFileError(f"{path}: array bow{k} holds a NaN or infinite log backoff weight")
+    return Level(keys, logp, bow, ctx)
+
+
+class _ModelArchive:
+    """The members of a model file (a zip of ``.npy`` arrays, stored uncompressed), checked from
+    the zip directory before any is read: expected names, no compression, each member and all
+    together within the file's size. A member is read only after its ``.npy`` header's dtype,
+    layout and shape agree with the member's size, so what is read is at most the file's size."""
+
+    def __init__(self, path: str | os.PathLike[str], zf: zipfile.ZipFile, file_bytes: int) -> None:
+        self.path, self.zf = path, zf
+        self.members: dict[str, zipfile.ZipInfo] = {}
+        for info in zf.infolist():
+            m = _MEMBER.fullmatch(info.filename)
+            what = f"{path}: member {info.filename!r}"
+            if m is None or m.group(1) in self.members:
+                raise ModelFileError(f"{what} is unexpected or repeated (not an h5corpus n-gram model)")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ModelFileError(f"{what} is compressed; model files hold their arrays uncompressed")
+            if info.file_size != info.compress_size or info.header_offset + info.compress_size > file_bytes:
+                raise ModelFileError(f"{what} declares {info.file_size:,} bytes, more than the file holds")
+            self.members[m.group(1)] = info
+        if sum(i.file_size for i in self.members.values()) > file_bytes:
+            raise ModelFileError(f"{path}: members declare more bytes than the file holds ({file_bytes:,})")
+        self.arrays = sorted(set(self.members) - {"header"})
+
+    def __enter__(self) -> _ModelArchive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.zf.close()
+
+    def read(self, name: str, dtype: np.dtype, max_bytes: int | None = None) -> np.ndarray:
+        """The 1-D array ``name``, after checking its ``.npy`` header: ``dtype`` exactly, C order,
+        and ``length * itemsize`` equal to the member's remaining bytes (at most ``max_bytes``)."""
+        where = f"{self.path}: array {name}"
+        try:
+            with self.zf.open(self.members[name]) as fh:
+                version = np.lib.format.read_magic(fh)
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, fortran, got = read_header(fh)
+                data_bytes = self.members[name].file_size - fh.tell()
+                if got != dtype or fortran or len(shape) != 1:
+                    raise ModelFileError(f"{where}: {got} {shape} (fortran order {fortran}); expected 1-D {dtype}")
+                if shape[0] * dtype.itemsize != data_bytes or (max_bytes is not None and data_bytes > max_bytes):
+                    raise ModelFileError(
+                        f"{where}: shape {shape} needs {shape[0] * dtype.itemsize:,} bytes; the member holds {data_bytes:,}"
+                    )
+                out = np.empty(shape[0], dtype=dtype)
+                got_bytes = fh.readinto(memoryview(out).cast("B")) if out.size else 0
+                if got_bytes != data_bytes or fh.read(1):  # the read past the end checks the CRC
+                    raise ModelFileError(f"{where}: truncated member")
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            if isinstance(e, ModelFileError):
+                raise
+            raise ModelFileError(f"{where}: unreadable ({type(e).__name__}: {e})") from None
+        return out
+
+
+def _open_model_file(path: str | os.PathLike[str]) -> _ModelArchive:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ModelFileError(f"{path}: model file not found")
+    if not p.is_file():  # a device, a FIFO, a folder: nothing to read a size from
+        raise ModelFileError(f"{path}: not a regular file (a model file is a .npz)")
     try:
-        npz = np.load(p, allow_pickle=False)
+        with open(p, "rb") as fh:
+            if fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+                raise ModelFileError(f"{path}: not an h5corpus n-gram model (a bare .npy array)")
+        zf = zipfile.ZipFile(p)
+        return _ModelArchive(path, zf, p.stat().st_size)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        if isinstance(e, ModelFileError):
+            raise
         raise ModelFileError(f"{path}: not an h5corpus n-gram model ({type(e).__name__}: {e})") from None
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise ModelFileError(f"{path}: not an h5corpus n-gram model (a bare .npy array)")
-    return npz
 
 
-def _header(path, npz) -> dict[str, Any]:
-    if "header" not in npz.files:
+def _header(archive: _ModelArchive) -> dict[str, Any]:
+    path = archive.path
+    if "header" not in archive.members:
         raise ModelFileError(f"{path}: not an h5corpus n-gram model (no header)")
+    raw = archive.read("header", _DTYPES["header"], max_bytes=MAX_HEADER_BYTES)
     try:
-        header = json.loads(npz["header"].tobytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise ModelFileError(f"{path}: unreadable model header ({type(e).__name__}: {e})") from None
+        header = json.loads(raw.tobytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ModelFileError(f"{path}: unreadable model header ({type(e).__name__})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ModelFileError(f"{path}: not an h5corpus n-gram model (header format is not {FORMAT!r})")
     if header.get("format_version") != FORMAT_VERSION:
@@ -419,7 +513,9 @@ def _header(path, npz) -> dict[str, Any]:
     units = header.get("units")
     if not isinstance(units, dict) or units.get("version") != UNITS_VERSION:
         raise ModelFileError(f"{path}: model units {units!r}; this h5corpus segments units version {UNITS_VERSION}")
-    order = header.get("order")
-    if not isinstance(order, int) or not 1 <= order <= MAX_ORDER or not isinstance(header.get("unk_log_prob"), float):
-        raise ModelFileError(f"{path}: bad order or unk_log_prob in the header")
+    order, unk = header.get("order"), header.get("unk_log_prob")
+    if type(order) is not int or not 1 <= order <= MAX_ORDER:
+        raise ModelFileError(f"{path}: header field 'order' = {order!r}: must be an integer 1..{MAX_ORDER}")
+    if type(unk) is not float or not -np.inf < unk <= 0.0:
+        raise ModelFileError(f"{path}: header field 'unk_log_prob' = {unk!r}: must be a finite float <= 0")
     return header

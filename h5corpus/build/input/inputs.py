@@ -169,7 +169,8 @@ class BadRecord:
     reason: str
     code: str
     """Kind: invalid_utf8, invalid_unicode, malformed_json, not_object, missing_field, not_string,
-    unreadable."""
+    too_long (over the record limit), unreadable, truncated, changed (the file changed while the
+    build read it: always stops the build)."""
     fatal: bool = False
     """True when the rest of the task could not be read (corrupt stream, unreadable file)."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import zlib
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import DEFAULT_MAX_RECORD_BYTES
 from .hfrecords import read_records as read_dataset_records
 from .inputs import DATASETS_KIND_PREFIX, BadRecord, Doc, SourceFile, Task, datasets_record_location
 from .sources import open_parquet
@@ -170,6 +172,133 @@ def _texts_of(lines: list[bytes], field: str) -> list[str] | None:
     return texts if set(map(type, texts)) <= {str} else None
 
 
+class _Changed(Exception):
+    """The file is not the one planned: its size or modification time changed during the build."""
+
+
+def _check_unchanged(fh: Any, f: SourceFile) -> None:
+    """Raise :class:`_Changed` when the open file ``fh`` no longer has the size and modification
+    time recorded when the build planned it (a local file cut short, grown or rewritten)."""
+    st = os.fstat(fh.fileno())
+    if st.st_size != f.size or (f.mtime_ns and st.st_mtime_ns != f.mtime_ns):
+        raise _Changed(
+            f"the file changed while the build read it ({f.size:,} bytes when planned, now {st.st_size:,}"
+            f"{'' if st.st_mtime_ns == f.mtime_ns else ', modified since'}); re-run the build once it is complete"
+        )
+
+
+class _LineCutter:
+    """The lines of one JSONL task, out of a stream's blocks, holding at most ``limit`` bytes of a
+    line that has not ended: a longer line is reported as a :class:`BadRecord` (``too_long``)
+    naming its line and byte offset, and passed over without being kept. ``pos`` is the byte
+    offset (in the decompressed stream) where the current line starts; ``lineno`` the lines of
+    the task before it."""
+
+    def __init__(self, stream: _JsonlStream, at: _LineNumbers, limit: int) -> None:
+        self.stream, self.at, self.limit = stream, at, limit
+        self.f = at.f
+        self.pos = 0
+        self.lineno = 0
+        self.pending: list[bytes] = []  # pieces of the current line (one join when it ends)
+        self.pending_bytes = 0
+
+    def _first_block(self, task: Task) -> bytes:
+        """Position the stream at the task's first line; return the first block from there."""
+        read, fh = self.stream.read, self.stream.fh
+        if task.kind == "jsonl" and task.start > 0:
+            fh.seek(task.start - 1)
+            self.pos = task.start
+            if fh.read(1) != b"\n":  # this line belongs to the previous range: pass over it
+                rest = self._past_newline(read(_JSONL_BLOCK))
+                self.at.first = self.pos
+                return rest
+            self.at.first = self.pos
+            return read(_JSONL_BLOCK)
+        block, self.pos = _read_past_bom(read)  # pos: bytes of the file, the BOM included
+        return block
+
+    def _past_newline(self, block: bytes) -> bytes:
+        """Read on from ``block`` to just after the next newline, keeping nothing; ``pos`` moves
+        with it. Returns what follows the newline (``b""`` at the end of the stream)."""
+        while block:
+            nl = block.find(b"\n")
+            if nl >= 0:
+                self.pos += nl + 1
+                return block[nl + 1 :] or self.stream.read(_JSONL_BLOCK)
+            self.pos += len(block)
+            if self.stream.kind == "jsonl" and self.pos > self.f.size:
+                raise _Changed(f"the file grew past its planned {self.f.size:,} bytes while the build read it")
+            block = self.stream.read(_JSONL_BLOCK)
+        return block
+
+    def _too_long(self, n: int, at_byte: int) -> BadRecord:
+        return BadRecord(
+            self.at.where(n),
+            f"record longer than {self.limit:,} bytes (--max-record-bytes) at byte offset {at_byte:,}",
+            "too_long",
+        )
+
+    def _runs(self, lines: list[bytes]) -> Iterator[tuple[int, list[bytes]] | BadRecord]:
+        """``(lines before them, lines)`` of the task's next ``lines``, a too-long one in between as
+        its :class:`BadRecord`; ``lineno`` and ``pos`` move past them."""
+        if lines and max(map(len, lines)) > self.limit:
+            first, start = 0, self.pos
+            for i, line in enumerate(lines):
+                if len(line) > self.limit:
+                    if i > first:
+                        yield self.lineno + first, lines[first:i]
+                    yield self._too_long(self.lineno + i + 1, start)
+                    first = i + 1
+                start += len(line) + 1
+            if first < len(lines):
+                yield self.lineno + first, lines[first:]
+        elif lines:
+            yield self.lineno, lines
+        self.lineno += len(lines)
+        self.pos += sum(map(len, lines)) + len(lines)  # each line and its newline
+
+    def lines(self, task: Task) -> Iterator[tuple[int, list[bytes]] | BadRecord]:
+        """The task's lines (empty and blank ones included) as ``(lines before them, lines)``, a
+        block read at a time (a line belongs to the task when it starts before ``task.stop``)."""
+        read = self.stream.read
+        stop = task.stop if task.kind == "jsonl" else -1
+        block = self._first_block(task)
+        while True:
+            if not block:
+                self.stream.check_end()
+                if self.stream.kind == "jsonl":
+                    _check_unchanged(self.stream.fh, self.f)
+                tail = [b"".join(self.pending)] if self.pending else []
+                self.pending, self.pending_bytes = [], 0
+                yield from self._runs(tail)
+                return
+            if b"\n" not in block:
+                if stop >= 0 and self.pos >= stop:
+                    return  # the line starting here belongs to the next task
+                self.pending.append(block)
+                self.pending_bytes += len(block)
+                if self.pending_bytes > self.limit:
+                    yield self._too_long(self.lineno + 1, self.pos)
+                    self.pos += self.pending_bytes
+                    self.pending, self.pending_bytes = [], 0
+                    self.lineno += 1
+                    block = self._past_newline(read(_JSONL_BLOCK))
+                    continue
+                block = read(_JSONL_BLOCK)
+                continue
+            if self.pending:
+                self.pending.append(block)
+                block = b"".join(self.pending)
+            lines = block.split(b"\n")
+            last = lines.pop()
+            self.pending, self.pending_bytes = ([last], len(last)) if last else ([], 0)
+            if stop >= 0 and self.pos + sum(map(len, lines)) + len(lines) > stop:  # the range ends here
+                yield from self._runs(lines[: _lines_starting_before(lines, self.pos, stop)])
+                return
+            yield from self._runs(lines)
+            block = read(_JSONL_BLOCK)
+
+
 class TaskReader:
     """Stream one task's records: documents ``(text, utf8_bytes)`` (text possibly empty) or
     :class:`BadRecord`.
@@ -177,9 +306,19 @@ class TaskReader:
     Lines that are empty or whitespace only are not records (they are passed over silently).
     """
 
-    def __init__(self, task: Task, text_field: str = "text", *, parquet_batch_rows: int = 0) -> None:
+    def __init__(
+        self,
+        task: Task,
+        text_field: str = "text",
+        *,
+        parquet_batch_rows: int = 0,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    ) -> None:
         self.task = task
         self.text_field = text_field
+        self.max_record_bytes = int(max_record_bytes)
+        """Longest record read, in bytes (a JSON line, a parquet cell, a ``.txt`` file); a longer
+        one is a :class:`BadRecord` (``too_long``), never held in memory whole."""
         self.parquet_batch_rows = parquet_batch_rows or PARQUET_BATCH_ROWS
         """Rows per parquet read batch (a reader that needs only the first rows takes fewer)."""
 
@@ -230,6 +369,11 @@ class TaskReader:
         return self._jsonl_record_slow(line, where)
 
     def _jsonl_record_slow(self, line: bytes, where) -> Doc | BadRecord:
+        nul = line.find(b"\0")
+        if nul >= 0:  # lenient about other raw control characters, not about NUL: a sign of binary data
+            return BadRecord(
+                where(), f"raw NUL byte at offset {nul} of the line (JSON writes it \\u0000)", "malformed_json"
+            )
         try:
             s = line.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -312,68 +456,29 @@ class TaskReader:
 
     def _jsonl_blocks(self, at: _LineNumbers) -> Iterator[tuple[int, list[bytes]] | BadRecord]:
         """The task's lines (empty and blank ones included), a block read at a time, as (lines
-        before them, lines); a fatal :class:`BadRecord` where the stream breaks off or cannot be read."""
-        t = self.task
-        f = t.files[0]
-        lineno = 0
+        before them, lines); a too-long line as its :class:`BadRecord`; a fatal one where the
+        stream breaks off, cannot be read, or the file changed since the build planned it."""
+        f = self.task.files[0]
         try:
             stream = _JsonlStream.open(f)
         except OSError as e:
             yield BadRecord(f.name, f"cannot open ({e.strerror or e})", "unreadable", fatal=True)
             return
-        pending: list[bytes] = []  # pieces of a line that continues in the next block
         with stream:
-            read = stream.read
+            cut = _LineCutter(stream, at, self.max_record_bytes)
             try:
-                fh = stream.fh
-                if t.kind == "jsonl" and t.start > 0:
-                    fh.seek(t.start - 1)
-                    if fh.read(1) != b"\n":
-                        fh.readline()  # this line belongs to the previous range
-                pos = at.first = fh.tell() if t.kind == "jsonl" else 0
-                stop = t.stop if t.kind == "jsonl" else -1
-                # Read in blocks and split them into lines (a line belongs to the task when it starts
-                # before ``stop``); far fewer calls than readline() per record.
-                if pos == 0:
-                    block, pos = _read_past_bom(read)  # pos: bytes of the file, the BOM included
-                else:
-                    block = read(_JSONL_BLOCK)
-                eof = False
-                while not eof:
-                    if not block:
-                        stream.check_end()
-                        eof = True
-                        lines = [b"".join(pending)] if pending else []
-                    elif b"\n" not in block:
-                        pending.append(block)  # joined once, when the line ends: linear in its length
-                        block = read(_JSONL_BLOCK)
-                        continue
-                    else:
-                        if pending:
-                            pending.append(block)
-                            block = b"".join(pending)
-                        lines = block.split(b"\n")
-                        last = lines.pop()
-                        pending = [last] if last else []
-                    start, pos = pos, pos + sum(map(len, lines)) + len(lines)  # each line and its newline
-                    if stop >= 0 and pos > stop:  # the task's range ends in this block
-                        keep = _lines_starting_before(lines, start, stop)
-                        if keep:
-                            yield lineno, lines[:keep]
-                        return
-                    if lines:
-                        yield lineno, lines
-                        lineno += len(lines)
-                    block = read(_JSONL_BLOCK)
+                yield from cut.lines(self.task)
+            except _Changed as e:
+                yield BadRecord(at.where(cut.lineno + 1), str(e), "changed", fatal=True)
             except (_Truncated, EOFError) as e:  # gzip's reader raises EOFError
-                lineno += 1
-                yield BadRecord(
-                    at.where(lineno), _truncation(stream, e, lineno - 1, bool(pending)), "truncated", fatal=True
-                )
+                reason = _truncation(stream, e, cut.lineno, bool(cut.pending))
+                yield BadRecord(at.where(cut.lineno + 1), reason, "truncated", fatal=True)
             except (OSError, ValueError, _StreamError, *stream.errors) as e:  # a corrupt stream, an I/O error
-                lineno += 1
                 yield BadRecord(
-                    at.where(lineno), f"unreadable from here on ({type(e).__name__}: {e})", "unreadable", fatal=True
+                    at.where(cut.lineno + 1),
+                    f"unreadable from here on ({type(e).__name__}: {e})",
+                    "unreadable",
+                    fatal=True,
                 )
 
     # parquet ------------------------------------------------------------------------------------
@@ -416,7 +521,7 @@ class TaskReader:
             )
             for batch in batches:
                 col = batch.column(0)
-                yield from _string_chunks(col, f"{f.name} row ", row, fld)
+                yield from _bounded_chunks(col, f"{f.name} row ", row, fld, self.max_record_bytes)
                 row += len(col)
         except Exception as e:
             yield BadRecord(
@@ -425,12 +530,21 @@ class TaskReader:
 
     # text ---------------------------------------------------------------------------------------
     def _text(self) -> Iterator[Doc | BadRecord]:
+        limit = self.max_record_bytes
         for f in self.task.files:
             try:
                 with open(f.path, "rb") as fh:
-                    raw = fh.read()
+                    _check_unchanged(fh, f)
+                    raw = fh.read(limit + 1) if f.size <= limit else b""
+            except _Changed as e:
+                yield BadRecord(f.name, str(e), "changed", fatal=True)
+                return
             except OSError as e:
                 yield BadRecord(f.name, f"cannot read ({e.strerror or e})", "unreadable")
+                continue
+            if f.size > limit or len(raw) > limit:
+                reason = f"a file of {max(f.size, len(raw)):,} bytes, longer than {limit:,} (--max-record-bytes)"
+                yield BadRecord(f.name, reason, "too_long")
                 continue
             try:
                 yield raw.decode("utf-8"), raw
@@ -512,6 +626,49 @@ def _string_chunks(col: Any, where: str, row: int, fld: str) -> Iterator[DocChun
         yield run, [x.encode("utf-8") for x in run]
 
 
+def _cell_bytes(col: Any) -> Any:
+    """int64 UTF-8 bytes of every value of a string row batch (0 for a null), without decoding a
+    dictionary-encoded column (its values' lengths, taken by index)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(col.type):
+        lengths = pc.binary_length(col.dictionary).take(col.indices)
+    elif pa.types.is_string_view(col.type):  # 16-byte views, the length first
+        views = np.frombuffer(col.buffers()[1], dtype=np.int32).reshape(-1, 4)
+        return views[col.offset : col.offset + len(col), 0].astype(np.int64)
+    else:
+        lengths = pc.binary_length(col)
+    return lengths.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _bounded_chunks(col: Any, where: str, row: int, fld: str, limit: int) -> Iterator[DocChunk | BadRecord]:
+    """:func:`_string_chunks` of a row batch whose values may exceed ``limit`` bytes: such a value
+    is a :class:`BadRecord` (``too_long``), never decoded; the others are decoded in runs of at
+    most ``limit`` bytes, so a dictionary-encoded column that repeats one long value is never
+    decoded all at once."""
+    n = _cell_bytes(col)
+    if n.size == 0 or (int(n.max()) <= limit and int(n.sum()) <= max(limit, 1 << 28)):
+        yield from _string_chunks(col, where, row, fld)  # the common case: nothing to split
+        return
+    a, total = 0, 0
+    for i in range(n.size + 1):  # a Python step per row only for a batch holding a too-long value
+        if i < n.size and n[i] <= limit and total + n[i] <= limit:
+            total += int(n[i])
+            continue
+        if i > a:
+            yield from _string_chunks(col.slice(a, i - a), where, row + a, fld)
+        if i == n.size:
+            return
+        if n[i] > limit:
+            reason = f"record longer than {limit:,} bytes (--max-record-bytes): {int(n[i]):,} bytes"
+            yield BadRecord(f"{where}{row + i}", reason, "too_long")
+            a, total = i + 1, 0
+        else:
+            a, total = i, int(n[i])
+
+
 def _rows_one_by_one(col: Any, where: str, row: int, fld: str) -> Iterator[DocChunk | BadRecord]:
     for i in range(len(col)):
         try:
@@ -534,8 +691,10 @@ class LocatingReader(TaskReader):
     lines before the task's byte range is given (``newlines_before``, counted once per file by
     :func:`newlines_before`) instead of re-reading the file prefix for every task."""
 
-    def __init__(self, task: Task, text_field: str, newlines_before: int) -> None:
-        super().__init__(task, text_field)
+    def __init__(
+        self, task: Task, text_field: str, newlines_before: int, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    ) -> None:
+        super().__init__(task, text_field, max_record_bytes=max_record_bytes)
         self._newlines_before = int(newlines_before)
         self._where: Any = None
 
@@ -588,14 +747,23 @@ def newlines_before(tasks: Sequence[Task]) -> dict[int, int]:
     return out
 
 
-def sample_texts(tasks: Sequence[Task], text_field: str, limit_chars: int, per_task: int) -> list[str]:
+def sample_texts(
+    tasks: Sequence[Task],
+    text_field: str,
+    limit_chars: int,
+    per_task: int,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> list[str]:
     """The first documents of each task in input order (whole documents, the last one of a task
     cut at a line break), up to ``per_task`` characters per task and ``limit_chars`` in all."""
     out: list[str] = []
     total = 0
     for t in tasks:
         here = 0
-        for rec in TaskReader(t, text_field, parquet_batch_rows=SAMPLE_PARQUET_BATCH_ROWS):
+        reader = TaskReader(
+            t, text_field, parquet_batch_rows=SAMPLE_PARQUET_BATCH_ROWS, max_record_bytes=max_record_bytes
+        )
+        for rec in reader:
             if isinstance(rec, BadRecord) or not rec[0]:
                 continue
             text = rec[0]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import glob as globlib
 import os
 import re
+import stat
 import sys
 import sysconfig
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hub import hf_cache_dir as hub_cache_dir
-from ..hub import hub_offline
+from ..hub import hub_offline, hub_unreachable
 from .hfdatasets import (
     hub_files_to_read,
     plan_dataset_tasks,
@@ -66,6 +67,9 @@ EXTENSIONS = {
 }
 STDLIB_SPEC = "stdlib"
 HF_PREFIX = "hf://"
+#: A hub organisation or dataset name (the hub's own rule: no ``..`` or ``--``, no leading or
+#: trailing ``-``/``.``, at most 96 characters).
+_HF_NAME_RE = re.compile(r"(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 _HF_RE = re.compile(r"^hf://datasets/(?P<org>[^/@]+)/(?P<name>[^/@]+)@(?P<rev>[^/]+)(?:/(?P<path>.*))?$")
 #: Files that make a folder a ``datasets`` ``save_to_disk`` folder (read as one dataset).
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
@@ -86,6 +90,8 @@ def _local_file(name: str, path: Path, kind: str) -> SourceFile:
         st = path.stat()
     except OSError as e:
         raise SourceError(f"{name}: cannot stat ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):  # /dev/zero, a FIFO: no size, no end, or not readable twice
+        raise SourceError(f"{name}: not a regular file (devices, FIFOs and sockets cannot be read as a SOURCE)")
     return SourceFile(name=name, path=str(path.absolute()), kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
@@ -111,12 +117,20 @@ def parse_hf_spec(spec: str) -> tuple[str, str, str]:
             f"{spec}: a hub source is hf://datasets/ORG/NAME@REVISION/PATH, e.g. "
             "hf://datasets/HuggingFaceFW/fineweb@9bb295ddab0e05d785b879661af7260fed5140fc/sample/10BT"
         )
+    for part in (m["org"], m["name"]):
+        if not _HF_NAME_RE.fullmatch(part):
+            raise SourceError(
+                f"{spec}: {part!r} is not a hub repository name (letters, digits, '-', '_', '.'; no '..' or '--')"
+            )
+    sub = (m["path"] or "").strip("/")
+    if any(part in (".", "..") for part in sub.split("/")):
+        raise SourceError(f"{spec}: the path inside the repository may not hold '.' or '..' components")
     rev = m["rev"]
     if not re.fullmatch(r"[0-9a-f]{40}", rev):
         raise SourceError(
             f"{spec}: pin the dataset to a commit (40 hex digits after '@'), not {rev!r}, so the build is reproducible"
         )
-    return f"{m['org']}/{m['name']}", rev, (m["path"] or "").strip("/")
+    return f"{m['org']}/{m['name']}", rev, sub
 
 
 def _hub_listing(local: Path, snap: Path, sub: str) -> list[tuple[str, Path]]:
@@ -139,13 +153,21 @@ def _resolve_hf(spec: str, cache_dir: Path) -> Input:
     meta: dict[str, Any] = {"repo": repo, "revision": rev, "path": sub}
     snap = cache_dir / f"datasets--{repo.replace('/', '--')}" / "snapshots" / rev
     local = snap / sub if sub else snap
-    listing = _hub_listing(local, snap, sub)
+    try:
+        listing = _hub_listing(local, snap, sub)
+    except OSError as e:  # a path too long for the file system, a cache folder that cannot be read
+        raise SourceError(f"{spec}: cannot look in the local Hugging Face cache ({e.strerror or e})") from None
     if listing:
         fmt, chosen = hub_files_to_read(spec, [n for n, _ in listing])
         files = [_local_file(listing[i][0], listing[i][1], kind) for i, kind in chosen]
         return _hub_input(spec, fmt, files, meta)
     if hub_offline():
         raise SourceError(f"{spec}: not in the local Hugging Face cache ({local}) and HF_HUB_OFFLINE is set")
+    unreachable = hub_unreachable()
+    if unreachable:  # fail now: the hub client would retry for many seconds before giving up
+        raise SourceError(
+            f"{spec}: not in the local Hugging Face cache ({local}) and the hub could not be reached ({unreachable})"
+        )
     try:
         from huggingface_hub import HfFileSystem
 

@@ -191,7 +191,7 @@ def _take_encoder(target: Target, tasks: Sequence[Task]) -> EncoderChoice:
     if loading is None:
         return EncoderChoice(encoder=reference, reference=reference)
     cfg = target.cfg
-    sample = sample_texts(tasks, cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS)
+    sample = sample_texts(tasks, cfg.text_field, PROOF_SAMPLE_CHARS, PROOF_SAMPLE_TASK_CHARS, int(cfg.max_record_bytes))
     library_versions(), source_sha256()  # computed once per process; the proof's cache key
     fast, why = loading.result()
     if fast is None:
@@ -214,6 +214,7 @@ def make_plan(target: Target, tasks: Sequence[Task], encoder: Encoder, decider: 
         text_field=cfg.text_field,
         split=SplitRule(int(cfg.split_seed), float(cfg.validation_fraction)),
         on_error=cfg.on_error,
+        max_record_bytes=int(cfg.max_record_bytes),
         chunk_tokens=int(cfg.chunk_tokens),
         shard_tokens=int(cfg.shard_tokens),
         max_document_tokens=None if cfg.max_document_tokens is None else int(cfg.max_document_tokens),

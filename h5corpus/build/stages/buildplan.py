@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from ...filters.pipeline import DocumentFilter
 from ...storage.format import TokenizerIdentity
-from ..config import BuildConflict, SplitRule
+from ..config import DEFAULT_MAX_RECORD_BYTES, BuildConflict, SplitRule
 from ..input.sources import Task
 from ..tokenize.encoders import Encoder, encoder_named
 from ..tokenize.tokenizer import Tokenizer
@@ -101,6 +101,8 @@ class BuildPlan:
     """Absolute path of the ``--explain-drops`` file, when asked for."""
     perplexity_scores: str | None = None
     """Absolute path of the ``--perplexity-scores`` file, when asked for."""
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """Longest record the read stage reads (:attr:`BuildConfig.max_record_bytes`)."""
     version: int = PLAN_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -133,6 +135,7 @@ class BuildPlan:
 
 _OPTIONAL_FIELDS = (
     "decide_buckets",
+    "max_record_bytes",
     "manifest",
     "sources",
     "explain_drops",

@@ -319,6 +319,8 @@ class _TaskRead:
 
     def bad(self, rec: BadRecord) -> None:
         """A record that is not a document: stop the build, or count and list it (``skip``)."""
+        if rec.code == "changed":  # not a bad record: the input is not the one planned
+            raise BuildError(str(rec))
         if self.ctx.plan.on_error == OnError.FAIL:
             raise BuildError(f"{rec} (pass --on-error skip to skip and count bad records)")
         self.skipped[int(self.rule.indices([hashlib.sha256(rec.where.encode()).digest()])[0])] += 1
@@ -526,10 +528,12 @@ def read_task(ctx: StageContext, index: int) -> ReadRecord:
     run = _TaskRead(ctx, task.label, out)
     try:
         if plan.explain:
-            reader: TaskReader = LocatingReader(task, plan.text_field, plan.newlines_before.get(index, 0))
+            reader: TaskReader = LocatingReader(
+                task, plan.text_field, plan.newlines_before.get(index, 0), plan.max_record_bytes
+            )
             _read_records(run, reader, reader.location)  # type: ignore[attr-defined]
         else:
-            _read_records(run, TaskReader(task, plan.text_field), None)
+            _read_records(run, TaskReader(task, plan.text_field, max_record_bytes=plan.max_record_bytes), None)
         cands = out.close()  # every candidate durable before the record that lists it
         ctx.step("read-candidates")
         docs_sha, sig_sha, meta_sha = out.publish()

@@ -29,18 +29,15 @@ import hashlib
 import importlib.metadata as md
 import json
 import os
-import socket
 import tempfile
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from ...storage.format import TokenizerIdentity
-from ..hub import hf_cache_dir, hub_offline
+from ..hub import hf_cache_dir, hub_offline, hub_unreachable
 
 GPT2_REPO = "openai-community/gpt2"
 #: The pinned revision of :data:`GPT2_REPO` that the ``gpt2`` spec loads.
@@ -110,39 +107,6 @@ def bytes_tokenizer_json() -> str:
 
 
 # -- loading --------------------------------------------------------------------------------------
-#: Seconds the network probe of :func:`hub_unreachable` may take (name lookup plus connect).
-HUB_PROBE_TIMEOUT_S = 3.0
-
-
-def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str:
-    """Why the Hugging Face hub (``$HF_ENDPOINT``, or the HTTPS proxy when one is set) cannot be
-    reached, or "" when a TCP connection to it opens within ``timeout_s``. A name lookup that hangs
-    (no route to the resolver) counts as unreachable: it runs on a daemon thread that is not waited
-    for beyond the timeout."""
-    proxy = next(
-        (os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), ""
-    )
-    url = urlsplit(
-        proxy
-        if "://" in proxy
-        else (f"http://{proxy}" if proxy else os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    )
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
-    result: list[str] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-            result.append("")
-        except OSError as e:
-            result.append(f"{'proxy ' if proxy else ''}{host}:{port}: {e.strerror or e}")
-
-    t = threading.Thread(target=probe, name="h5corpus-hub-probe", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return result[0] if result else f"{host}:{port}: no answer within {timeout_s:g} s"
-
-
 def _fetch_gpt2_json(cache_dir: Path) -> Path:
     from huggingface_hub import hf_hub_download
 
