@@ -90,8 +90,8 @@ def check_path_arg(option: str, path: Path | None) -> None:
     if path is not None:
         try:
             os.stat(path)
-        except FileNotFoundError:
-            pass
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # the checks of each command name these
         except OSError as e:
             raise fail(f"{option}: {path}: {e.strerror or e}", EXIT_USAGE) from None
 

@@ -155,4 +155,4 @@ def test_parquet_and_jsonl_of_the_same_texts_store_the_same_documents_in_the_sam
         a, b = built[0][split], built[1][split]
         assert [d[0] for d in a] == [d[0] for d in b] and all((x[1] == y[1]).all() for x, y in zip(a, b))
     stored = {d[0] for s in built[0].values() for d in s}
-    assert stored == {hashlib.sha256(t.encode()).digest() for t in many if t}
+    assert stored == {hashlib.sha256(t.encode()).digest()[:16] for t in many if t}  # 128 bits stored (format v3)
