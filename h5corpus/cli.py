@@ -607,7 +607,8 @@ def build_command(f: dict[str, Any]) -> int:
 
 def _check_build_flags(f: dict[str, Any], srcs: list[str]) -> None:
     for i, src in enumerate(srcs):
-        check_path_arg(f"SOURCE {i + 1}", Path(src))
+        if not _URL.match(src):  # hf:// specs are checked (and named whole) by the sources
+            check_path_arg(f"SOURCE {i + 1}", Path(src))
     for name in ("shards_dir", "manifest", "explain_drops"):
         check_path_arg("--" + name.replace("_", "-"), f[name])
     if f["tokenizer"] is not None:
