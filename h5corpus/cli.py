@@ -39,8 +39,6 @@ from .build.stages.dispatch import main_stage, stage_status
 from .build.tokenize.tokenizer import TokenizerError
 from .filters import DocumentFilter, FilterConfig, parse_lang_codes
 from .filters.perplexity import MAX_ORDER, ModelFileError
-from .inspection import format_report as format_inspection
-from .inspection import inspect_corpus, plot_report
 from .qualitymodel import BadReference, score_sources, train_from_sources
 from .storage.format import FormatError
 from .storage.manifest import DEFAULT_MANIFEST
@@ -220,6 +218,10 @@ def _write_inspection(rep: Any, data: str, output: Path | None, plot: Path | Non
             output.write_text(data + "\n")
     except OSError as e:
         raise os_failure("write --output", e if e.filename else OSError(e.errno, e.strerror, str(output))) from None
+    # The commands that read batches import the loaders (and with them torch, ~2 s) when they run,
+    # so that build, validate and --help start without it.
+    from .inspection import plot_report
+
     try:
         if plot:
             plot_report(rep, plot)
@@ -248,6 +250,9 @@ def inspect_cli(
 
     CREATES: --output JSON and --plot PNG when given; nothing else.
     """
+
+    from .inspection import format_report as format_inspection
+    from .inspection import inspect_corpus  # loaders and torch: only for the commands that read batches
 
     _check_inspect_args(manifest, output, plot, mode, seq_len=seq_len, batch_size=batch_size, buffer=packing_buffer)
     try:
@@ -943,8 +948,7 @@ def plan_cli(
     rebuild: bool = typer.Option(False, "--rebuild", help="Rewrite plan files that already exist."),
 ) -> None:
     """Precompute the best-fit loader's epoch plans into --plan-dir (one file per epoch)."""
-    from .loaders.bestfit import write_plans
-    from .storage.format import FormatError
+    from .loaders.bestfit import write_plans  # loaders and torch: only for the commands that read batches
 
     check_path_arg("MANIFEST", manifest)
     check_local_manifest(manifest)

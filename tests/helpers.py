@@ -31,6 +31,7 @@ from testkit.corpora import (  # noqa: F401  (re-exported: the tests import them
     write_fineweb_parquet,
 )
 from testkit.tokenizers import (  # noqa: F401  (re-exported)
+    DEEP_PATTERN,
     TOKENIZER_FAMILIES,
     bpe_tokenizer_json,
     train_tokenizer_family,
