@@ -2,7 +2,7 @@
 
     python bench/bench_build.py [--corpus ../shared/corpora/dev] [--tokenizer ../shared/tokenizers/gpt2/tokenizer.json]
                                 [--copies 5] [--rounds 3] [--hf-copies 1] [--procs 2] [--out bench/results/build.json]
-    python bench/bench_build.py --families [--procs 2] [--out bench/results/build_families.json]
+    python bench/bench_build.py --families [--procs 2] [--out bench/results/build-families.json]
 
 ``--families`` measures each tokenizer family instead (bench/_families.py: the build with its fast
 encoder vs the build on ``tokenizers`` alone, raw ``tokenizers`` and the raw fast encoder, one run each).
@@ -257,7 +257,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             load = os.getloadavg()
             rows = family_rows(args.corpus, args.procs, Path(tmp), raw_hf, balanced)
-            emit({"benchmark": "build_families", "procs": args.procs, "load_before": load, "families": rows}, args.out)
+            figures = {
+                f"{r['family']} ({r['encoder']}) {args.procs}-worker build vs tokenizers-only build": (
+                    f"{r['build_speedup']:.2f}x ({r['build_tokens_per_s'] / 1e6:.2f} M vs "
+                    f"{r['build_tokenizers_only_tokens_per_s'] / 1e6:.2f} M tokens/s)"
+                )
+                for r in rows
+            }
+            report = {"benchmark": "build_families", "procs": args.procs, "load_before": load, "families": rows}
+            emit(report, args.out, figures=figures)
         return
 
     import fastokens

@@ -96,6 +96,16 @@ def measure(manifest: Path) -> dict:
     }
 
 
+def _figures(runs: list[dict]) -> dict[str, str]:
+    """The headline figures of docs/BENCHMARKS.md: open cost and bytes per token per corpus."""
+    figs = {}
+    for r in runs:
+        k = f"format v{r['version']}, {r['documents']:,} documents in {r['shards']} shards"
+        figs[k + ": open"] = f"{r['open_s']} s, RssAnon after open {r['rss_anon_mb_after_open']} MB"
+        figs[k + ": bytes per token"] = f"{r['bytes_per_token']}"
+    return figs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -116,7 +126,8 @@ def main() -> None:
     elif a.cmd == "measure":
         print(json.dumps(measure(a.manifest)))
     else:
-        emit({"bench": "bench_index_v3", "runs": [json.loads(p.read_text()) for p in a.inputs]}, a.out)
+        runs = [json.loads(p.read_text()) for p in a.inputs]
+        emit({"bench": "bench_index_v3", "runs": runs}, a.out, figures=_figures(runs))
 
 
 if __name__ == "__main__":
