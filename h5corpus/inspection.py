@@ -37,7 +37,6 @@ from .loaders.epochplan import default_packing_buffer, pack_fill
 from .storage import format as fmt
 from .storage.manifest import Manifest, read_manifest
 from .storage.reader import Corpus, open_corpus
-from .storage.readpaths import h5open
 
 #: Tokens read per block while streaming a shard.
 BLOCK_TOKENS = 1 << 22
@@ -194,9 +193,10 @@ class _Scan:
 
 
 def _shard_meta(corpus: Corpus, shard: int, name: str, n: int) -> np.ndarray:
-    """The first ``n`` rows of per-document dataset ``name`` (``doc_flags``, ``doc_ids``) of one shard."""
-    with h5open(corpus.paths[shard]) as f:
-        return f[name][:n]
+    """The first ``n`` rows of per-document dataset ``name`` (``doc_flags``, ``doc_ids``) of one
+    shard, checked by the reader (row counts, the manifest's index hash)."""
+    ids, flags = corpus.shard_doc_meta(shard)
+    return (flags if name == fmt.DOC_FLAGS else ids)[:n]
 
 
 def _scan_tokens(corpus: Corpus, a: int, b: int, ends: np.ndarray, scan: _Scan, progress) -> None:

@@ -1,5 +1,5 @@
 """Running a command against a hostile input and measuring what it cost: exit code, output, and
-the peak resident memory of that process and its workers (``os.wait4``), with a wall-clock limit
+the peak resident memory of that process and its workers (measured by a small wrapper process), with a wall-clock limit
 so a hang fails the test instead of stalling the suite."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Measured:
     stderr: str
     peak_rss: int
     """Peak resident set size, in bytes, of the process or of the largest of the descendants it
-    waited for (worker processes included: Linux's ``wait4`` reports the larger of the two)."""
+    waited for (worker processes included: ``RUSAGE_CHILDREN`` of the wrapper that ran it)."""
     timed_out: bool
 
     def one_clear_error(self, code: int, *needles: str) -> str:
@@ -42,24 +42,43 @@ class Measured:
         return errors[0]
 
 
+#: Runs argv[2:] and writes the peak RSS (KiB) of it and its waited-for descendants to argv[1]. The
+#: measured command must be forked from a small process: Linux keeps a process's ``ru_maxrss``
+#: across exec, so a child forked straight from a large pytest would report pytest's own peak.
+_WRAP = """
+import os, resource, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+rc = subprocess.call(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+if rc < 0:
+    signal.signal(-rc, signal.SIG_DFL)
+    os.kill(os.getpid(), -rc)
+sys.exit(rc)
+"""
+
+
 def run_measured(
     args: list[str], *, cwd: Path | None = None, timeout: float = 180.0, env: dict | None = None
 ) -> Measured:
     """Run ``args`` (a command line; ``python -m h5corpus`` when it starts with ``h5corpus``)."""
     if args[0] == "h5corpus":
         args = [sys.executable, "-m", "h5corpus", *args[1:]]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(args, cwd=cwd, env=env or subprocess_env(), stdout=out, stderr=err)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile() as rss:
+        wrapped = [sys.executable, "-c", _WRAP, rss.name, *args]
+        proc = subprocess.Popen(
+            wrapped, cwd=cwd, env=env or subprocess_env(), stdout=out, stderr=err, start_new_session=True
+        )
         killed = threading.Event()
 
         def kill() -> None:
             killed.set()
-            proc.kill()
+            os.killpg(proc.pid, 9)
 
         timer = threading.Timer(timeout, kill)
         timer.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            _, status = os.waitpid(proc.pid, 0)
         finally:
             timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -69,7 +88,7 @@ def run_measured(
             proc.returncode,
             out.read().decode(errors="replace"),
             err.read().decode(errors="replace"),
-            usage.ru_maxrss * 1024,
+            int(Path(rss.name).read_text() or 0) * 1024,
             killed.is_set(),
         )
 

@@ -175,8 +175,11 @@ def reseal(manifest: Path, shard) -> None:
     if shard.sums_sha256 is None:
         return
     with h5py.File(path, "r") as f:
-        proof = fmt.sums_sha256(f[fmt.CHUNK_CHECKSUMS][:], f[fmt.OFFSETS_CHECKSUMS][:])
-    m.shards = [dataclasses.replace(e, sums_sha256=proof) if e.path == shard.path else e for e in m.shards]
+        sums = (f[fmt.CHUNK_CHECKSUMS][:], f[fmt.OFFSETS_CHECKSUMS][:])
+        proof = fmt.sums_sha256(*sums)
+        index = fmt.index_sha256(f[fmt.DOC_OFFSETS][:], f[fmt.DOC_IDS][:], f[fmt.DOC_FLAGS][:], *sums)
+    edit = {"sums_sha256": proof, "index_sha256": index}
+    m.shards = [dataclasses.replace(e, **edit) if e.path == shard.path else e for e in m.shards]
     write_manifest(manifest, m)
 
 

@@ -398,37 +398,42 @@ class Corpus:
         return self._doc_flags
 
     def _load_doc_meta(self) -> None:
-        """Read every shard's ids and flags (O(documents)); a finished version 3 shard's are proven
-        against the manifest's ``index_sha256`` first (its offsets and checksum tables re-read)."""
+        """Read every shard's ids and flags (O(documents)) through :meth:`shard_doc_meta`."""
         ids, flags = [np.zeros((0, fmt.stored_id_bytes(self.version)), np.uint8)], [np.zeros(0, np.uint8)]
         for s in range(self.num_shards):
-            n = int(self.shard_doc_starts[s + 1] - self.shard_doc_starts[s])
-            self._check_unchanged(s)
-            path = self._open_path(s)
-            try:
-                with h5open(path, live=not self._complete[s]) as f:
-                    if self._complete[s] and (f[fmt.DOC_IDS].shape[0], f[fmt.DOC_FLAGS].shape[0]) != (n, n):
-                        raise FormatError(
-                            f"{path}: /doc_ids and /doc_flags hold {f[fmt.DOC_IDS].shape[0]:,} and "
-                            f"{f[fmt.DOC_FLAGS].shape[0]:,} rows, manifest says {n:,} documents; run h5corpus validate"
-                        )
-                    ids.append(f[fmt.DOC_IDS][:n])
-                    flags.append(f[fmt.DOC_FLAGS][:n])
-                    if self.version >= 3 and self._complete[s] and self.verified:
-                        got = fmt.index_sha256(
-                            *(f[k][()] for k in (fmt.DOC_OFFSETS,)),
-                            ids[-1],
-                            flags[-1],
-                            *(f[k][()] for k in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS)),
-                        )
-                        if got != self.entries[s].index_sha256:
-                            raise FormatError(
-                                f"{path}: the index (/doc_offsets, /doc_ids, /doc_flags, checksums) differs from "
-                                "the manifest's index_sha256; run h5corpus validate"
-                            )
-            except (OSError, KeyError, RuntimeError) as e:  # RuntimeError: HDF5 metadata that fails its checksum
-                raise FormatError(f"{path}: cannot read document ids and flags ({e}); run h5corpus validate") from None
+            i, f = self.shard_doc_meta(s)
+            ids.append(i)
+            flags.append(f)
         self._doc_ids, self._doc_flags = np.concatenate(ids), np.concatenate(flags)
+
+    def shard_doc_meta(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """One shard's document ids ``(n, id bytes)`` and flags ``(n,)``, ``n`` its manifest count;
+        a finished version 3 shard's are proven against the manifest's ``index_sha256`` first (its
+        offsets and checksum tables re-read). Raises :class:`FormatError` naming the shard."""
+        self._check_pid()
+        n = int(self.shard_doc_starts[shard + 1] - self.shard_doc_starts[shard])
+        self._check_unchanged(shard)
+        path = self._open_path(shard)
+        try:
+            with h5open(path, live=not self._complete[shard]) as f:
+                rows = (f[fmt.DOC_IDS].shape[0], f[fmt.DOC_FLAGS].shape[0])
+                if self._complete[shard] and rows != (n, n):
+                    raise FormatError(
+                        f"{path}: /doc_ids and /doc_flags hold {rows[0]:,} and {rows[1]:,} rows, manifest says "
+                        f"{n:,} documents; run h5corpus validate"
+                    )
+                ids, flags = f[fmt.DOC_IDS][:n], f[fmt.DOC_FLAGS][:n]
+                if self.version >= 3 and self._complete[shard] and self.verified:
+                    sums = (f[k][()] for k in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS))
+                    got = fmt.index_sha256(f[fmt.DOC_OFFSETS][()], ids, flags, *sums)
+                    if got != self.entries[shard].index_sha256:
+                        raise FormatError(
+                            f"{path}: the index (/doc_offsets, /doc_ids, /doc_flags, checksums) differs from "
+                            "the manifest's index_sha256; run h5corpus validate"
+                        )
+        except (OSError, KeyError, RuntimeError) as e:  # RuntimeError: HDF5 metadata that fails its checksum
+            raise FormatError(f"{path}: cannot read document ids and flags ({e}); run h5corpus validate") from None
+        return ids, flags
 
     @property
     def fingerprint(self) -> str:
