@@ -78,8 +78,8 @@ class UnigramModel:
         vocab = model["vocab"]
         pieces = [p.encode("utf-8") for p, _ in vocab]
         scores = np.array([s for _, s in vocab], dtype=np.float64)
-        child_start, child_byte, child_node, term = build_trie(pieces)
-        self.trie = (child_start, child_byte, child_node, term)
+        self.trie = build_trie(pieces)
+        term = self.trie[3]
         self.term_score = np.where(term >= 0, scores[np.maximum(term, 0)], 0.0)
         self.unk_id = int(model["unk_id"])
         self.unk_score = float(scores.min()) - UNK_PENALTY
@@ -120,22 +120,28 @@ class UnigramEncoder:
 
     name = "unigram"
 
-    def __init__(self, tok: Tokenizer, model: UnigramModel | None = None) -> None:
+    def __init__(self, tok: Tokenizer, model: UnigramModel | None = None, json_text: str | None = None) -> None:
         self.tok = tok
-        self.json_text = tok.json_text
+        self.json_text = tok.json_text if json_text is None else json_text
+        """The ``tokenizer.json`` the model is read from (the tokenizer's own unless a test gave another)."""
         self._model = model
         self.fallbacks = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tok": self.tok}
+        return {"tok": self.tok, "json_text": self.json_text}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tok"])
+        self.__init__(state["tok"], json_text=state["json_text"])
 
     @classmethod
-    def load(cls, tok: Tokenizer) -> tuple[UnigramEncoder | None, str]:
-        """(encoder, "") or (None, why it does not encode with this tokenizer)."""
-        why = refusal(tok.json)
+    def load(cls, tok: Tokenizer, json_text: str | None = None) -> tuple[UnigramEncoder | None, str]:
+        """(encoder, "") or (None, why it does not encode with this Unigram tokenizer; "" for other
+        models). ``json_text``
+        (default: the tokenizer's own) is the model it runs; tests give another to make it differ."""
+        source = tok if json_text is None or json_text == tok.json_text else Tokenizer(tok.identity, json_text)
+        if (source.json.get("model") or {}).get("type") != "Unigram":
+            return None, ""  # not worth reporting: the other encoders' models
+        why = refusal(source.json)
         if why:
             return None, why
         try:
@@ -143,15 +149,18 @@ class UnigramEncoder:
         except ImportError:  # pragma: no cover - numba is a dependency
             return None, "numba is not installed"
         try:
-            model = UnigramModel(tok)
+            model = UnigramModel(source)
         except (ValueError, KeyError, TypeError) as e:
             return None, f"its model could not be read ({e})"
-        return cls(tok, model), ""
+        # Compile (or load from numba's cache, ~0.5 s) here: the build loads the fast encoder
+        # before it forks its workers, which then inherit the machine code.
+        model.encode_flat(["warm up"])
+        return cls(tok, model, json_text), ""
 
     @property
     def model(self) -> UnigramModel:
         if self._model is None:
-            enc, why = self.load(self.tok)
+            enc, why = self.load(self.tok, self.json_text)
             if enc is None:
                 raise TokenizerError(f"unigram encoder unavailable for {self.tok.identity.name!r}: {why}")
             self._model = enc._model
