@@ -596,7 +596,7 @@ def _unigram_variant(path: Path, **changes) -> str:
     """The trained Unigram JSON with ``changes``: ``bytes`` adds ``<0xXX>`` pieces (every byte, or
     those of ``range(bytes)``) with byte fallback on; ``prepend`` sets Metaspace's prepend_scheme;
     ``replacement`` its replacement character; ``duplicate`` repeats a piece at the end of the
-    vocabulary with another score (tokenizers keeps the last id)."""
+    vocabulary with another score (tokenizers keeps the last id); ``normalizer`` sets one."""
     d = json.loads(path.read_text(encoding="utf-8"))
     vocab = d["model"]["vocab"]
     if "bytes" in changes:
@@ -608,6 +608,8 @@ def _unigram_variant(path: Path, **changes) -> str:
         d["pre_tokenizer"]["replacement"] = d["decoder"]["replacement"] = changes["replacement"]
     if changes.get("duplicate"):
         vocab.append([vocab[40][0], vocab[40][1] + 3.0])
+    if "normalizer" in changes:
+        d["normalizer"] = changes["normalizer"]
     return json.dumps(d, ensure_ascii=False)
 
 
@@ -639,12 +641,26 @@ def test_unigram_gives_the_tokenizers_ids_on_the_whole_dev_corpus_and_hostile_te
         {"prepend": "first"},
         {"replacement": "_"},
         {"duplicate": True},
+        {"normalizer": {"type": "NFKC"}},
+        {"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFKD"}, {"type": "Lowercase"}]}},
+        {"normalizer": {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}},
     ],
-    ids=["byte-fallback", "some-bytes", "prepend-never", "prepend-first", "replacement-underscore", "duplicate-piece"],
+    ids=[
+        "byte-fallback",
+        "some-bytes",
+        "prepend-never",
+        "prepend-first",
+        "replacement-underscore",
+        "duplicate-piece",
+        "nfkc",
+        "nfkd-lowercase",
+        "spaces-replace",
+    ],
 )
 def test_unigram_follows_tokenizers_on_model_and_metaspace_variants(tmp_path, families, held_out, changes):
     """Byte fallback (all bytes, or some: then an unknown becomes the unknown id), the other
-    prepend schemes, another replacement character, a repeated piece: the same ids as
+    prepend schemes, another replacement character, a repeated piece, normalizers (NFKC; NFKD then
+    lowercase; runs of spaces made one, as T5's): the same ids as
     `tokenizers` on unseen text, the proof's texts and the edge cases, and the proof passes."""
     p = tmp_path / "tokenizer.json"
     p.write_text(_unigram_variant(families["metaspace_unigram"], **changes), encoding="utf-8")
@@ -663,7 +679,10 @@ def test_unigram_follows_tokenizers_on_model_and_metaspace_variants(tmp_path, fa
 @pytest.mark.parametrize(
     ("change", "why"),
     [
-        ({"normalizer": {"type": "NFKC"}}, "normalizer 'NFKC'"),
+        (
+            {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "WhitespaceSplit"}]}},
+            "'Sequence' is not Metaspace",
+        ),
         (
             {
                 "pre_tokenizer": {
@@ -678,10 +697,10 @@ def test_unigram_follows_tokenizers_on_model_and_metaspace_variants(tmp_path, fa
         ({"pre_tokenizer": {"type": "WhitespaceSplit"}}, "pre-tokenizer 'WhitespaceSplit' is not Metaspace"),
         ({"added_tokens": "non-special"}, "non-special added tokens"),
     ],
-    ids=["normalizer", "no-split", "other-pre-tokenizer", "added-token"],
+    ids=["pre-tokenizer-sequence", "no-split", "other-pre-tokenizer", "added-token"],
 )
 def test_unigram_is_refused_where_the_port_is_not_the_whole_pipeline(tmp_path, families, held_out, change, why):
-    """A normalizer, Metaspace without splitting, another pre-tokenizer, a non-special added token
+    """Metaspace inside a Sequence, Metaspace without splitting, another pre-tokenizer, a non-special added token
     (cut out of the text by tokenizers): the unigram encoder is refused with the reason, no fast
     encoder applies, and a build runs on `tokenizers` with its ids."""
     d = json.loads(families["metaspace_unigram"].read_text(encoding="utf-8"))

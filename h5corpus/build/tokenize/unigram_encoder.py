@@ -10,14 +10,15 @@ encoder runs ``tokenizers``' own algorithm (``encode_optimized`` and ``tokenize`
 line to numba (:mod:`h5corpus.build.tokenize.unigram_kernel`): float64 scores read back from
 ``tokenizers`` itself (its serialization round-trips them exactly), the same trie order, the same
 strict comparison, unknown-node fusion and byte fallback. What ``Metaspace`` does before the model is
-done here per document with ``str`` methods: every ``" "`` becomes the replacement character, which
-is prepended (``prepend_scheme`` ``always`` / ``first``) when the text does not start with it; the
-kernel splits the UTF-8 bytes before each replacement character (``split=True``,
-``MergedWithNext``) and encodes each word from a zero score, as ``tokenizers`` does.
+done here per document: the tokenizer's own normalizer (``normalize_str``, when it has one), then
+with ``str`` methods every ``" "`` becomes the replacement character, which is prepended
+(``prepend_scheme`` ``always`` / ``first``) when the text does not start with it; the kernel splits
+the UTF-8 bytes before each replacement character (``split=True``, ``MergedWithNext``) and encodes
+each word from a zero score, as ``tokenizers`` does.
 
 It is offered only where that is the whole pipeline (:func:`refusal`): a ``Unigram`` model with an
-unknown token, a ``Metaspace`` pre-tokenizer that splits, no normalizer, and special added tokens
-only (the build encodes special-token text as text, so none is cut out). Like every fast encoder it
+unknown token, a ``Metaspace`` pre-tokenizer that splits, and special added tokens only (the build
+encodes special-token text as text, so ``tokenizers`` cuts none out and normalizes the whole text). Like every fast encoder it
 is used only after :mod:`h5corpus.build.tokenize.proof` proved it equal to ``tokenizers`` on the
 build's own input; a document it raises on (text that is not valid UTF-8, such as a lone
 surrogate) goes to the reference and is counted.
@@ -51,8 +52,6 @@ def refusal(d: dict[str, Any]) -> str:
         return "Metaspace with split=false"
     if _prepend(pre) is None:
         return f"Metaspace prepend_scheme {pre.get('prepend_scheme')!r}"
-    if d.get("normalizer") is not None:
-        return f"normalizer {(d['normalizer'] or {}).get('type')!r} (only a tokenizer without one is ported)"
     if any(not t.get("special", False) for t in d.get("added_tokens") or ()):
         return "it has non-special added tokens (tokenizers cuts them out of the text)"
     return ""
@@ -60,7 +59,7 @@ def refusal(d: dict[str, Any]) -> str:
 
 def _prepend(pre: dict[str, Any]) -> bool | None:
     """Whether Metaspace prepends its replacement to a text (None: a scheme not ported). For a
-    whole document ``first`` is ``always``: the text is one split, starting at offset 0."""
+    whole document ``first`` is ``always``: the text is one split, whose original offset is 0."""
     scheme = pre.get("prepend_scheme")
     if scheme is None:  # tokenizers < 0.19 wrote add_prefix_space
         return bool(pre.get("add_prefix_space", True))
@@ -86,14 +85,16 @@ class UnigramModel:
         self.replacement = pre.get("replacement", "\u2581")
         self.sep = np.frombuffer(self.replacement.encode("utf-8"), dtype=np.uint8)
         self.prepend = bool(_prepend(pre))
+        self.normalizer = tok.hf.normalizer  # None without one
         ids = {p: i for i, (p, _) in enumerate(vocab)}  # the last id of a repeated piece, like tokenizers
         byte_ids = np.array([ids.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int64)
         self.byte_ids = byte_ids if model.get("byte_fallback") else np.zeros(0, dtype=np.int64)
 
     def prepare(self, text: str) -> bytes:
-        """``text`` as the kernel reads it: Metaspace's replacement and prefix, in UTF-8."""
+        """``text`` as the kernel reads it: normalized, Metaspace's replacement and prefix, in UTF-8."""
         r = self.replacement
-        t = text.replace(" ", r)
+        t = text if self.normalizer is None else self.normalizer.normalize_str(text)
+        t = t.replace(" ", r)
         if self.prepend and t and not t.startswith(r):
             t = r + t
         return t.encode("utf-8")
