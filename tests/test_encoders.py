@@ -757,3 +757,20 @@ def test_documents_the_unigram_kernel_raises_on_go_to_tokenizers_and_are_counted
     got = broken.encode_batch(texts)
     assert broken.fallbacks == len(texts)
     assert [a.tolist() for a in got] == [r.tolist() for r in reference_ids(tok.json_text, texts)]
+
+
+def test_unigram_word_cache_gives_the_same_ids_on_repeat_and_after_it_empties(families, held_out):
+    """Words are remembered per process: the same texts encoded again (every short word from the
+    cache) give the same ids; a cache so small that it empties again and again gives them too."""
+    from h5corpus.build.tokenize import unigram_kernel
+
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    enc, _ = UnigramEncoder.load(tok)
+    refs = [r.tolist() for r in reference_ids(tok.json_text, held_out)]
+    for _ in range(2):
+        assert [a.tolist() for a in enc.encode_batch(held_out)] == refs
+    slots, hashes, meta, keys, ids, used = unigram_kernel.new_word_cache()
+    enc.model.cache = (slots[:64], hashes[:32], meta[:32], keys[:256], ids[:128], used)
+    for _ in range(2):
+        assert [a.tolist() for a in enc.encode_batch(held_out)] == refs
+    assert 0 < used[0] <= 32

@@ -70,7 +70,7 @@ class UnigramModel:
     """The arrays the kernel reads, from ``tokenizers``' own serialization of the model."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        from .unigram_kernel import UNK_PENALTY, build_trie
+        from .unigram_kernel import UNK_PENALTY, build_trie, new_word_cache
 
         d = json.loads(tok.hf.to_str())  # scores as tokenizers holds them (serde writes them round-trip)
         model, pre = d["model"], d["pre_tokenizer"]
@@ -86,6 +86,7 @@ class UnigramModel:
         self.sep = np.frombuffer(self.replacement.encode("utf-8"), dtype=np.uint8)
         self.prepend = bool(_prepend(pre))
         self.normalizer = tok.hf.normalizer  # None without one
+        self.cache = new_word_cache()  # this process's (a forked worker gets a copy)
         ids = {p: i for i, (p, _) in enumerate(vocab)}  # the last id of a repeated piece, like tokenizers
         byte_ids = np.array([ids.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int64)
         self.byte_ids = byte_ids if model.get("byte_fallback") else np.zeros(0, dtype=np.int64)
@@ -108,7 +109,7 @@ class UnigramModel:
         buf = np.frombuffer(b"".join(datas), dtype=np.uint8)
         out = np.empty(max(buf.size, 1), dtype=np.uint32)
         offsets = np.zeros(len(datas) + 1, dtype=np.int64)
-        args = (self.trie, self.term_score, self.unk_id, self.unk_score, self.byte_ids)
+        args = (self.trie, self.term_score, self.unk_id, self.unk_score, self.byte_ids, self.cache)
         n = encode_docs(buf, doc_off, self.sep, *args, out, offsets)
         return out[:n].copy() if n < out.size // 2 else out[:n], offsets
 

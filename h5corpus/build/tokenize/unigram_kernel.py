@@ -26,6 +26,11 @@ UNK_PENALTY = 10.0
 #: Trie nodes (the shallowest, numbered first) whose children are also in a dense 256-wide table
 #: (4 MiB): one load per byte where most lookups happen, a binary search below.
 DENSE_NODES = 4096
+#: Words of at most this many bytes are remembered (:func:`new_word_cache`): a word's ids depend on
+#: its bytes alone, and most words of a corpus repeat.
+CACHE_WORD_BYTES = 48
+#: Slots of the word cache's hash table (a power of two; at most half of them are filled).
+CACHE_SLOTS = 1 << 18
 
 
 def build_trie(pieces: list[bytes]) -> tuple[np.ndarray, ...]:
@@ -198,12 +203,81 @@ def _emit_word(buf, a, size, trie, unk_id, byte_ids, start, ids, path, out, n):
     return n
 
 
+def new_word_cache() -> tuple[np.ndarray, ...]:
+    """An empty word cache (13 MiB): the ids of words already encoded, by their bytes. A hash
+    table of :data:`CACHE_SLOTS` slots (an entry number + 1; 0: empty), per entry its 64-bit hash,
+    key offset and length in a byte arena, ids offset and length in an id arena, and the counters
+    (entries, key bytes, ids used). When an arena or half the slots are full, it is emptied."""
+    entries = CACHE_SLOTS // 2
+    return (
+        np.zeros(CACHE_SLOTS, dtype=np.int64),
+        np.zeros(entries, dtype=np.uint64),
+        np.zeros((entries, 4), dtype=np.int64),
+        np.zeros(entries * 16, dtype=np.uint8),
+        np.zeros(entries * 8, dtype=np.uint32),
+        np.zeros(3, dtype=np.int64),
+    )
+
+
 @njit(cache=True, nogil=True)
-def encode_docs(buf, doc_off, sep, trie, term_score, unk_id, unk_score, byte_ids, out, out_off):
+def _hash(buf, a, b):
+    """FNV-1a (64-bit) of ``buf[a:b]``."""
+    h = np.uint64(14695981039346656037)
+    for k in range(a, b):
+        h = (h ^ np.uint64(buf[k])) * np.uint64(1099511628211)
+    return h
+
+
+@njit(cache=True, nogil=True)
+def _cached(buf, a, size, h, cache):
+    """The cache entry of the word ``buf[a:a + size]`` with hash ``h`` (-1: none), and the free slot
+    where it would go."""
+    slots, hashes, meta, keys = cache[0], cache[1], cache[2], cache[3]
+    mask = slots.size - 1
+    i = np.int64(h & np.uint64(mask))
+    while slots[i] != 0:
+        e = slots[i] - 1
+        if hashes[e] == h and meta[e, 1] == size:
+            ko = meta[e, 0]
+            same = True
+            for k in range(size):
+                if keys[ko + k] != buf[a + k]:
+                    same = False
+                    break
+            if same:
+                return e, i
+        i = (i + 1) & mask
+    return -1, i
+
+
+@njit(cache=True, nogil=True)
+def _remember(buf, a, size, h, slot, out, n0, n1, cache):
+    """Add the word ``buf[a:a + size]`` with ids ``out[n0:n1]`` at the free ``slot``; when the
+    cache is full, it is emptied first (so it follows the words of the text at hand)."""
+    slots, hashes, meta, keys, idbuf, used = cache
+    if n1 - n0 > idbuf.size:
+        return
+    e, ko, io = used[0], used[1], used[2]
+    if e >= hashes.size or ko + size > keys.size or io + n1 - n0 > idbuf.size:  # full: start again
+        slots[:] = 0
+        used[:] = 0
+        e, ko, io = 0, 0, 0
+        slot = np.int64(h & np.uint64(slots.size - 1))
+    keys[ko : ko + size] = buf[a : a + size]
+    idbuf[io : io + n1 - n0] = out[n0:n1]
+    hashes[e] = h
+    meta[e, 0], meta[e, 1], meta[e, 2], meta[e, 3] = ko, size, io, n1 - n0
+    slots[slot] = e + 1
+    used[0], used[1], used[2] = e + 1, ko + size, io + n1 - n0
+
+
+@njit(cache=True, nogil=True)
+def encode_docs(buf, doc_off, sep, trie, term_score, unk_id, unk_score, byte_ids, cache, out, out_off):
     """Encode every document ``buf[doc_off[i]:doc_off[i + 1]]`` (already Metaspace-replaced and
     prefixed), split into words before each occurrence of the bytes ``sep`` (``MergedWithNext``),
-    each word on its own as ``tokenizers`` does. Ids go to ``out`` (at least ``len(buf)`` long),
-    document ``i``'s at ``out[out_off[i]:out_off[i + 1]]``."""
+    each word on its own as ``tokenizers`` does (a word in ``cache``: its remembered ids; a new word
+    of at most :data:`CACHE_WORD_BYTES`: remembered). Ids go to ``out`` (at least ``len(buf)``
+    long), document ``i``'s at ``out[out_off[i]:out_off[i + 1]]``."""
     longest = 1
     for i in range(doc_off.size - 1):
         longest = max(longest, doc_off[i + 1] - doc_off[i])
@@ -218,10 +292,24 @@ def encode_docs(buf, doc_off, sep, trie, term_score, unk_id, unk_score, byte_ids
         a, end = doc_off[i], doc_off[i + 1]
         while a < end:
             b = a + 1
-            while b < end and not (b + w <= end and _at(buf, b, sep)):
+            while b < end and not (buf[b] == sep[0] and b + w <= end and _at(buf, b, sep)):
                 b += 1
-            size = _best_paths(buf, a, b, trie, term_score, unk_id, unk_score, score, start, ids)
+            size = b - a
+            small = size <= CACHE_WORD_BYTES
+            if small:
+                h = _hash(buf, a, b)
+                e, slot = _cached(buf, a, size, h, cache)
+                if e >= 0:
+                    io, m = cache[2][e, 2], cache[2][e, 3]
+                    out[n : n + m] = cache[4][io : io + m]
+                    n += m
+                    a = b
+                    continue
+            n0 = n
+            _best_paths(buf, a, b, trie, term_score, unk_id, unk_score, score, start, ids)
             n = _emit_word(buf, a, size, trie, unk_id, byte_ids, start, ids, path, out, n)
+            if small:
+                _remember(buf, a, size, h, slot, out, n0, n, cache)
             a = b
         out_off[i + 1] = n
     return n
