@@ -1,6 +1,6 @@
 """The ``unigram`` fast encoder: Unigram ``tokenizer.json`` files behind a ``Metaspace`` pre-tokenizer
-(T5, ALBERT, XLNet, mBART-style layouts and the Unigram models ``tokenizers`` trains), which
-fastokens refuses and kitoken encodes with other ids.
+(the layout ``tokenizers`` trains and converts SentencePiece Unigram models to), which fastokens
+refuses and kitoken encodes with other ids.
 
 No library gives ``tokenizers``' Unigram ids exactly: kitoken and SentencePiece keep scores as
 float32, and SentencePiece sums a whole text's path where ``tokenizers`` starts every word at 0.0, so
@@ -18,8 +18,8 @@ each word from a zero score, as ``tokenizers`` does.
 
 It is offered only where that is the whole pipeline (:func:`refusal`): a ``Unigram`` model with an
 unknown token, a ``Metaspace`` pre-tokenizer that splits, and special added tokens only (the build
-encodes special-token text as text, so ``tokenizers`` cuts none out and normalizes the whole text). Like every fast encoder it
-is used only after :mod:`h5corpus.build.tokenize.proof` proved it equal to ``tokenizers`` on the
+encodes special-token text as text, so ``tokenizers`` cuts none out and normalizes the whole
+text). Like every fast encoder it is used only after :mod:`h5corpus.build.tokenize.proof` proved it equal to ``tokenizers`` on the
 build's own input; a document it raises on (text that is not valid UTF-8, such as a lone
 surrogate) goes to the reference and is counted.
 """
