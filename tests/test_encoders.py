@@ -774,3 +774,17 @@ def test_unigram_word_cache_gives_the_same_ids_on_repeat_and_after_it_empties(fa
     for _ in range(2):
         assert [a.tolist() for a in enc.encode_batch(held_out)] == refs
     assert 0 < used[0] <= 32
+
+
+def test_without_numba_a_unigram_build_runs_on_tokenizers_and_says_why(tmp_path, families, held_out, monkeypatch):
+    """numba is the `unigram` extra, not a core dependency: where it cannot be imported, the
+    unigram encoder is not offered, the build runs on `tokenizers` with exact ids, and its note
+    names the extra to install."""
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    fast, why = fast_encoder(tok)
+    assert fast is None and "unigram: numba is not installed (pip install 'h5corpus[unigram]')" in why
+    texts = list(dict.fromkeys(t for t in held_out[:30] if t and "</s>" not in t))
+    rep = build_corpus(_cfg(tmp_path / "o", [write_jsonl(tmp_path / "in.jsonl", texts)], families["metaspace_unigram"]))
+    assert rep.encoder == "tokenizers" and "h5corpus[unigram]" in rep.encoder_note
+    _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)

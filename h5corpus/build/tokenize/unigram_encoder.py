@@ -148,8 +148,8 @@ class UnigramEncoder:
             return None, why
         try:
             import numba  # noqa: F401
-        except ImportError:  # pragma: no cover - numba is a dependency
-            return None, "numba is not installed"
+        except ImportError:
+            return None, "numba is not installed (pip install 'h5corpus[unigram]')"
         try:
             model = UnigramModel(source)
         except (ValueError, KeyError, TypeError) as e:
