@@ -788,3 +788,33 @@ def test_without_numba_a_unigram_build_runs_on_tokenizers_and_says_why(tmp_path,
     rep = build_corpus(_cfg(tmp_path / "o", [write_jsonl(tmp_path / "in.jsonl", texts)], families["metaspace_unigram"]))
     assert rep.encoder == "tokenizers" and "h5corpus[unigram]" in rep.encoder_note
     _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
+
+
+def test_unigram_with_a_large_vocabulary_gives_the_tokenizers_ids(tmp_path, families, held_out, dev_texts):
+    """The trained model plus 20,000 pieces cut from dev words (scores spread below the model's):
+    a trie deeper than the kernel's dense table (the binary-search path), and the same ids as
+    `tokenizers` on unseen text and 1,500 dev documents."""
+    from h5corpus.build.tokenize import unigram_kernel
+
+    d = json.loads(families["metaspace_unigram"].read_text(encoding="utf-8"))
+    have = {p for p, _ in d["model"]["vocab"]}
+    rng = np.random.default_rng(0)
+    words = [w for t in dev_texts[::40] for w in t.split()[:300]]
+    while len(have) < 20_600:
+        w = words[rng.integers(len(words))]
+        w = "\u2581" + w if rng.random() < 0.5 else w
+        a = int(rng.integers(len(w)))
+        piece = w[a : a + int(rng.integers(2, 11))]
+        if len(piece) >= 2 and piece not in have:
+            have.add(piece)
+            d["model"]["vocab"].append([piece, -8.0 - 6.0 * float(rng.random())])
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
+    tok = load_tokenizer(str(p))
+    enc, why = fast_encoder(tok)
+    assert isinstance(enc, UnigramEncoder), why
+    assert enc.model.trie[0].size - 1 > 2 * unigram_kernel.DENSE_NODES
+    texts = [*held_out, *UNIGRAM_EDGES, *[t for t in dev_texts[::7] if len(t) < 50_000][:1500]]
+    refs = HFEncoder(tok).encode_batch(texts)
+    got = enc.encode_batch(texts)
+    assert [i for i, (a, b) in enumerate(zip(refs, got)) if not np.array_equal(a, b)] == []
