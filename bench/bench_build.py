@@ -264,7 +264,13 @@ def main() -> None:
                 )
                 for r in rows
             }
-            report = {"benchmark": "build_families", "procs": args.procs, "load_before": load, "families": rows}
+            report = {
+                "benchmark": "build_families",
+                "procs": args.procs,
+                "load_before": load,
+                "load_after": os.getloadavg(),
+                "families": rows,
+            }
             emit(report, args.out, figures=figures)
         return
 

@@ -4,9 +4,9 @@ loader), which the pure-Python loader does not reach.
 
     PYTHONPATH=/path/to/numba python bench/experiment_compiled_packer.py [--reps 7] [--out FILE]
 
-Needs ``numba``, which is outside the project's package set: install it apart, e.g.
-``pip install --target /tmp/nb numba llvmlite``, and put that folder on PYTHONPATH. Without it, it
-prints ``{"available": false, ...}`` and exits 0.
+Needs ``numba``, which the package itself does not depend on (it is only in the ``unigram`` and
+``dev`` extras): install it, or apart, e.g. ``pip install --target /tmp/nb numba llvmlite`` with that
+folder on PYTHONPATH. Without it, it prints ``{"available": false, ...}`` and exits 0.
 
 The experimental loader does what ``BestFitDataset(corpus, 4096, 35, 64, mode="buffer")`` does for one
 epoch: same order, chunking, buffer best fit and compact ``VarlenBatch`` layout. Its pack loop

@@ -1,6 +1,7 @@
 """The fast encoders on tokenizer families trained here with `tokenizers` itself: fastokens where it
 loads the JSON (byte-level BPE like GPT-2 and Llama-3, and the Llama-2 layout), kitoken where
-fastokens refuses it (SentencePiece-style BPE, BERT WordPiece), `tokenizers` for Metaspace Unigram,
+fastokens refuses it (SentencePiece-style BPE, BERT WordPiece), the numba port of `tokenizers`'
+Unigram algorithm for Metaspace Unigram,
 the proof catching a fast encoder that differs, documents a fast encoder raises on, one thread per
 worker, shard bytes that do not depend on the encoder (the synthetic families and the dev corpus
 with GPT-2), every family on the dev corpus and hostile text, and every family from the CLI.
@@ -27,6 +28,7 @@ from h5corpus.build.tokenize.encoders import FastokensEncoder, HFEncoder, fast_e
 from h5corpus.build.tokenize.kitoken_encoder import CHUNK_CHARS, KitokenEncoder, cut, cut_rule
 from h5corpus.build.tokenize.proof import PROOF_TEXTS, prove_fast_path, prove_same_ids
 from h5corpus.build.tokenize.tokenizer import Tokenizer, load_tokenizer
+from h5corpus.build.tokenize.unigram_encoder import UnigramEncoder
 from tests.helpers import (
     DEEP_PATTERN,
     TOKENIZER_FAMILIES,
@@ -57,12 +59,13 @@ FIRST = {
     "llama2_bpe": "fastokens",
     "sentencepiece_bpe": "kitoken",
     "bert_wordpiece": "kitoken",
-    "metaspace_unigram": "tokenizers",
+    "metaspace_unigram": "unigram",
 }
 AFTER_FASTOKENS = {
     "gpt2_bpe": "tiktoken",
     "llama3_bpe": "tiktoken",
     **dict.fromkeys(("llama2_bpe", "sentencepiece_bpe", "bert_wordpiece"), "kitoken"),
+    "metaspace_unigram": "unigram",
 }
 
 
@@ -183,7 +186,7 @@ def _altered(tok: Tokenizer) -> Tokenizer:
 def test_the_proof_catches_a_fastokens_that_differs(families, held_out, family):
     """A fastokens that gives other ids than the reference is caught on ordinary text, never
     taken from the proof cache, and the choice moves on: to tiktoken for byte-level BPE, to kitoken
-    for SentencePiece-style BPE and WordPiece (each proves equal), to `tokenizers` for Unigram. For
+    for SentencePiece-style BPE and WordPiece, to the unigram encoder for Unigram (each proves equal). For
     families fastokens refuses, the differing candidate is fastokens on the GPT-2-style family's
     JSON (a plausible wrong mirror)."""
     tok = load_tokenizer(str(families[family]))
@@ -195,13 +198,10 @@ def test_the_proof_catches_a_fastokens_that_differs(families, held_out, family):
         assert diff is not None and "differs at token" in diff and "fastokens gives" in diff
     chosen, note = prove_fast_path(HFEncoder(tok), wrong, held_out[:30])
     assert "fast path (fastokens) disabled" in note
-    assert chosen.name == AFTER_FASTOKENS.get(family, "tokenizers"), note
-    if family in AFTER_FASTOKENS:
-        assert [a.tolist() for a in chosen.encode_batch(held_out)] == [
-            r.tolist() for r in reference_ids(tok.json_text, held_out)
-        ]
-    else:
-        assert isinstance(chosen, HFEncoder) and "not applicable: tiktoken: " in note and "kitoken: " in note
+    assert chosen.name == AFTER_FASTOKENS[family], note
+    assert [a.tolist() for a in chosen.encode_batch(held_out)] == [
+        r.tolist() for r in reference_ids(tok.json_text, held_out)
+    ]
 
 
 # -- the shard bytes do not depend on the encoder ----------------------------------------------------
@@ -218,25 +218,28 @@ def _family_inputs(tmp_path: Path, held_out: list[str]) -> tuple[Path, list[str]
 
 @pytest.mark.parametrize("family", TOKENIZER_FAMILIES)
 def test_shard_bytes_are_identical_whichever_encoder_runs(tmp_path, families, held_out, family):
-    """The same build with fastokens, with tiktoken, with kitoken and on `tokenizers` (each family
-    where each applies and proves equal; the others fall back to `tokenizers` cleanly): identical
-    shard and manifest bytes, the reference ids in them, and the report naming the encoder that ran."""
+    """The same build with fastokens, with tiktoken, with kitoken, with the unigram encoder and on
+    `tokenizers` (each family where each applies and proves equal; the others fall back to
+    `tokenizers` cleanly): identical shard and manifest bytes, the reference ids in them, and the
+    report naming the encoder that ran."""
     src, texts = _family_inputs(tmp_path, held_out)
     trees, encoders = [], []
     for name, kw in (
         ("fastokens", {"fast_encoders": ("fastokens",)}),
         ("tiktoken", {"fast_encoders": ("tiktoken",)}),
         ("kitoken", {"fast_encoders": ("kitoken",)}),
+        ("unigram", {"fast_encoders": ("unigram",)}),
         ("tokenizers", {"fast_path": False}),
     ):
         rep = build_corpus(_cfg(tmp_path / name, [src], families[family], **kw))
         trees.append(tree(tmp_path / name))
         encoders.append(rep.encoder)
-    assert trees[0] == trees[1] == trees[2] == trees[3]
+    assert trees[0] == trees[1] == trees[2] == trees[3] == trees[4]
     want = [
         "fastokens" if family in FASTOKENS_LOADS else "tokenizers",
         "tiktoken" if family in LOADS else "tokenizers",
         "tokenizers" if family == "metaspace_unigram" else "kitoken",
+        "unigram" if family == "metaspace_unigram" else "tokenizers",
         "tokenizers",
     ]
     if family in LOADS:  # kitoken is offered for byte-level BPE, and the proof decides (it differs on rare text)
@@ -245,7 +248,7 @@ def test_shard_bytes_are_identical_whichever_encoder_runs(tmp_path, families, he
     tok = load_tokenizer(str(families[family]))
     _check_stored(tmp_path / "tokenizers" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
     manifest = json.loads((tmp_path / "fastokens" / "manifests" / "shards.json").read_text())
-    assert all(name not in json.dumps(manifest) for name in ("fastokens", "tiktoken", "kitoken"))
+    assert all(name not in json.dumps(manifest) for name in ("fastokens", "tiktoken", "kitoken", '"unigram"'))
 
 
 def test_dev_corpus_gpt2_shards_are_identical_with_fastokens_tiktoken_and_tokenizers(tmp_path, dev_dir, gpt2_json):
@@ -403,12 +406,12 @@ def test_kitoken_gives_the_tokenizers_ids_on_unseen_text_and_special_token_text(
 
 def test_kitoken_is_not_offered_for_unigram(families):
     """Unigram: kitoken breaks ties between equal-score segmentations (``"...."``) the other way
-    round from `tokenizers`, so it is refused with that reason; no fast encoder applies."""
+    round from `tokenizers`, so it is refused with that reason; the unigram encoder is chosen."""
     tok = load_tokenizer(str(families["metaspace_unigram"]))
     enc, why = KitokenEncoder.load(tok)
     assert enc is None and "Unigram" in why
     fast, why_all = fast_encoder(tok)
-    assert fast is None and "kitoken: kitoken breaks ties" in why_all
+    assert isinstance(fast, UnigramEncoder) and "kitoken: kitoken breaks ties" in why_all
 
 
 def _swapped_vocab(tok: Tokenizer) -> tuple[str, str]:
@@ -506,8 +509,8 @@ def test_every_family_builds_the_tokenizers_ids_on_the_dev_corpus_and_hostile_te
     tmp_path, families, dev_texts, family
 ):
     """A 2-worker build over a 15th of the dev corpus (every file) and the hostile texts runs on
-    the family's fast encoder (fastokens, kitoken) or on `tokenizers` for Unigram, proves it, falls
-    back on nothing, and stores exactly `tokenizers`' ids."""
+    the family's fast encoder (fastokens, kitoken, unigram), proves it, falls back on nothing, and
+    stores exactly `tokenizers`' ids."""
     texts = [t for t in dev_texts[::15] if t] + hostile_texts()
     if family == "metaspace_unigram":  # its "</s>" is an ordinary piece: `tokenizers` emits the EOS id
         texts = [t.replace("</s>", "") for t in texts]
@@ -529,7 +532,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_wordpiece_and_unigram_build_from_the_cli_with_eos_token(tmp_path, families, held_out):
     """A BERT WordPiece tokenizer whose EOS the build cannot infer: without --eos-token the CLI
     exits 2 with one line listing its special tokens and naming the flag; with --eos-token [SEP]
-    it builds on kitoken with [SEP] as EOS. A Unigram tokenizer builds with its ``</s>``. The
+    it builds on kitoken with [SEP] as EOS. A Unigram tokenizer builds (on the unigram encoder) with its ``</s>``. The
     report gives the rate with a unit that fits (never ``0.00 M``)."""
     d = json.loads(families["bert_wordpiece"].read_text(encoding="utf-8"))
     d["added_tokens"] = [t for t in d["added_tokens"] if t["content"] != "</s>"]
@@ -563,3 +566,255 @@ def test_wordpiece_and_unigram_build_from_the_cli_with_eos_token(tmp_path, famil
         assert manifest["tokenizer"]["eos_id"] == want_eos
     help_out = _cli("build", "--help")
     assert help_out.returncode == 0 and "--eos-token" in help_out.stdout and "<bool>" not in help_out.stdout
+
+
+# -- unigram: tokenizers' Unigram algorithm, compiled ---------------------------------------------
+#: Texts where Metaspace and the Unigram model have edge cases: leading/trailing/repeated spaces,
+#: the replacement character typed in the text, unknown characters next to the unknown token's own
+#: text (tokenizers fuses both into one unknown), empty and whitespace-only texts.
+UNIGRAM_EDGES = [
+    "",
+    " ",
+    "   ",
+    "  a",
+    "a  ",
+    "\u2581",
+    "\u2581a",
+    " \u2581",
+    "a \u2581 b",
+    "\u2581\u2581x  y",
+    "x\u2581\u2581 y",
+    "<unk>",
+    "a<unk>\u20ac\u20acb",
+    "\u20ac<unk>",
+    "\U0001d518\U0001d518 \u2603",
+    "\x00\x01 abc\n\t",
+]
+
+
+def _unigram_variant(path: Path, **changes) -> str:
+    """The trained Unigram JSON with ``changes``: ``bytes`` adds ``<0xXX>`` pieces (every byte, or
+    those of ``range(bytes)``) with byte fallback on; ``prepend`` sets Metaspace's prepend_scheme;
+    ``replacement`` its replacement character; ``duplicate`` repeats a piece at the end of the
+    vocabulary with another score (tokenizers keeps the last id); ``normalizer`` sets one."""
+    d = json.loads(path.read_text(encoding="utf-8"))
+    vocab = d["model"]["vocab"]
+    if "bytes" in changes:
+        vocab += [[f"<0x{b:02X}>", -16.0] for b in range(changes["bytes"])]
+        d["model"]["byte_fallback"] = True
+    if "prepend" in changes:
+        d["pre_tokenizer"]["prepend_scheme"] = changes["prepend"]
+    if "replacement" in changes:
+        d["pre_tokenizer"]["replacement"] = d["decoder"]["replacement"] = changes["replacement"]
+    if changes.get("duplicate"):
+        vocab.append([vocab[40][0], vocab[40][1] + 3.0])
+    if "normalizer" in changes:
+        d["normalizer"] = changes["normalizer"]
+    return json.dumps(d, ensure_ascii=False)
+
+
+@pytest.mark.slow
+def test_unigram_gives_the_tokenizers_ids_on_the_whole_dev_corpus_and_hostile_text(families, dev_texts):
+    """Every dev document (10,598: news, books, web, many scripts; float64 scores where SentencePiece
+    and kitoken break near-ties otherwise), the hostile texts (control characters, 1 MB lines, CJK,
+    emoji, special-token text), the proof's texts and Metaspace edge cases: the ids of `tokenizers`."""
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    enc, why = UnigramEncoder.load(tok)
+    assert enc is not None, why
+    texts = [*dev_texts, *hostile_texts(), *PROOF_TEXTS, *UNIGRAM_EDGES]
+    hf = HFEncoder(tok)
+    bad = []
+    for a in range(0, len(texts), 2048):
+        flat, offsets = enc.encode_flat(texts[a : a + 2048])
+        got = [flat[i:j] for i, j in zip(offsets[:-1], offsets[1:])]
+        refs = hf.encode_batch(texts[a : a + 2048])
+        bad += [a + i for i, (r, g) in enumerate(zip(refs, got)) if not np.array_equal(r, g)]
+    assert bad == [] and enc.fallbacks == 0 and len(texts) > 10_600
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"bytes": 256},
+        {"bytes": 150},
+        {"prepend": "never"},
+        {"prepend": "first"},
+        {"replacement": "_"},
+        {"duplicate": True},
+        {"normalizer": {"type": "NFKC"}},
+        {"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFKD"}, {"type": "Lowercase"}]}},
+        {"normalizer": {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}},
+    ],
+    ids=[
+        "byte-fallback",
+        "some-bytes",
+        "prepend-never",
+        "prepend-first",
+        "replacement-underscore",
+        "duplicate-piece",
+        "nfkc",
+        "nfkd-lowercase",
+        "spaces-replace",
+    ],
+)
+def test_unigram_follows_tokenizers_on_model_and_metaspace_variants(tmp_path, families, held_out, changes):
+    """Byte fallback (all bytes, or some: then an unknown becomes the unknown id), the other
+    prepend schemes, another replacement character, a repeated piece, normalizers (NFKC; NFKD then
+    lowercase; runs of spaces made one, as T5's): the same ids as
+    `tokenizers` on unseen text, the proof's texts and the edge cases, and the proof passes."""
+    p = tmp_path / "tokenizer.json"
+    p.write_text(_unigram_variant(families["metaspace_unigram"], **changes), encoding="utf-8")
+    tok = load_tokenizer(str(p))
+    enc, why = fast_encoder(tok)
+    assert isinstance(enc, UnigramEncoder), why
+    texts = [*held_out, *UNIGRAM_EDGES, "under_score_s __x", "emoji \U0001f44d\U0001f3fd \u65e5\u672c \u00e4\u00df"]
+    refs = reference_ids(tok.json_text, texts)
+    got = enc.encode_batch(texts)
+    assert [i for i, (a, b) in enumerate(zip(refs, got)) if not np.array_equal(a, b)] == []
+    assert prove_same_ids(HFEncoder(tok), enc, held_out[:20], cache=False) is None
+    if changes.get("bytes") == 256:  # the fallback is used: an emoji's first byte as a byte piece
+        assert tok.hf.token_to_id("<0xF0>") in np.concatenate(got)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (
+            {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "WhitespaceSplit"}]}},
+            "'Sequence' is not Metaspace",
+        ),
+        (
+            {
+                "pre_tokenizer": {
+                    "type": "Metaspace",
+                    "replacement": "\u2581",
+                    "prepend_scheme": "always",
+                    "split": False,
+                }
+            },
+            "split=false",
+        ),
+        ({"pre_tokenizer": {"type": "WhitespaceSplit"}}, "pre-tokenizer 'WhitespaceSplit' is not Metaspace"),
+        ({"added_tokens": "non-special"}, "non-special added tokens"),
+    ],
+    ids=["pre-tokenizer-sequence", "no-split", "other-pre-tokenizer", "added-token"],
+)
+def test_unigram_is_refused_where_the_port_is_not_the_whole_pipeline(tmp_path, families, held_out, change, why):
+    """Metaspace inside a Sequence, Metaspace without splitting, another pre-tokenizer, a non-special added token
+    (cut out of the text by tokenizers): the unigram encoder is refused with the reason, no fast
+    encoder applies, and a build runs on `tokenizers` with its ids."""
+    d = json.loads(families["metaspace_unigram"].read_text(encoding="utf-8"))
+    if change.get("added_tokens") == "non-special":
+        piece = d["model"]["vocab"][40][0]  # an ordinary piece, made a non-special added token
+        d["added_tokens"].append(dict(d["added_tokens"][0], id=40, content=piece, special=False))
+    else:
+        d.update(change)
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(d), encoding="utf-8")
+    tok = load_tokenizer(str(p))
+    enc, got_why = UnigramEncoder.load(tok)
+    assert enc is None and why in got_why
+    fast, why_all = fast_encoder(tok)
+    assert fast is None and f"unigram: {got_why}" in why_all
+    texts = list(dict.fromkeys(t for t in held_out[:30] if t and "</s>" not in t))
+    rep = build_corpus(_cfg(tmp_path / "o", [write_jsonl(tmp_path / "in.jsonl", texts)], p))
+    assert rep.encoder == "tokenizers"
+    _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
+
+
+def test_the_proof_refuses_a_unigram_that_differs(families, held_out):
+    """A real unigram encoder on a JSON whose vocabulary swaps two pieces' scores: the proof finds
+    the difference (every time: never cached) and the build's choice falls back to `tokenizers`."""
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    d = json.loads(tok.json_text)
+    vocab = d["model"]["vocab"]
+    vocab[3][1], vocab[60][1] = vocab[60][1], vocab[3][1]
+    wrong, why = UnigramEncoder.load(tok, json.dumps(d))
+    assert wrong is not None, why
+    for _ in range(2):
+        diff = prove_same_ids(HFEncoder(tok), wrong, held_out[:10])
+        assert diff is not None and "unigram gives" in diff
+    chosen, note = prove_fast_path(HFEncoder(tok), wrong, held_out[:10], names=["unigram"])
+    assert isinstance(chosen, HFEncoder) and "fast path (unigram) disabled" in note
+
+
+def test_documents_the_unigram_kernel_raises_on_go_to_tokenizers_and_are_counted(families, held_out):
+    """A text that is not valid UTF-8 (a lone surrogate) makes the kernel raise: the batch is
+    encoded one text at a time, the others keep their ids, and that text goes to `tokenizers`,
+    counted, which raises its own error (what a build would report). A real encoder whose compiled
+    kernel cannot run at all (its trie arrays from an incompatible layout: numba refuses the call)
+    hands every text to `tokenizers`, counted, with the reference ids."""
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    enc, _ = UnigramEncoder.load(tok)
+    texts = [t for t in held_out[:20] if t]
+    with pytest.raises(TypeError):
+        tok.encode("a\ud800b")
+    with pytest.raises(TypeError):
+        enc.encode_batch([*texts, "a\ud800b"])
+    assert enc.fallbacks == 1
+    broken, _ = UnigramEncoder.load(tok)
+    broken.model.trie = broken.model.trie[:4]
+    got = broken.encode_batch(texts)
+    assert broken.fallbacks == len(texts)
+    assert [a.tolist() for a in got] == [r.tolist() for r in reference_ids(tok.json_text, texts)]
+
+
+def test_unigram_word_cache_gives_the_same_ids_on_repeat_and_after_it_empties(families, held_out):
+    """Words are remembered per process: the same texts encoded again (every short word from the
+    cache) give the same ids; a cache so small that it empties again and again gives them too."""
+    from h5corpus.build.tokenize import unigram_kernel
+
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    enc, _ = UnigramEncoder.load(tok)
+    refs = [r.tolist() for r in reference_ids(tok.json_text, held_out)]
+    for _ in range(2):
+        assert [a.tolist() for a in enc.encode_batch(held_out)] == refs
+    slots, hashes, meta, keys, ids, used = unigram_kernel.new_word_cache()
+    enc.model.cache = (slots[:64], hashes[:32], meta[:32], keys[:256], ids[:128], used)
+    for _ in range(2):
+        assert [a.tolist() for a in enc.encode_batch(held_out)] == refs
+    assert 0 < used[0] <= 32
+
+
+def test_without_numba_a_unigram_build_runs_on_tokenizers_and_says_why(tmp_path, families, held_out, monkeypatch):
+    """numba is the `unigram` extra, not a core dependency: where it cannot be imported, the
+    unigram encoder is not offered, the build runs on `tokenizers` with exact ids, and its note
+    names the extra to install."""
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    tok = load_tokenizer(str(families["metaspace_unigram"]))
+    fast, why = fast_encoder(tok)
+    assert fast is None and "unigram: numba is not installed (pip install 'h5corpus[unigram]')" in why
+    texts = list(dict.fromkeys(t for t in held_out[:30] if t and "</s>" not in t))
+    rep = build_corpus(_cfg(tmp_path / "o", [write_jsonl(tmp_path / "in.jsonl", texts)], families["metaspace_unigram"]))
+    assert rep.encoder == "tokenizers" and "h5corpus[unigram]" in rep.encoder_note
+    _check_stored(tmp_path / "o" / "manifests" / "shards.json", texts, tok.json_text, tok.eos_id)
+
+
+def test_unigram_with_a_large_vocabulary_gives_the_tokenizers_ids(tmp_path, families, held_out, dev_texts):
+    """The trained model plus 20,000 pieces cut from dev words (scores spread below the model's):
+    a trie deeper than the kernel's dense table (the binary-search path), and the same ids as
+    `tokenizers` on unseen text and 1,500 dev documents."""
+    from h5corpus.build.tokenize import unigram_kernel
+
+    d = json.loads(families["metaspace_unigram"].read_text(encoding="utf-8"))
+    have = {p for p, _ in d["model"]["vocab"]}
+    rng = np.random.default_rng(0)
+    words = [w for t in dev_texts[::40] for w in t.split()[:300]]
+    while len(have) < 20_600:
+        w = words[rng.integers(len(words))]
+        w = "\u2581" + w if rng.random() < 0.5 else w
+        a = int(rng.integers(len(w)))
+        piece = w[a : a + int(rng.integers(2, 11))]
+        if len(piece) >= 2 and piece not in have:
+            have.add(piece)
+            d["model"]["vocab"].append([piece, -8.0 - 6.0 * float(rng.random())])
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
+    tok = load_tokenizer(str(p))
+    enc, why = fast_encoder(tok)
+    assert isinstance(enc, UnigramEncoder), why
+    assert enc.model.trie[0].size - 1 > 2 * unigram_kernel.DENSE_NODES
+    texts = [*held_out, *UNIGRAM_EDGES, *[t for t in dev_texts[::7] if len(t) < 50_000][:1500]]
+    refs = HFEncoder(tok).encode_batch(texts)
+    got = enc.encode_batch(texts)
+    assert [i for i, (a, b) in enumerate(zip(refs, got)) if not np.array_equal(a, b)] == []

@@ -253,9 +253,9 @@ class BuildConfig:
     filters: BuildFilters | None = None
     """Optional :class:`BuildFilters` (cleaning, quality, language, PII, near-dedup)."""
     fast_path: bool = True
-    """Use a proven-equal fast encoder (fastokens / tiktoken / kitoken / raw bytes) when the tokenizer allows one."""
+    """Use a proven-equal fast encoder (fastokens / tiktoken / kitoken / unigram / raw bytes) when the tokenizer allows one."""
     fast_encoders: Sequence[str] | None = None
-    """The fast encoders to try, in order (default ``bytes``, ``fastokens``, ``tiktoken``, ``kitoken``; each
+    """The fast encoders to try, in order (default ``bytes``, ``fastokens``, ``tiktoken``, ``kitoken``, ``unigram``; each
     where it applies, each proven before use). For tests and benchmarks: never changes a byte."""
     progress: bool = False
     """Show a tqdm bar (documents, tokens, tokens/s) on stderr."""
@@ -328,7 +328,7 @@ class BuildConfig:
             raise ValueError("ray: cpus_per_task must be > 0 and max_retries >= 0")
         if int(self.slurm.cpus_per_task) < 1 or int(self.slurm.max_array_size) < 1:
             raise ValueError("slurm: cpus_per_task and max_array_size must be >= 1")
-        known = ("bytes", "fastokens", "tiktoken", "kitoken")
+        known = ("bytes", "fastokens", "tiktoken", "kitoken", "unigram")
         for name in self.fast_encoders or ():
             if name not in known:
                 raise ValueError(f"fast_encoders: unknown encoder {name!r} (known: {', '.join(known)})")

@@ -57,7 +57,7 @@ class BuildReport:
     shards_written: int = 0
     shards_reused: int = 0
     encoder: str = ""
-    """Encoder that tokenized this run: fastokens, tiktoken, kitoken, bytes or tokenizers."""
+    """Encoder that tokenized this run: fastokens, tiktoken, kitoken, unigram, bytes or tokenizers."""
     encoder_note: str = ""
     """Why a fast encoder was not used (not applicable, or disabled by its proof), when one was not."""
     encoder_fallbacks: int = 0

@@ -7,7 +7,9 @@
   ``tokenizer.json`` (:mod:`h5corpus.build.tokenize.tiktoken_bpe`);
 * :class:`BytesEncoder` -- the ``bytes`` tokenizer, whose ids are the UTF-8 bytes;
 * :class:`~h5corpus.build.tokenize.kitoken_encoder.KitokenEncoder` -- ``kitoken`` on the same
-  ``tokenizer.json``: SentencePiece-style BPE and WordPiece, which fastokens refuses.
+  ``tokenizer.json``: SentencePiece-style BPE and WordPiece, which fastokens refuses;
+* :class:`~h5corpus.build.tokenize.unigram_encoder.UnigramEncoder` -- ``tokenizers``' own Unigram
+  algorithm compiled with numba, for Unigram models behind ``Metaspace``.
 
 :func:`fast_encoder` picks the first fast encoder that applies to a tokenizer, in the order of
 :data:`FAST_ENCODERS`; none is used before :mod:`h5corpus.build.tokenize.proof` proved it emits the
@@ -30,11 +32,12 @@ import numpy as np
 from .kitoken_encoder import KitokenEncoder
 from .tiktoken_bpe import cached_tiktoken, is_bytes_model, tiktoken_encoding, tiktoken_plan
 from .tokenizer import Tokenizer, TokenizerError, load_facts, store_facts
+from .unigram_encoder import UnigramEncoder
 
 #: The fast encoders, in the order they are tried (each only where it applies: ``bytes`` for the
 #: ``bytes`` tokenizer, ``fastokens`` where it loads the JSON, ``tiktoken`` for byte-level BPE,
-#: ``kitoken`` for BPE and WordPiece models it loads).
-FAST_ENCODERS: tuple[str, ...] = ("bytes", "fastokens", "tiktoken", "kitoken")
+#: ``kitoken`` for BPE and WordPiece models it loads, ``unigram`` for Unigram models behind Metaspace).
+FAST_ENCODERS: tuple[str, ...] = ("bytes", "fastokens", "tiktoken", "kitoken", "unigram")
 
 
 class Encoder(Protocol):
@@ -339,6 +342,8 @@ def _candidate(tok: Tokenizer, name: str) -> tuple[Encoder | None, str]:
         return FastokensEncoder.load(tok)
     if name == "kitoken":
         return KitokenEncoder.load(tok)
+    if name == "unigram":
+        return UnigramEncoder.load(tok)
     if name not in ("bytes", "tiktoken"):
         raise ValueError(f"unknown fast encoder {name!r} (known: {', '.join(FAST_ENCODERS)})")
     if name == "bytes":

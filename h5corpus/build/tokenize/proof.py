@@ -20,6 +20,7 @@ import numpy as np
 from .encoders import FAST_ENCODERS, BytesEncoder, Encoder, FastokensEncoder, HFEncoder, TiktokenEncoder, fast_encoder
 from .kitoken_encoder import KitokenEncoder
 from .tokenizer import cache_dir, library_versions, source_sha256, write_cache_file
+from .unigram_encoder import UnigramEncoder
 
 #: Strings every fast-path proof includes besides the build's own sample: whitespace runs,
 #: contractions, digits, scripts, emoji, control characters, literal special-token text (GPT-2,
@@ -69,7 +70,7 @@ def _proof_key(reference: HFEncoder, candidate: Encoder, texts: Sequence[str]) -
     cand_json = getattr(candidate, "json_text", None)
     if isinstance(candidate, FastokensEncoder):
         cand_json = candidate.tok.json_text
-    if isinstance(candidate, (TiktokenEncoder, FastokensEncoder, KitokenEncoder)):
+    if isinstance(candidate, (TiktokenEncoder, FastokensEncoder, KitokenEncoder, UnigramEncoder)):
         if cand_json is None or hashlib.sha256(cand_json.encode("utf-8")).hexdigest() != ident.sha256:
             return None  # built from another JSON than the reference: do not guess
     elif not isinstance(candidate, BytesEncoder):

@@ -320,7 +320,15 @@ def source_sha256() -> str:
     if _SOURCE_SHA256 is None:
         h = hashlib.sha256()
         try:
-            for name in ("tokenizer.py", "encoders.py", "tiktoken_bpe.py", "proof.py", "kitoken_encoder.py"):
+            for name in (
+                "tokenizer.py",
+                "encoders.py",
+                "tiktoken_bpe.py",
+                "proof.py",
+                "kitoken_encoder.py",
+                "unigram_encoder.py",
+                "unigram_kernel.py",
+            ):
                 h.update((Path(__file__).parent / name).read_bytes())
             _SOURCE_SHA256 = h.hexdigest()
         except OSError:  # pragma: no cover - no source file (frozen): never reuse a cached proof
@@ -329,11 +337,11 @@ def source_sha256() -> str:
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of fastokens, tiktoken, kitoken and tokenizers (part of a proof's cache key)."""
+    """Installed versions of fastokens, tiktoken, kitoken, numba and tokenizers (part of a proof's cache key)."""
     global _VERSIONS
     if _VERSIONS is None:
         out = {}
-        for dist in ("fastokens", "tiktoken", "kitoken", "tokenizers"):
+        for dist in ("fastokens", "tiktoken", "kitoken", "numba", "tokenizers"):
             try:
                 out[dist] = md.version(dist)
             except md.PackageNotFoundError:
