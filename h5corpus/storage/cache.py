@@ -344,7 +344,8 @@ def _transfer(fs: Any, path: str, part: str, size: int) -> None:
         return
     if have == size:
         return
-    with fs.open(path, "rb", block_size=RESUME_BLOCK, cache_type="none") as src, open(part, "ab") as out:
+    sized = {"size": size} if path.startswith(("http://", "https://")) else {}  # no HEAD probe over HTTP
+    with fs.open(path, "rb", block_size=RESUME_BLOCK, cache_type="none", **sized) as src, open(part, "ab") as out:
         src.seek(have)
         while block := src.read(RESUME_BLOCK):
             out.write(block)
@@ -367,13 +368,10 @@ def open_remote_manifest(
     cache = ShardCache(cache_dir if cache_dir is not None else default_cache_dir(), cache_limit)
     fs, shown = filesystem(url, options), redact(url)
 
-    def fetch() -> bytes:
-        size = fs.size(fs_path(url))
-        if size is not None and size > MAX_MANIFEST_BYTES:
-            raise RemoteError(f"{shown}: {size:,} bytes is too large for a manifest")
-        return fs.cat_file(fs_path(url))
-
-    data = with_retries(fetch, options, f"{shown}: manifest")
+    # one GET (fsspec's HTTP size probe reports a time-out as "not found")
+    data = with_retries(lambda: fs.cat_file(fs_path(url)), options, f"{shown}: manifest")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise RemoteError(f"{shown}: {len(data):,} bytes is too large for a manifest")
     key = hashlib.sha256(f"{shown}\0{hashlib.sha256(data).hexdigest()}".encode()).hexdigest()[:24]
     parts = url.split("?", 1)[0].rstrip("/").split("/")
     local = cache.root / key / (parts[-2] if len(parts) > 3 else "manifests") / parts[-1]
