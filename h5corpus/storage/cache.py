@@ -386,4 +386,6 @@ def open_remote_manifest(
         raise FormatError(str(e).replace(str(local), shown)) from None
     split_bytes = sum(e.bytes for e in m.shards_of(split))
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
-    return m, RemoteShards(url, cache, options, split_bytes, expect)
+    shards = RemoteShards(url, cache, options, split_bytes, expect)
+    shards._state()["fs"] = fs  # this process's client, already connected (making one costs ~0.1 s)
+    return m, shards

@@ -79,7 +79,7 @@ class RemoteOptions:
     timeout_s: float = 60.0
     retries: int = 3
     backoff_s: float = 0.5
-    prefetch_workers: int = 4
+    prefetch_workers: int = 8
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
