@@ -133,7 +133,8 @@ class Nginx(_Server):
             f"daemon off;\nmaster_process off;\npid {root / 'nginx.pid'};\nerror_log {log} info;\n"
             "events { worker_connections 256; }\n"
             f"http {{\n  access_log {access};\n{temp}  default_type application/octet-stream;\n"
-            f"  server {{\n    listen 127.0.0.1:{port};\n    root {folder};\n{rate}  }}\n}}\n"
+            f"  server {{\n    listen 127.0.0.1:{port};\n    root {folder};\n{rate}"
+            "    location /denied/ { return 403; }\n  }\n}\n"
         )
         proc = subprocess.Popen(
             [exe, "-c", str(conf), "-p", str(root), "-e", str(log)],

@@ -256,6 +256,26 @@ def test_missing_bucket_and_object_are_one_line_naming_the_url(s3, nginx, tmp_pa
         open_corpus(secret_url, cache_dir=tmp_path)
     assert str(err.value) == f"{nginx.url}/absent.json: manifest: not found (no such bucket or object)"
     assert redact(secret_url) == nginx.url + "/absent.json"
+    with pytest.raises(RemoteError) as err:  # nginx answers 403 under /denied/
+        open_corpus(nginx.url + "/denied/manifests/shards.json", cache_dir=tmp_path)
+    assert str(err.value) == (
+        f"{nginx.url}/denied/manifests/shards.json: manifest: access denied "
+        "(check the backend's credentials: environment or profile)"
+    )
+
+
+def test_a_shard_missing_on_the_server_is_named(corpus, s3, tmp_path):
+    import s3fs
+
+    url = put_corpus(corpus, "missing-shard")
+    e = read_manifest(corpus).shards_of("train")[2]
+    key = f"{BUCKET}/missing-shard/shards/train/{Path(e.path).name}"
+    s3fs.S3FileSystem(skip_instance_cache=True).rm_file(key)
+    c = open_corpus(url, cache_dir=tmp_path)
+    with pytest.raises(RemoteError) as err:
+        c.document(int(c.shard_doc_starts[2]))
+    assert str(err.value) == f"s3://{key}: shard {e.path}: not found (no such bucket or object)"
+    assert not list(tmp_path.rglob("*" + DOWNLOAD_SUFFIX))
 
 
 def test_upload_publishes_shards_before_the_manifest_and_resumes(corpus, s3, tmp_path):

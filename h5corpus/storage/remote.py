@@ -126,13 +126,18 @@ def fs_path(url: str) -> str:
     return url if m.group(1).lower() in ("http", "https") else url[m.end() :]
 
 
+def _denied(e: BaseException) -> bool:
+    """A refusal: PermissionError (s3fs, gcsfs), HTTP 401/403 (aiohttp), AccessDenied (botocore)."""
+    return isinstance(e, PermissionError) or getattr(e, "status", None) in (401, 403) or "AccessDenied" in str(e)
+
+
 def describe_failure(e: BaseException, timeout_s: float) -> str:
     """One phrase for a failed request (never the credentials the backend used)."""
     name = type(e).__name__
     text = redact(str(e).splitlines()[0] if str(e) else "")
     if isinstance(e, FileNotFoundError):
         return "not found (no such bucket or object)"
-    if isinstance(e, PermissionError) or "AccessDenied" in text or "403" in text.split(" ")[:3]:
+    if _denied(e):
         return "access denied (check the backend's credentials: environment or profile)"
     if isinstance(e, TimeoutError) or "timeout" in name.lower() or "timed out" in text.lower():
         return f"timed out (no answer within {timeout_s:g} s)"
@@ -141,7 +146,7 @@ def describe_failure(e: BaseException, timeout_s: float) -> str:
 
 def retryable(e: BaseException) -> bool:
     """Worth another attempt: not a missing object or a refusal."""
-    return not isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, RemoteError))
+    return not (isinstance(e, (FileNotFoundError, IsADirectoryError, RemoteError)) or _denied(e))
 
 
 def with_retries(call: Callable[[], T], opts: RemoteOptions, what: str) -> T:
