@@ -101,7 +101,7 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--copies", type=int, default=16, help="variants of each stdlib source (corpus size)")
+    ap.add_argument("--copies", type=int, default=32, help="variants of each stdlib source (corpus size)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

@@ -312,3 +312,17 @@ def test_upload_publishes_shards_before_the_manifest_and_resumes(corpus, s3, tmp
         if '"PUT /corpora/up/' in line
     ]
     assert puts[-1] == "corpora/up/manifests/shards.json" and puts.count("corpora/up/manifests/shards.json") == 1
+
+
+def test_prefetch_fetches_shards_in_the_background_without_holding_them(corpus, s3, tmp_path):
+    from testkit.clusters import wait_until
+
+    url = put_corpus(corpus, "prefetch")
+    c = open_corpus(url, cache_dir=tmp_path, cache_limit=4 * max(e.bytes for e in read_manifest(corpus).shards))
+    assert cached_shards(tmp_path) == []  # opening fetched the manifest only
+    c.prefetch(np.array([3, 1, 3, 99]))  # duplicates and out-of-range indices are ignored
+    want = sorted(Path(c.paths[s]) for s in (1, 3))
+    wait_until(lambda: True if cached_shards(tmp_path) == want else None, 60, "the prefetched shards")
+    assert c._leases == {}  # prefetched, not held: eviction may still take them
+    ShardCache(tmp_path, 0).make_room(1)
+    assert cached_shards(tmp_path) == []
