@@ -326,3 +326,36 @@ def test_prefetch_fetches_shards_in_the_background_without_holding_them(corpus, 
     assert c._leases == {}  # prefetched, not held: eviction may still take them
     ShardCache(tmp_path, 0).make_room(1)
     assert cached_shards(tmp_path) == []
+
+
+def test_urls_resolve_like_the_manifest_folder_and_hide_credentials():
+    from h5corpus.storage.remote import fs_path, is_remote, join_url
+
+    m = "hf://datasets/org/corpus@v1.0/manifests/shards.json"
+    assert join_url(m, "../shards/train/train-00000.h5") == "hf://datasets/org/corpus@v1.0/shards/train/train-00000.h5"
+    assert fs_path(join_url(m, "../shards/x.h5")) == "datasets/org/corpus@v1.0/shards/x.h5"
+    assert fs_path("https://h/c/manifests/shards.json") == "https://h/c/manifests/shards.json"
+    assert join_url("s3://b/c/manifests/shards.json", "../shards/a.h5") == "s3://b/c/shards/a.h5"
+    assert [is_remote(u) for u in ("s3://b/k", "gs://b/k", "az://c/k", "manifests/shards.json", "ftp://h/k")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    text = "GET https://user:pw@host/c/x.h5?X-Amz-Signature=abc&X-Amz-Credential=AKIA failed"
+    assert redact(text) == "GET https://host/c/x.h5 failed"
+
+
+def test_a_missing_backend_names_the_extra_to_install(tmp_path):
+    import importlib.util
+
+    from h5corpus.storage.remote import SCHEMES
+
+    absent = [(s, mod, extra) for s, (_, mod, extra) in SCHEMES.items() if importlib.util.find_spec(mod) is None]
+    if not absent:
+        pytest.skip("every object-storage backend is installed here (gcsfs, adlfs, ...): nothing is missing")
+    scheme, mod, extra = absent[0]
+    with pytest.raises(ImportError) as err:
+        open_corpus(f"{scheme}://bucket/c/manifests/shards.json", cache_dir=tmp_path)
+    assert str(err.value) == f"{scheme}:// corpora need the {mod} package: pip install 'h5corpus[{extra}]'"
