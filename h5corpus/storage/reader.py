@@ -536,7 +536,8 @@ class Corpus:
         """Start fetching these shards (indices) of a remote corpus into the cache in the background,
         so a later read does not wait for them; nothing for a local corpus."""
         if self._remote is not None:
-            idx = [int(s) for s in np.asarray(shards, dtype=np.int64).reshape(-1) if 0 <= s < self.num_shards]
+            want = np.asarray(shards, dtype=np.int64).reshape(-1).tolist()
+            idx = [s for s in want if 0 <= s < self.num_shards and s not in self._leases]  # held: cached
             self._remote.prefetch([(self.entries[s], self.paths[s]) for s in idx])
 
     def _index(self, shard: int) -> MappedOffsets:
