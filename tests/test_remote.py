@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,7 @@ def test_a_download_killed_with_kill_9_resumes_cleanly(corpus, tmp_path):
         e = read_manifest(corpus).shards_of("train")[0]
         part = next(iter(cache.rglob("*" + DOWNLOAD_SUFFIX)), None)
         while part is None and child.poll() is None:
+            time.sleep(0.02)
             part = next(iter(cache.rglob("*" + DOWNLOAD_SUFFIX)), None)
         assert part is not None, "no download began"
         wait_for_file(part, 64 << 10)
