@@ -16,7 +16,8 @@ download lock; its mtime is the shard's last use) and, while it downloads, ``<sh
   live reader holds. A lease is taken on the ``.download`` file before the rename, so no eviction
   can slip between download and first use.
 * **Bounded.** Before a download, shards are evicted least recently used first until the cache
-  plus the new shard fit ``cache_limit``. Leased shards are never evicted: the cache exceeds the
+  fits ``cache_limit`` with every download in flight counted at its full size (each writes its
+  byte count into its lock file while it runs, so concurrent downloads make room for each other). Leased shards are never evicted: the cache exceeds the
   limit by at most the shards readers hold open at once (a corpus whose split does not fit keeps
   few open per process, :meth:`RemoteShards.open_cap`).
 """
@@ -129,8 +130,9 @@ class ShardCache:
             for name in files:
                 p = os.path.join(folder, name)
                 try:
-                    if name.endswith(DOWNLOAD_SUFFIX):
-                        total += os.path.getsize(p)
+                    if name.endswith(DOWNLOAD_SUFFIX):  # in flight: its reservation, or what it holds
+                        lock = p[: -len(DOWNLOAD_SUFFIX)] + LOCK_SUFFIX
+                        total += max(os.path.getsize(p), _reservation(lock))
                     elif name + LOCK_SUFFIX in names:
                         size = os.path.getsize(p)
                         total += size
@@ -141,7 +143,8 @@ class ShardCache:
 
     def make_room(self, need: int) -> None:
         """Evict least recently used shards no reader holds until ``need`` more bytes fit the
-        limit (or nothing more can go: leased shards stay, and the cache runs over)."""
+        limit, counting every download in flight at its full size (its reservation); when nothing
+        more can go (leased shards stay) the cache runs over."""
         if self.limit is None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
@@ -254,7 +257,10 @@ class RemoteShards:
             if lease is not None:
                 return lease
             part = local + DOWNLOAD_SUFFIX
-            self.cache.make_room(entry.bytes - _size(part))
+            os.ftruncate(gate, 0)  # reserve the shard's bytes: concurrent downloads make room for each other
+            os.pwrite(gate, str(entry.bytes).encode(), 0)
+            open(part, "ab").close()
+            self.cache.make_room(0)
             url = self.shard_url(entry)
             where = f"{redact(url)}: shard {entry.path}"
             resumed = _size(part) > 0
@@ -266,6 +272,7 @@ class RemoteShards:
             os.replace(part, local)
             return Lease(fd, local)
         finally:
+            os.ftruncate(gate, 0)
             os.close(gate)
 
     def _fetch_verified(self, url: str, part: str, entry: ShardRecord, where: str) -> tuple[int | None, str]:
@@ -316,6 +323,15 @@ class RemoteShards:
             futs: list[Future] = [pool.submit(self.acquire, e, p) for e, p in order if not os.path.exists(p)]
             for f in futs:
                 f.result().release()
+
+
+def _reservation(lock: str) -> int:
+    """Bytes a download in flight reserved (written in its lock file), 0 if none."""
+    try:
+        with open(lock, "rb") as fh:
+            return int(fh.read(32) or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _size(path: str) -> int:
