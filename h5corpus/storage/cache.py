@@ -264,9 +264,13 @@ class RemoteShards:
             url = self.shard_url(entry)
             where = f"{redact(url)}: shard {entry.path}"
             resumed = _size(part) > 0
-            fd, problem = self._fetch_verified(url, part, entry, where)
-            if fd is None and resumed:  # the bytes kept from a killed download were stale: once afresh
+            try:
                 fd, problem = self._fetch_verified(url, part, entry, where)
+                if fd is None and resumed:  # the bytes kept from a killed download were stale: once afresh
+                    fd, problem = self._fetch_verified(url, part, entry, where)
+            except Exception:  # a failure we report leaves nothing half-written (a kill leaves a resumable part)
+                _unlink(part)
+                raise
             if fd is None:
                 raise RemoteError(f"{where}: the downloaded bytes differ from the manifest ({problem}); refused")
             os.replace(part, local)
@@ -323,6 +327,13 @@ class RemoteShards:
             futs: list[Future] = [pool.submit(self.acquire, e, p) for e, p in order if not os.path.exists(p)]
             for f in futs:
                 f.result().release()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _reservation(lock: str) -> int:
