@@ -12,7 +12,8 @@ library call, then measures back to back, ``--repeats`` rounds, in this one proc
   of a plain copy of the same bytes, client start included);
 * **fill**: ``open_corpus(s3://...)`` with an empty cache and ``run_table()``: every shard fetched
   (``prefetch_workers`` at once), proven against the manifest, renamed and opened; **cold**: fill
-  plus the window loader's epoch; GETs per shard from the server's request log;
+  plus the window loader's epoch; GETs per shard from the server's request log; the fill again
+  with ``RemoteOptions(proof="checksums")``;
 * **local / warm**: each loader's epoch over the corpus opened from the local manifest and over
   the one opened through the full cache (opening timed apart: one GET of the manifest).
 
@@ -40,6 +41,7 @@ from h5corpus.storage.cache import verify_shard  # noqa: E402
 from h5corpus.storage.format import ShardExpectation  # noqa: E402
 from h5corpus.storage.manifest import read_manifest  # noqa: E402
 from h5corpus.storage.publish import upload_corpus  # noqa: E402
+from h5corpus.storage.remote import RemoteOptions  # noqa: E402
 from testkit.corpora import BYTE_IDENTITY, byte_encode, stdlib_texts, write_corpus  # noqa: E402
 from testkit.objectstores import MotoS3  # noqa: E402
 
@@ -84,11 +86,17 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
     fill_s = time.perf_counter() - t0
     cold_s = fill_s + epoch(corpus, "window")[0]
     after = s3.gets("corpora")
+    corpus.close()
+    shutil.rmtree(cache)
+    t0 = time.perf_counter()  # the same fill, downloads proven by the checksum chain
+    open_corpus(url, cache_dir=cache, remote=RemoteOptions(proof="checksums")).run_table()
+    fill_checksums_s = time.perf_counter() - t0
     out = {
         "split_bytes": sum(e.bytes for e in train),
         "shards": len(train),
         "copy_s": copy_s,
         "fill_s": fill_s,
+        "fill_checksums_s": fill_checksums_s,
         "verify_s": verify_s,
         "cold_window_s": cold_s,
         "gets_per_shard": max(after[k.split("/", 1)[1]] - before[k.split("/", 1)[1]] for k in keys),
@@ -139,6 +147,7 @@ def main() -> None:
         f"bestfit: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_bestfit_s'] / r['warm_bestfit_s']):.2f}x",
         "open_corpus, warm cache (manifest GET, client start)": f"{med(lambda r: r['open_warm_s']) * 1e3:.0f} ms",
         "cache fill (fetch + prove + open) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_s']):.2f}x",
+        "cache fill, proof='checksums' / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_checksums_s']):.2f}x",
         "cold epoch (fill + window epoch) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['cold_window_s']):.2f}x",
         "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
         "GETs per shard, cold (max)": str(max(r["gets_per_shard"] for r in rounds)),

@@ -19,7 +19,7 @@ import pytest
 from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
 from h5corpus.storage.cache import DOWNLOAD_SUFFIX, LOCK_SUFFIX, ShardCache, take_lease
 from h5corpus.storage.manifest import read_manifest
-from h5corpus.storage.remote import RemoteError, redact
+from h5corpus.storage.remote import RemoteError, RemoteOptions, redact
 from testkit.clusters import EngineUnavailable, engine_unavailable
 from testkit.objectstores import MotoS3, Nginx, StallServer, wait_for_file
 from tests.helpers import BYTE_IDENTITY, REPO, batch_digest, byte_encode, stdlib_texts, subprocess_env, write_corpus
@@ -91,8 +91,13 @@ def test_same_batches_from_s3_http_and_local_path(corpus, s3, nginx, tmp_path):
         want = epoch_digests(open_corpus(corpus), loader)
         assert len(want) > 10
         got_s3 = epoch_digests(open_corpus(url, cache_dir=tmp_path / f"c-s3-{loader}"), loader)
-        got_http = epoch_digests(
-            open_corpus(nginx.url + "/manifests/shards.json", cache_dir=tmp_path / f"c-http-{loader}"), loader
+        got_http = epoch_digests(  # and the cheaper proof of downloads
+            open_corpus(
+                nginx.url + "/manifests/shards.json",
+                cache_dir=tmp_path / f"c-http-{loader}",
+                remote=RemoteOptions(proof="checksums"),
+            ),
+            loader,
         )
         assert got_s3 == want
         assert got_http == want
@@ -172,18 +177,19 @@ def test_eviction_never_removes_a_leased_shard(corpus, s3, tmp_path):
     assert c.tokens(0, 100).tolist() == open_corpus(corpus).tokens(0, 100).tolist()  # fetched again
 
 
-def test_a_shard_corrupted_on_the_server_is_refused_by_name(corpus, s3, tmp_path):
+@pytest.mark.parametrize("proof", ["sha256", "checksums"])
+def test_a_shard_corrupted_on_the_server_is_refused_by_name(corpus, s3, tmp_path, proof):
     import s3fs
 
-    url = put_corpus(corpus, "corrupt")
+    url = put_corpus(corpus, f"corrupt-{proof}")
     e = read_manifest(corpus).shards_of("train")[1]
-    key = f"{BUCKET}/corrupt/shards/train/{Path(e.path).name}"
+    key = f"{BUCKET}/corrupt-{proof}/shards/train/{Path(e.path).name}"
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     data = bytearray(fs.cat_file(key))
     data[len(data) // 2] ^= 0xFF  # a token byte: same size, other content
     fs.pipe_file(key, bytes(data))
     cache = tmp_path / "cache"
-    c = open_corpus(url, cache_dir=cache)
+    c = open_corpus(url, cache_dir=cache, remote=RemoteOptions(proof=proof))
     c.tokens(0, 10)  # shard 0 is fine
     with pytest.raises(RemoteError) as err:
         c.tokens(int(c.shard_token_starts[1]), int(c.shard_token_starts[1]) + 10)

@@ -105,6 +105,79 @@ def verify_shard(path: str, entry: ShardRecord, expect: ShardExpectation) -> str
     return "" if not findings else f"{findings[0].code}: {findings[0].message}"
 
 
+def prove_by_checksums(path: str, entry: ShardRecord, expect: ShardExpectation) -> str:
+    """ "" when the shard at ``path`` proves itself through the reader's trust chain, eagerly: its
+    size, attributes and datasets, both checksum tables against the manifest's ``sums_sha256``,
+    and every ``/tokens`` and ``/doc_offsets`` chunk against its xxh3-64 checksum (ids and flags
+    are proven against ``index_sha256`` when read); else the first problem found."""
+    from . import format as fmt
+    from .readpaths import h5open, read_checksums
+
+    if _size(path) != entry.bytes:
+        return f"size: file is {_size(path):,} bytes, manifest says {entry.bytes:,}"
+    try:
+        with h5open(path) as f:
+            ds = {k: f.get(k) for k in fmt.DATASETS}
+            problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), entry.split)
+            problems += fmt.dataset_problems(ds, expect)
+            if not problems and ds[fmt.TOKENS].shape[0] != entry.tokens:
+                problems.append(fmt.Problem("tokens", f"/tokens holds {ds[fmt.TOKENS].shape[0]:,} tokens"))
+            if not problems:
+                problems += fmt.v3_index_layout_problems(ds, entry.tokens, entry.documents, expect.chunk_tokens)
+            if problems:
+                return f"{problems[0].code}: {problems[0].message}"
+            sums, osums = read_checksums(ds[fmt.CHUNK_CHECKSUMS]), read_checksums(ds[fmt.OFFSETS_CHECKSUMS])
+            if fmt.sums_sha256(sums, osums) != entry.sums_sha256:
+                return "sums_sha256: the checksum tables differ from the manifest's sums_sha256"
+            for name, n, chunk, table in (
+                (fmt.TOKENS, entry.tokens, expect.chunk_tokens, sums),
+                (fmt.DOC_OFFSETS, entry.documents + 1, fmt.OFFSETS_CHUNK_V3, osums),
+            ):
+                k = _first_bad_chunk(ds[name], n, chunk, table)
+                if k >= 0:
+                    return f"chunk_checksum: /{name} chunk {k:,} fails its checksum"
+    except (OSError, KeyError, ValueError, RuntimeError) as e:  # RuntimeError: corrupt HDF5 metadata
+        return f"unreadable: {e}"
+    return ""
+
+
+def _first_bad_chunk(ds: Any, n: int, chunk: int, table: Any) -> int:
+    """The first chunk of ``ds[:n]`` whose xxh3-64 differs from ``table``, or -1. Chunks stored
+    raw are hashed in place through a memory map of the file (no copy); others are read by HDF5."""
+    import mmap
+
+    import numpy as np
+
+    from . import format as fmt
+
+    path = ds.file.filename
+    layout, _ = fmt.chunk_byte_layout(ds, n, os.path.getsize(path))
+    mm = None
+    if layout is not None and n:
+        with open(path, "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        for k in range(-(-n // chunk)):
+            a, b = k * chunk, min((k + 1) * chunk, n)
+            if mm is not None and int(layout[k]) >= 0:
+                view = np.frombuffer(mm, dtype=ds.dtype, count=b - a, offset=int(layout[k]))
+            else:
+                view = np.empty(b - a, dtype=ds.dtype)
+                ds.read_direct(view, source_sel=np.s_[a:b])
+            ok = fmt.chunk_checksum(view) == int(table[k])
+            del view
+            if not ok:
+                return k
+    finally:
+        if mm is not None:
+            mm.close()
+    return -1
+
+
+#: how a downloaded shard is proven before it is renamed into place (``RemoteOptions.proof``)
+PROOFS = {"sha256": verify_shard, "checksums": prove_by_checksums}
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -286,7 +359,7 @@ class RemoteShards:
         with_retries(lambda: _transfer(fs, path, part, entry.bytes), self.options, where)
         fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        problem = verify_shard(part, entry, self.expect)
+        problem = PROOFS[self.options.proof](part, entry, self.expect)
         if not problem:
             return fd, ""
         os.close(fd)

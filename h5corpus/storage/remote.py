@@ -74,15 +74,22 @@ class RemoteOptions:
     instead of hanging); ``retries``: attempts per transfer after the first, with exponential
     back-off from ``backoff_s`` (a partial download resumes where it stopped);
     ``prefetch_workers``: shards downloaded at once per process; ``storage_options``: extra keyword
-    arguments for the fsspec backend (e.g. ``endpoint_url``); they are never logged or shown."""
+    arguments for the fsspec backend (e.g. ``endpoint_url``); they are never logged or shown;
+    ``proof``: how a downloaded shard is proven before it is renamed into place: ``"sha256"``
+    (``h5corpus validate``'s checks of the shard: the sha256 of its tokens and of its index) or
+    ``"checksums"`` (the reader's trust chain, eagerly: the checksum tables against the manifest's
+    ``sums_sha256``, every chunk against its xxh3-64; about 5x cheaper)."""
 
     timeout_s: float = 60.0
     retries: int = 3
     backoff_s: float = 0.5
     prefetch_workers: int = 8
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    proof: str = "sha256"
 
     def __post_init__(self) -> None:
+        if self.proof not in ("sha256", "checksums"):
+            raise ValueError(f"proof must be 'sha256' or 'checksums', got {self.proof!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.retries < 0 or self.prefetch_workers < 1:
