@@ -971,6 +971,40 @@ def plan_cli(
         typer.echo(p)
 
 
+@app.command("upload")
+def upload_cli(
+    manifest: Path = typer.Argument(..., help="Manifest (shards.json) of a finished local corpus."),
+    dest: str = typer.Argument(..., help="Object-storage URL of the corpus folder, e.g. s3://bucket/corpus."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before a stalled request fails."),
+    retries: int = typer.Option(3, "--retries", help="Attempts per transfer after the first (with back-off)."),
+) -> None:
+    """Publish a corpus to object storage: every shard checked, then uploaded, the manifest last (a
+    reader never sees a manifest whose shards are missing). Rerun after a failure: it resumes."""
+    from .storage.publish import upload_corpus
+    from .storage.remote import RemoteOptions
+
+    check_path_arg("MANIFEST", manifest)
+    check_local_manifest(manifest)
+    if not manifest.is_file():
+        raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
+    try:
+        opts = RemoteOptions(timeout_s=timeout, retries=retries)
+        rep = upload_corpus(manifest, dest, options=opts, progress=None if as_json else typer.echo)
+    except FormatError as e:  # a refused request, a time-out, a shard that is not what its entry says
+        raise fail(f"upload: {e}", EXIT_BAD_DATA) from None
+    except (ValueError, ImportError) as e:
+        raise fail(f"upload: {e}", EXIT_USAGE) from None
+    except OSError as e:
+        raise os_failure(f"upload {manifest}", e) from None
+    if as_json:
+        typer.echo(json.dumps(rep.to_json(), indent=2, sort_keys=True))
+    else:
+        typer.echo(
+            f"uploaded {rep.uploaded} shards ({rep.bytes_uploaded:,} bytes), {rep.skipped} already there; manifest: {rep.to_json()['manifest_url']}"
+        )
+
+
 def main() -> None:
     app()
 

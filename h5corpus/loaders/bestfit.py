@@ -51,6 +51,15 @@ class MappedRuns(NamedTuple):
     views: list[memoryview]
 
 
+#: Microbatches whose shards the best-fit loader asks a (remote) corpus to prefetch at a time.
+PREFETCH_AHEAD = 16
+
+
+def shards_of(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
+    """The shards (indices) holding these global token positions, each once."""
+    return np.unique(np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1)
+
+
 def mapped_runs(corpus: CorpusLike) -> MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
     (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
@@ -301,9 +310,13 @@ class BestFitDataset(GlobalSequenceDataset):
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
         item is microbatch ``g mod M``, :mod:`~h5corpus.loaders.partition`); O(1) per item."""
         sched, M = live.schedule, sp.num_microbatches
-        for j in sched.local_items():
+        for n, j in enumerate(sched.local_items()):
             if M == 0 or sched.needed(j) > M:
                 return
+            if n % PREFETCH_AHEAD == 0:  # a remote corpus fetches the shards of the next microbatches
+                w = sched.consumer.num_workers
+                ahead = [sp.microbatch(sched.global_index(j + k * w) % M).seg_start for k in range(PREFETCH_AHEAD)]
+                self.corpus.prefetch(shards_of(self.corpus, np.concatenate(ahead)))
             mb = sp.microbatch(sched.global_index(j) % M)
             batch = reads.batch(mb)
             if self.with_segments:

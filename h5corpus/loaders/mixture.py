@@ -289,6 +289,14 @@ class Mixture:
         self._rtab = (key, tab)
         return tab
 
+    def prefetch(self, shards: np.ndarray) -> None:
+        """Pass each source its own shards of ``shards`` (indices into :attr:`shard_token_starts`)."""
+        shards = np.asarray(shards, dtype=np.int64).reshape(-1)
+        src = np.searchsorted(self.shard_bases, shards, side="right") - 1
+        for s in np.unique(src).tolist():
+            if 0 <= s < len(self.sources):
+                self.sources[s].corpus.prefetch(shards[src == s] - self.shard_bases[s])
+
     def document(self, i: int) -> np.ndarray:
         a, b = self.doc_offsets_range(i, i + 1).tolist()
         return self.tokens(a, b)

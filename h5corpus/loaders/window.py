@@ -44,7 +44,7 @@ import numpy as np
 
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
-from .bestfit import MappedRuns, as_source, mapped_runs
+from .bestfit import MappedRuns, as_source, mapped_runs, shards_of
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer, integer_arg
 from .sequence import GlobalSequenceDataset, check_epoch
@@ -310,9 +310,18 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         batches = self._batches_of(sched, M)
         runs = mapped_runs(self.corpus)  # this process's memory maps (None: a shard read through HDF5)
         reads = self._reads()
+
+        def starts_of(lo: int) -> np.ndarray:
+            return self._starts(epoch, _positions(batches[lo : lo + PLAN_BLOCK_BATCHES], B, N)[0])
+
+        nxt = starts_of(0) if batches.size else None
         for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
             items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
-            for batch in reads.block(self._starts(epoch, items), offs, runs):
+            starts = nxt if nxt is not None else self._starts(epoch, items)
+            nxt = starts_of(lo_b + PLAN_BLOCK_BATCHES) if lo_b + PLAN_BLOCK_BATCHES < batches.size else None
+            if nxt is not None:  # a remote corpus fetches the next block's shards while this one is read
+                self.corpus.prefetch(shards_of(self.corpus, nxt))
+            for batch in reads.block(starts, offs, runs):
                 live.yielded += 1
                 yield batch
 

@@ -97,3 +97,8 @@ class CorpusLike(Protocol):
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i``."""
         ...
+
+    def prefetch(self, shards: np.ndarray) -> None:
+        """Hint: these shards (indices into :attr:`shard_token_starts`) will be read soon; a remote
+        corpus starts fetching them into its cache in the background, a local one ignores it."""
+        ...

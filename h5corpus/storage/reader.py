@@ -44,6 +44,7 @@ import h5py
 import numpy as np
 
 from . import format as fmt
+from .cache import Lease, RemoteShards, open_remote_manifest
 from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
 from .manifest import Manifest, read_manifest
 from .readpaths import (
@@ -58,6 +59,7 @@ from .readpaths import (
     live_tokens,
     read_checksums,
 )
+from .remote import RemoteOptions, is_remote, redact
 
 #: Shards one corpus keeps open per process (each holds two descriptors, its memory maps): 10,000
 #: shards then read under the default ``ulimit -n`` of 1,024.
@@ -132,6 +134,9 @@ class Corpus:
         #: per finished shard: its ``/chunk_xxh3`` when this corpus verifies (read with the index)
         self._chunk_sums: list[np.ndarray | None] = []
         self._pid, self._forks = os.getpid(), FORKS[0]
+        #: a remote corpus's shard fetcher (None: local files), and this process's leases on them
+        self._remote: RemoteShards | None = None
+        self._leases: dict[int, Lease] = {}
         self._append_entries(manifest.shards_of(split))
         if self.version < 2:
             warnings.warn(f"{manifest.path}: {self.integrity_note}", UnverifiedCorpusWarning, stacklevel=3)
@@ -175,6 +180,7 @@ class Corpus:
         self._file_ids = [None]
         self._chunk_sums = [None]
         self._pid, self._forks = os.getpid(), FORKS[0]
+        self._remote, self._leases = None, {}
         self.refresh()
         return self
 
@@ -412,6 +418,8 @@ class Corpus:
         offsets and checksum tables re-read). Raises :class:`FormatError` naming the shard."""
         self._check_pid()
         n = int(self.shard_doc_starts[shard + 1] - self.shard_doc_starts[shard])
+        if self._remote is not None:
+            self._reader(shard)  # fetched into the cache and leased
         self._check_unchanged(shard)
         path = self._open_path(shard)
         try:
@@ -488,7 +496,7 @@ class Corpus:
 
     def _check_pid(self) -> None:
         if self._forks != FORKS[0]:  # forked: never touch the parent's handles
-            self._readers, self._indexes = {}, {}
+            self._readers, self._indexes, self._leases = {}, {}, {}
             self._pid, self._forks = os.getpid(), FORKS[0]
 
     def _reader(self, shard: int) -> MmapTokens | H5Tokens:
@@ -497,14 +505,40 @@ class Corpus:
         memory maps'): opening one more first closes the older half."""
         r = self._readers.get(shard)
         if r is None:
-            if len(self._readers) >= MAX_OPEN_SHARDS:
-                self._close_oldest(MAX_OPEN_SHARDS // 2)
+            cap = self._open_cap()
+            if len(self._readers) >= cap:
+                self._close_oldest(max(1, cap // 2))
+            self._fetch(shard)
             if self.version >= 3 and self.manifest is not None:
                 r, self._indexes[shard] = self._open_v3(shard)
             else:
                 r = self._open_reader(shard)
             self._readers[shard] = r
         return r
+
+    def _fetch(self, shard: int) -> None:
+        """The seam to object storage: a remote shard is fetched into the node's cache (once per
+        node, verified against the manifest's sha256) and leased while this process has it open,
+        so that no process evicts it; its cached path is :attr:`paths` ``[shard]``."""
+        if self._remote is None or shard in self._leases:
+            return
+        self._leases[shard] = self._remote.acquire(self.entries[shard], self.paths[shard])
+        self._file_ids[shard] = None  # a new download is a new file of the same proven bytes
+
+    def _open_cap(self) -> int:
+        """Shards this process keeps open: :data:`MAX_OPEN_SHARDS`, fewer for a remote split
+        larger than its cache (leased shards cannot be evicted)."""
+        if self._remote is None:
+            return MAX_OPEN_SHARDS
+        return self._remote.open_cap(MAX_OPEN_SHARDS, max((e.bytes for e in self.entries), default=1))
+
+    def prefetch(self, shards: Any) -> None:
+        """Start fetching these shards (indices) of a remote corpus into the cache in the background,
+        so a later read does not wait for them; nothing for a local corpus."""
+        if self._remote is not None:
+            want = np.asarray(shards, dtype=np.int64).reshape(-1).tolist()
+            idx = [s for s in want if 0 <= s < self.num_shards and s not in self._leases]  # held: cached
+            self._remote.prefetch([(self.entries[s], self.paths[s]) for s in idx])
 
     def _index(self, shard: int) -> MappedOffsets:
         """This process's verified map of a version 3 shard's ``/doc_offsets`` (opens the shard)."""
@@ -523,6 +557,9 @@ class Corpus:
             idx = self._indexes.pop(s, None)
             if idx is not None:
                 idx.close()
+            lease = self._leases.pop(s, None)
+            if lease is not None:
+                lease.release()
 
     def _open_v3(self, shard: int) -> tuple[MmapTokens | H5Tokens, MappedOffsets]:
         """Open a finished version 3 shard the first time this process touches it, checking it at
@@ -654,12 +691,15 @@ class Corpus:
         self._close_oldest(len(self._readers))
         for idx in self._indexes.values():
             idx.close()
-        self._readers, self._indexes = {}, {}
+        for lease in self._leases.values():
+            lease.release()
+        self._readers, self._indexes, self._leases = {}, {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_readers"] = {}
         d["_indexes"] = {}
+        d["_leases"] = {}
         if self.version >= 3 and self.manifest is not None:
             d["_doc_offsets"] = None  # re-readable lazily, verified, in the process that asks
         d.pop("_sts_list", None)
@@ -926,9 +966,13 @@ class Corpus:
         if hit is not None and hit[0] is self._readers and hit[1] == key and hit[2] == len(self._readers):
             return hit[3]
         tab = None
-        if self.num_shards > MAX_OPEN_SHARDS:  # the table needs every shard open at once
+        if self.num_shards > self._open_cap():  # the table needs every shard open at once
             self.__dict__["_rtab"] = (self._readers, key, len(self._readers), None)
             return None
+        if self._remote is not None:  # a cold cache: every shard at once, not one by one
+            self._remote.fetch_all(
+                [(e, p) for s, (e, p) in enumerate(zip(self.entries, self.paths)) if s not in self._leases]
+            )
         readers = [self._reader(s) for s in range(self.num_shards)]
         if readers and all(r.kind == "mmap" for r in readers):
             tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
@@ -1009,8 +1053,11 @@ def open_corpus(
     tokenizer: TokenizerIdentity | None = None,
     read_path: ReadPath = "auto",
     verify: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
+    remote: RemoteOptions | None = None,
 ) -> Corpus:
-    """Open ``split`` of the corpus described by ``manifest`` (a path or a parsed Manifest).
+    """Open ``split`` of the corpus described by ``manifest`` (a path, a URL, or a parsed Manifest).
 
     Checks format and version of the manifest and every shard, that each shard's index matches the
     manifest, and, if ``tokenizer`` is given, that the corpus was built with the same ids.
@@ -1019,7 +1066,22 @@ def open_corpus(
     against its checksum the first time this process reads it (format version 2; ``False`` is for
     measuring what verification costs, or a corpus validated just before). A version 1 corpus has
     no checksums: it opens with an :class:`UnverifiedCorpusWarning` and ``Corpus.verified`` False.
+
+    A URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``https://``) opens a corpus on object
+    storage (format version 3) through the node's shard cache at ``cache_dir`` (default
+    :func:`~h5corpus.storage.cache.default_cache_dir`), kept under ``cache_limit`` bytes (None: no
+    limit); ``remote`` sets time-outs, retries and backend options (docs/READING.md).
     """
+    if not isinstance(manifest, Manifest) and is_remote(manifest):
+        opts = remote if remote is not None else RemoteOptions()
+        m, shards = open_remote_manifest(str(manifest), split, cache_dir, cache_limit, opts)
+        if m.version < 3:
+            raise FormatError(
+                f"{redact(str(manifest))}: format version {m.version} corpora open from local files only (rebuild: v3)"
+            )
+        c = Corpus(m, split, tokenizer=tokenizer, read_path=read_path, verify=verify)
+        c._remote = shards
+        return c
     m = manifest if isinstance(manifest, Manifest) else read_manifest(Path(manifest))
     return Corpus(m, split, tokenizer=tokenizer, read_path=read_path, verify=verify)
 

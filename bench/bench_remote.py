@@ -1,0 +1,162 @@
+"""Epoch throughput of a corpus read from an S3-protocol server through the node cache, against
+the local path and against a plain s3fs copy of the same bytes (docs/READING.md, "Corpora on
+object storage").
+
+    python bench/bench_remote.py [--copies 4] [--repeats 3] [--out bench/results/remote.json]
+
+Starts moto's S3 server on loopback (testkit/objectstores.py), uploads a byte-tokenized corpus
+(the standard library's sources, ``--copies`` variants of each) with ``h5corpus upload``'s
+library call, then measures back to back, ``--repeats`` rounds, in this one process:
+
+* **copy**: ``s3fs.S3FileSystem.get`` of the split's shard objects into a folder (the link rate
+  of a plain copy of the same bytes, client start included);
+* **fill**: ``open_corpus(s3://...)`` with an empty cache and ``run_table()``: every shard fetched
+  (``prefetch_workers`` at once), proven against the manifest, renamed and opened; **cold**: fill
+  plus the window loader's epoch; GETs per shard from the server's request log; the fill again
+  with ``RemoteOptions(proof="checksums")``;
+* **local / warm**: each loader's epoch over the corpus opened from the local manifest and over
+  the one opened through the full cache (opening timed apart: one GET of the manifest).
+
+Figures are medians over rounds of ratios measured back to back within a round (every round is
+in the JSON with the load average): warm / local epoch on open corpora (target >= 0.9), fill and
+cold bytes/s over the plain copy's (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._report import RESULTS, emit  # noqa: E402
+from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus  # noqa: E402
+from h5corpus.storage.cache import verify_shard  # noqa: E402
+from h5corpus.storage.format import ShardExpectation  # noqa: E402
+from h5corpus.storage.manifest import read_manifest  # noqa: E402
+from h5corpus.storage.publish import upload_corpus  # noqa: E402
+from h5corpus.storage.remote import RemoteOptions  # noqa: E402
+from testkit.corpora import BYTE_IDENTITY, byte_encode, stdlib_texts, write_corpus  # noqa: E402
+from testkit.objectstores import MotoS3  # noqa: E402
+
+
+def epoch(source, loader: str) -> tuple[float, int]:
+    """(seconds, tokens) of one epoch of ``loader`` over ``source`` (a path, URL or Corpus)."""
+    t0 = time.perf_counter()
+    corpus = source if not isinstance(source, (str, Path)) else open_corpus(source)
+    if loader == "bestfit":
+        ds = BestFitDataset(corpus, 1024, 8, 64, seed=0)
+    else:
+        ds = SlidingWindowDataset(corpus, 1024, 8, seed=0)
+    tokens = 0
+    for b in ds:
+        tokens += int(b.num_tokens)
+    return time.perf_counter() - t0, tokens
+
+
+def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
+    """One round, back to back: the plain copy, the cold epoch (cache filled, then the window
+    loader's epoch), then each loader's epoch from the local path and through the warm cache."""
+    import s3fs
+
+    train = read_manifest(manifest).shards_of("train")
+    keys = [f"corpora/bench/shards/train/{Path(e.path).name}" for e in train]
+    copy_dir, cache = work / "copy", work / "cache"
+    for d in (copy_dir, cache):
+        shutil.rmtree(d, ignore_errors=True)
+    copy_dir.mkdir()
+    t0 = time.perf_counter()
+    s3fs.S3FileSystem(skip_instance_cache=True).get(keys, str(copy_dir) + "/")
+    copy_s = time.perf_counter() - t0
+    m = read_manifest(manifest)
+    expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
+    t0 = time.perf_counter()
+    assert not any(verify_shard(str(copy_dir / Path(e.path).name), e, expect) for e in train)
+    verify_s = time.perf_counter() - t0
+    before = s3.gets("corpora")
+    t0 = time.perf_counter()
+    corpus = open_corpus(url, cache_dir=cache)
+    corpus.run_table()  # the split fits: every shard fetched (prefetch_workers at once), verified, opened
+    fill_s = time.perf_counter() - t0
+    cold_s = fill_s + epoch(corpus, "window")[0]
+    after = s3.gets("corpora")
+    corpus.close()
+    shutil.rmtree(cache)
+    t0 = time.perf_counter()  # the same fill, downloads proven by the checksum chain
+    open_corpus(url, cache_dir=cache, remote=RemoteOptions(proof="checksums")).run_table()
+    fill_checksums_s = time.perf_counter() - t0
+    out = {
+        "split_bytes": sum(e.bytes for e in train),
+        "shards": len(train),
+        "copy_s": copy_s,
+        "fill_s": fill_s,
+        "fill_checksums_s": fill_checksums_s,
+        "verify_s": verify_s,
+        "cold_window_s": cold_s,
+        "gets_per_shard": max(after[k.split("/", 1)[1]] - before[k.split("/", 1)[1]] for k in keys),
+        "loadavg": os.getloadavg(),
+    }
+    t0 = time.perf_counter()
+    warm = open_corpus(url, cache_dir=cache)
+    out["open_warm_s"] = time.perf_counter() - t0  # one GET of the manifest, the client's start
+    t0 = time.perf_counter()
+    local = open_corpus(manifest)
+    out["open_local_s"] = time.perf_counter() - t0
+    for ld in ("window", "bestfit"):  # epochs on open corpora: the first one also opens every shard
+        out[f"local_{ld}_s"], out[f"tokens_{ld}"] = epoch(local, ld)
+        out[f"warm_{ld}_s"] = epoch(warm, ld)[0]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--copies", type=int, default=24, help="variants of each stdlib source (corpus size)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    try:
+        texts = [f"{t}\n# variant {k}\n" for k in range(args.copies) for t in stdlib_texts(10_000)]
+        manifest = write_corpus(
+            work / "corpus", texts, byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 16, shard_tokens=4 << 20
+        )
+        with MotoS3.start(work / "moto") as s3:
+            os.environ.update(s3.env())
+            import s3fs
+
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("corpora")
+            upload_corpus(manifest, "s3://corpora/bench")
+            url = "s3://corpora/bench/manifests/shards.json"
+            rounds = [one_round(manifest, url, work, s3) for _ in range(args.repeats)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mb = rounds[0]["split_bytes"] / 1e6
+
+    def med(f) -> float:  # the median over rounds of a ratio measured back to back in each
+        return statistics.median(f(r) for r in rounds)
+
+    n = len(rounds)
+    figures = {
+        f"window: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_window_s'] / r['warm_window_s']):.2f}x",
+        f"bestfit: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_bestfit_s'] / r['warm_bestfit_s']):.2f}x",
+        "open_corpus, warm cache (manifest GET, client start)": f"{med(lambda r: r['open_warm_s']) * 1e3:.0f} ms",
+        "cache fill (fetch + prove + open) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_s']):.2f}x",
+        "cache fill, proof='checksums' / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_checksums_s']):.2f}x",
+        "cold epoch (fill + window epoch) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['cold_window_s']):.2f}x",
+        "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
+        "GETs per shard, cold (max)": str(max(r["gets_per_shard"] for r in rounds)),
+        "plain s3fs copy from moto on loopback": f"{med(lambda r: mb / r['copy_s']):.0f} MB/s ({mb:.0f} MB, {rounds[0]['shards']} shards)",
+    }
+    emit({"rounds": rounds}, args.out, figures=figures)
+
+
+if __name__ == "__main__":
+    if "--out" not in sys.argv and os.environ.get("H5CORPUS_BENCH_SAVE"):
+        sys.argv += ["--out", str(RESULTS / "remote.json")]
+    main()

@@ -1,0 +1,109 @@
+"""``h5corpus upload``: publish a finished local corpus to object storage, shards first and the
+manifest last, so a reader never finds a manifest whose shards are missing (docs/READING.md,
+"Corpora on object storage").
+
+Every shard is proven against its manifest entry (size, sha256) before it leaves, so a corrupt
+local shard is never published. The upload resumes: a journal beside the manifest
+(``.<name>.upload.json``) records each shard once its upload has finished, and a rerun skips the
+shards it lists whose object is there with the right size. Object stores replace an object
+whole on each PUT, so a shard interrupted mid-upload is either absent or complete remotely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cache import verify_shard
+from .format import FormatError, ShardExpectation, ShardRecord
+from .manifest import read_manifest, write_json_atomic
+from .remote import RemoteError, RemoteOptions, filesystem, fs_path, is_remote, redact, with_retries
+
+
+@dataclass
+class UploadReport:
+    manifest_url: str
+    shards: int
+    uploaded: int
+    skipped: int
+    bytes_uploaded: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__, manifest_url=redact(self.manifest_url))
+
+
+def _journal_path(manifest: Path) -> Path:
+    return manifest.with_name(f".{manifest.name}.upload.json")
+
+
+def _load_journal(path: Path, dest: str) -> dict[str, str]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return {}
+    return dict(d.get("done", {})) if d.get("dest") == redact(dest) else {}
+
+
+def upload_corpus(
+    manifest: str | os.PathLike[str],
+    dest: str,
+    *,
+    options: RemoteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> UploadReport:
+    """Upload the corpus of ``manifest`` (format version 3) under the URL ``dest`` (its folder:
+    paths below it are the corpus folder's, e.g. ``<dest>/manifests/shards.json``); returns what
+    was done. Raises :class:`~h5corpus.storage.remote.RemoteError` (one line: URL and shard) when
+    storage refuses, :class:`FormatError` when a local shard differs from its entry."""
+    opts = options if options is not None else RemoteOptions()
+    if not is_remote(dest):
+        raise ValueError(f"upload destination must be an object-storage URL (s3://, gs://, az://, hf://), got {dest!r}")
+    m = read_manifest(manifest)
+    if m.version < 3:
+        raise FormatError(f"{manifest}: only format version 3 corpora are read from object storage; rebuild it")
+    root, base = m.corpus_root, dest.rstrip("/")
+    expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
+    fs = filesystem(base, opts)
+    journal = _journal_path(Path(manifest).absolute())
+    done = _load_journal(journal, base)
+    rep = UploadReport(base + "/" + Path(os.path.relpath(m.path, root)).as_posix(), len(m.shards), 0, 0, 0)  # type: ignore[arg-type]
+    for e in m.shards:
+        local = m.shard_path_str(e)
+        url = base + "/" + Path(os.path.relpath(local, root)).as_posix()
+        where = f"{redact(url)}: shard {e.path}"
+        if done.get(url) == e.sha256 and with_retries(lambda u=url: _remote_size(fs, u), opts, where) == e.bytes:
+            rep.skipped += 1
+            continue
+        _check_local(local, e, expect)
+        with_retries(lambda p=local, u=url: fs.put_file(p, fs_path(u)), opts, where)
+        done[url] = e.sha256
+        write_json_atomic(journal, {"dest": redact(base), "done": done})
+        rep.uploaded += 1
+        rep.bytes_uploaded += e.bytes
+        if progress is not None:
+            progress(f"uploaded {e.path} ({e.bytes:,} bytes)")
+    data = Path(m.path).read_bytes()  # type: ignore[arg-type]
+    with_retries(lambda: fs.pipe_file(fs_path(rep.manifest_url), data), opts, f"{redact(rep.manifest_url)}: manifest")
+    journal.unlink(missing_ok=True)
+    return rep
+
+
+def _remote_size(fs: Any, url: str) -> int | None:
+    try:
+        return int(fs.size(fs_path(url)))
+    except FileNotFoundError:
+        return None
+
+
+def _check_local(path: str, e: ShardRecord, expect: ShardExpectation) -> None:
+    """Refuse to publish a shard that is not what its manifest entry says."""
+    problem = verify_shard(path, e, expect)
+    if problem:
+        raise FormatError(f"{path}: {problem}; not uploaded (run h5corpus validate)")
+
+
+__all__ = ["RemoteError", "UploadReport", "upload_corpus"]
