@@ -60,7 +60,7 @@ from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
 from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
-from h5corpus.storage.reader import open_corpus  # noqa: E402
+from h5corpus.storage.reader import open_corpus, write_layout_file  # noqa: E402
 from h5corpus.storage.writer import ShardWriter  # noqa: E402
 
 #: The synthetic corpora's tokenizer identity: GPT-2's id space (uint16 tokens, EOS 50,256).
@@ -138,7 +138,9 @@ def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, fl
     and the seconds writing it took (0 when cached)."""
     root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}"
     mpath = root / "manifests" / "shards.json"
-    if mpath.exists():  # the manifest is written last
+    if mpath.exists():  # the manifest is written last, then the layout file
+        if not fmt.layout_path(mpath).exists():
+            write_layout_file(mpath)
         return mpath, 0.0
     shutil.rmtree(root, ignore_errors=True)
     t0 = time.perf_counter()
@@ -151,6 +153,7 @@ def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, fl
         m.shards.append(rec.relative_to(mpath.parent))
     m.splits["train"] = {"documents": docs, "tokens": int(lengths.sum())}
     write_manifest(mpath, m)
+    write_layout_file(mpath)  # as the build's commit does
     return mpath, time.perf_counter() - t0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import mmap
 import os
 import stat
 import warnings
@@ -540,17 +541,22 @@ class Corpus:
         if self._file_ids[shard] is None:
             self._file_ids[shard] = now
         self._check_unchanged(shard, None)
-        try:
-            with h5open(path) as f:
-                sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
-        except (OSError, KeyError, ValueError, RuntimeError) as err:  # RuntimeError: corrupt HDF5 metadata
-            if isinstance(err, FormatError):
-                raise
-            raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
+        lay = self._mapped_layout(shard, now)
+        if lay is not None:  # proven by the layout file: no HDF5 open
+            sums, osums, tok_layout, off_layout, filtered = (
+                lay.chunk_sums,
+                lay.offsets_sums,
+                lay.tokens,
+                lay.offsets,
+                True,
+            )
+            tail: tuple[int, int] | None = lay.tail if lay.tail[1] else None
+        else:
+            sums, osums, tok_layout, off_layout, filtered, tail = self._checked_v3(path, e)
         verify, vocab = self.verified, self.tokenizer.vocab_size
         if tok_layout is not None:
             r: MmapTokens | H5Tokens = MmapTokens(
-                path, self.chunk_tokens, tok_layout, self.dtype, e.tokens, sums if verify else None, vocab
+                path, self.chunk_tokens, tok_layout, self.dtype, e.tokens, sums if verify else None, vocab, tail
             )
         else:
             r = H5Tokens(path, filtered, self.chunk_tokens, self.dtype, verify=verify, checksums=sums, vocab_size=vocab)
@@ -563,6 +569,81 @@ class Corpus:
             idx.close()
             raise
         return r, idx
+
+    def _checked_v3(
+        self, path: str, e: ShardRecord
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, bool, tuple[int, int] | None]:
+        """Open a version 3 shard through HDF5 and run :meth:`_check_v3`; also returns the stored
+        extent of its final ``/tokens`` chunk when that chunk is filtered."""
+        try:
+            with h5open(path) as f:
+                sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
+                tail = fmt.final_chunk_extent(f[fmt.TOKENS], tok_layout)
+        except (OSError, KeyError, ValueError, RuntimeError) as err:  # RuntimeError: corrupt HDF5 metadata
+            if isinstance(err, FormatError):
+                raise
+            raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
+        return sums, osums, tok_layout, off_layout, filtered, tail
+
+    def _mapped_layout(self, shard: int, now: FileId) -> fmt.ShardLayout | None:
+        """The layout file's entry for ``shard`` when it may replace the HDF5 checks (docs/FORMAT.md
+        "The layout file"): the file is the one that was checked (size and mtime), its checksum
+        tables hash to the manifest's ``sums_sha256``, its counts and addresses fit the manifest's
+        entry and the file. Else None (the shard is then checked through HDF5)."""
+        if self.read_path == "h5py" or self.manifest is None or self.manifest.path is None:
+            return None
+        data = self.__dict__.get("_layout_map")
+        if data is None:
+            data = self.__dict__["_layout_map"] = _map_file(fmt.layout_path(self.manifest.path))
+        if not data:
+            return None
+        where = self._manifest_rows()
+        lay = fmt.decode_layout(data, where[shard], len(self.manifest.shards))
+        e, C = self.entries[shard], self.chunk_tokens
+        if lay is None or (lay.size, lay.mtime_ns) != (now[2], now[3]):
+            return None
+        n_tok, n_off = -(-e.tokens // C), -(-(e.documents + 1) // fmt.OFFSETS_CHUNK_V3)
+        if (lay.tokens.size, lay.chunk_sums.size, lay.offsets.size, lay.offsets_sums.size) != (
+            n_tok,
+            n_tok,
+            n_off,
+            n_off,
+        ):
+            return None
+        raw = lay.tokens[lay.tokens >= 0]
+        if (
+            raw.size
+            and int(raw.max()) + C * self.dtype.itemsize > lay.size
+            or int(lay.offsets.max()) + 8 * fmt.OFFSETS_CHUNK_V3 > lay.size
+        ):
+            return None
+        if n_tok and int(lay.tokens[-1]) == -1 and sum(lay.tail) > lay.size:
+            return None
+        if fmt.sums_sha256(lay.chunk_sums, lay.offsets_sums) != e.sums_sha256:
+            return None
+        return lay
+
+    def _manifest_rows(self) -> list[int]:
+        """Each shard's position among the manifest's shards (the layout file's rows)."""
+        hit = self.__dict__.get("_mrows")
+        if hit is None or len(hit) != len(self.entries):
+            assert self.manifest is not None
+            hit = [i for i, e in enumerate(self.manifest.shards) if e.split == self.split]
+            self.__dict__["_mrows"] = hit
+        return hit
+
+    def shard_layout(self, shard: int) -> fmt.ShardLayout:
+        """A finished version 3 shard's :class:`~h5corpus.storage.format.ShardLayout`, found by the
+        full checks of a first touch through HDF5 (for :func:`write_layout_file`). Raises
+        :class:`FormatError` naming the shard when a check fails."""
+        if self.version < 3 or self.manifest is None:
+            raise FormatError(f"{self.paths[shard]}: layouts are for finished format version 3 shards")
+        path, e = self.paths[shard], self.entries[shard]
+        before = _file_id(path)
+        sums, osums, tok, off, _, tail = self._checked_v3(path, e)
+        if tok is None or _file_id(path) != before or before[2] != e.bytes:
+            raise FormatError(f"{path}: the shard cannot be memory-mapped, or changed while it was checked")
+        return fmt.ShardLayout(before[2], before[3], tok, tail or (0, 0), off, sums, osums)
 
     def _check_v3(
         self, f: h5py.File, path: str, e: ShardRecord
@@ -613,6 +694,7 @@ class Corpus:
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
                     offsets, why = fmt.chunk_byte_layout(ds, n, os.path.getsize(path))
+                tail = fmt.final_chunk_extent(ds, offsets)
                 sums = None
                 if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
                     sums = self._chunk_sums[shard]
@@ -624,7 +706,7 @@ class Corpus:
                 raise FormatError(
                     f"{path}: {sums.size:,} chunk checksums for {offsets.size:,} chunks; run h5corpus validate"
                 )
-            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums, self.tokenizer.vocab_size)
+            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums, self.tokenizer.vocab_size, tail)
             self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
             return r
         if self.read_path == "mmap" and not live:
@@ -665,6 +747,7 @@ class Corpus:
         d.pop("_sts_list", None)
         d.pop("_offs_view", None)
         d.pop("_rtab", None)
+        d.pop("_layout_map", None)  # mapped again, per process
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -832,12 +915,17 @@ class Corpus:
         readers = self._readers
         flat = out.reshape(-1) if out.flags.c_contiguous else None
         parts: list[np.ndarray] = []  # one view per window, copied into ``out`` by one concatenate
+        done = 0  # rows of ``out`` already copied
         for s, g in zip(shard, starts.tolist()):
             a = g - bounds[s]
             if g < 0 or g + length > bounds[s + 1]:  # crosses into the next shard (or out of range)
+                done = _flush_rows(out, parts, done)
                 parts.append(self.tokens(g, g + length))
                 continue
-            r = readers.get(s) or self._reader(s)
+            r = readers.get(s)
+            if r is None:  # opening a shard may close others: copy the views taken so far first
+                done = _flush_rows(out, parts, done)
+                r = self._reader(s)
             if r.kind == "mmap":  # the one-run case: a view, no call
                 k, o = divmod(a, r.chunk_tokens)  # type: ignore[union-attr]
                 if r.pending:  # type: ignore[union-attr]
@@ -852,11 +940,10 @@ class Corpus:
             row = np.empty(length, dtype=self.dtype)
             r.read(a, a + length, row)
             parts.append(row)
-        if flat is not None and length:
-            np.concatenate(parts, out=flat, casting="unsafe")
+        if flat is not None and length and parts:
+            np.concatenate(parts, out=flat[done * length :], casting="unsafe")
         else:
-            for row, part in zip(out, parts):
-                row[:] = part
+            _flush_rows(out, parts, done)
         return out
 
     def gather_ranges(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -963,6 +1050,51 @@ class Corpus:
 
 FileId = tuple[int, int, int, int]
 """(device, inode, size in bytes, mtime in ns) of a shard file."""
+
+
+def _flush_rows(out: np.ndarray, parts: list[np.ndarray], done: int) -> int:
+    """Copy ``parts`` into rows ``done, done + 1, ...`` of ``out`` and empty it (views into maps
+    are then released before their shard may be closed); returns the rows copied so far."""
+    for row, part in zip(out[done:], parts):
+        row[:] = part
+    done += len(parts)
+    parts.clear()
+    return done
+
+
+def _map_file(path: Path) -> Any:
+    """A read-only memory map of ``path``, or b"" when it is absent, empty or unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return b""
+
+
+def write_layout_file(manifest: str | os.PathLike[str]) -> Path:
+    """Check every finished version 3 shard of the manifest at ``manifest`` through HDF5 (as a
+    first touch does) and write the layout file beside it (``<manifest>.layout``, atomically), so
+    that readers' first touches of these files skip HDF5. Shards that fail a check get no row
+    (they are checked, and refused, through HDF5). Returns the layout file's path."""
+    m = read_manifest(Path(manifest))
+    rows: list[fmt.ShardLayout | None] = [None] * len(m.shards)
+    if m.version >= 3:
+        for split in fmt.SPLITS:
+            c = Corpus(m, split)
+            where = c._manifest_rows()
+            for s in range(c.num_shards):
+                try:
+                    rows[where[s]] = c.shard_layout(s)
+                except FormatError:
+                    continue
+    out = fmt.layout_path(manifest)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(fmt.encode_layouts(rows))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def _read_checksums(ds: h5py.Dataset, path: str) -> np.ndarray:

@@ -18,6 +18,7 @@ verifies chunks as ranges are located in it). None of these objects is ever pick
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import weakref
@@ -107,6 +108,7 @@ class MmapTokens:
         n_tokens: int,
         checksums: np.ndarray | None = None,
         vocab_size: int | None = None,
+        tail: tuple[int, int] | None = None,
     ) -> None:
         self.path = path
         #: ids at or above it are refused when a chunk is verified (None: not checked)
@@ -137,18 +139,45 @@ class MmapTokens:
         for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
             self.chunk_run.extend([run] * (b - a))
             self.chunk_pos.extend(range(0, (b - a) * C, C))
-        self._decoded = decoded
+        #: the final chunk's runs when it is mapped from stored deflate blocks (else empty)
+        self._tail_runs: list[np.ndarray] = []
         if decoded:
-            tail = np.empty(n_tokens - (n_chunks - 1) * C, dtype=self.dtype)  # pages untouched until decoded
-            self.runs.append(tail)
-            self.chunk_run.append(tail)
+            self._tail_runs = self._map_tail(tail, n_tokens - (n_chunks - 1) * C)
+            decoded = not self._tail_runs
+        self._decoded = decoded
+        if decoded:  # pages untouched until decoded
+            self._tail_runs = [np.empty(n_tokens - (n_chunks - 1) * C, dtype=self.dtype)]
+        if self._tail_runs:
+            self.runs.extend(self._tail_runs)
+            self.chunk_run.append(self._tail_runs[0])
             self.chunk_pos.append(0)
+        #: shard-local position of each run's first token (runs cover the shard in order)
+        self._run_starts = np.cumsum([0] + [r.size for r in self.runs[:-1]]).tolist()
         self.checksums = None if checksums is None else checksums.tolist()
         #: per chunk: 1 once it may be served in this process
         self.ready = bytearray(n_chunks) if checksums is not None else bytearray(b"\x01" * n_chunks)
         if decoded:
             self.ready[-1] = 0
         self.pending = n_chunks - sum(self.ready)
+
+    def _map_tail(self, tail: tuple[int, int] | None, n: int) -> list[np.ndarray]:
+        """The final chunk's ``n`` tokens as arrays over the file's stored deflate blocks
+        (:func:`~h5corpus.storage.format.stored_tail_runs`; ``tail``: its byte offset and stored
+        size), or [] when it is not stored that way (it is then decoded into memory)."""
+        if tail is None or self._mm is None or tail[0] + tail[1] > len(self._mm):
+            return []
+        w = self.dtype.itemsize
+        found = fmt.stored_tail_runs(self._mm, tail[0], tail[1], n * w, w)
+        if found is None:
+            return []
+        return [np.frombuffer(self._mm, dtype=self.dtype, count=b // w, offset=o) for o, b in found]
+
+    def _pieces(self, k: int, lo: int, hi: int) -> list[np.ndarray]:
+        """Chunk ``k``'s tokens (shard-local ``[lo, hi)``) as arrays: one view, or the final
+        chunk's stored blocks."""
+        if k == len(self.ready) - 1 and len(self._tail_runs) > 1:
+            return self._tail_runs
+        return [self.chunk_run[k][self.chunk_pos[k] : self.chunk_pos[k] + hi - lo]]
 
     def ensure(self, k0: int, k1: int) -> None:
         """Make chunks ``k0..k1`` (inclusive) ready: verify (and decode) those that are not yet."""
@@ -169,12 +198,14 @@ class MmapTokens:
             except (OSError, ValueError) as e:
                 raise ChunkChecksumError(self.path, k, lo, hi, f"cannot be decoded ({e})") from None
         if self.checksums is not None:
-            got, want = fmt.chunk_checksum(view), self.checksums[k]
+            pieces = self._pieces(k, lo, hi)
+            got, want = fmt.pieces_checksum(pieces), self.checksums[k]
             if got != want:
                 raise ChunkChecksumError(
                     self.path, k, lo, hi, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})"
                 )
-            check_id_range(view, self.vocab_size, self.path, k, lo, hi)
+            for piece in pieces:
+                check_id_range(piece, self.vocab_size, self.path, k, lo, hi)
         if not self.ready[k]:
             self.ready[k] = 1
             self.pending -= 1
@@ -194,9 +225,9 @@ class MmapTokens:
             return
         pos = lo
         while pos < hi:
-            k, off = divmod(pos, C)
-            run = self.chunk_run[k]
-            p = self.chunk_pos[k] + off
+            j = bisect.bisect_right(self._run_starts, pos) - 1
+            run = self.runs[j]
+            p = pos - self._run_starts[j]
             n = min(run.size - p, hi - pos)
             out[pos - lo : pos - lo + n] = run[p : p + n]
             pos += n
@@ -205,7 +236,7 @@ class MmapTokens:
         pass
 
     def close(self) -> None:
-        self.runs, self.chunk_run = [], []
+        self.runs, self.chunk_run, self._tail_runs = [], [], []
         if self._mm is not None:
             try:
                 self._mm.close()
