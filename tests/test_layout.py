@@ -5,16 +5,24 @@ the layout file), zlib's decoder."""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from h5corpus.storage import format as fmt
+from h5corpus.storage import manifest as mf
 from h5corpus.storage.reader import _file_id, open_corpus, write_layout_file
 from h5corpus.storage.readpaths import IndexChecksumError
+from tests.helpers import subprocess_env
 from tests.test_storage_v3 import synthetic
 
 
@@ -109,3 +117,80 @@ def test_the_final_chunk_in_stored_blocks_decodes_as_hdf5_would_and_maps_its_tok
     assert b"".join(stream[o : o + n] for o, n in runs) == chunk[:fill].tobytes()
     assert len(stream) - real < 1200  # 5 bytes per block, the padding compressed
     assert fmt.stored_tail_runs(zlib.compress(chunk.tobytes(), 6), 0, 10**6, real, chunk.itemsize) is None
+
+
+def test_reading_through_the_layout_file_imports_neither_h5py_nor_jsonschema(laid_out):
+    """What a training process pays in memory: a corpus opened and read through its layout file
+    loads no HDF5 library and no JSON Schema machinery (docs/SCALING.md, "Memory")."""
+    mpath, toks, _ = laid_out
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from h5corpus.storage.reader import open_corpus
+        c = open_corpus({str(mpath)!r}, "train")
+        print(int(c.tokens(0, c.num_tokens).astype("int64").sum()), int(c.doc_offsets_range(0, 5)[-1]))
+        print("h5py" in sys.modules, "jsonschema" in sys.modules)
+        """
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    total, _ = p.stdout.split("\n")[0].split()
+    assert int(total) == int(toks.astype(np.int64).sum())
+    assert p.stdout.split("\n")[1] == "False False"
+
+
+def _mutations(d: dict, rng: np.random.Generator, n: int) -> list[dict]:
+    """``n`` copies of manifest ``d`` each with one value replaced or one key removed, somewhere."""
+    values = [
+        None,
+        True,
+        0,
+        -1,
+        7,
+        2**41,
+        1.5,
+        12.0,
+        "",
+        "x",
+        "a" * 64,
+        "0" * 64,
+        "uint16",
+        "train",
+        [],
+        {},
+        [1],
+        {"a": 1},
+    ]
+    out = []
+    for _ in range(n):
+        m = copy.deepcopy(d)
+        node: Any = m
+        for _depth in range(3):
+            keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+            key = keys[int(rng.integers(len(keys)))]
+            child = node[key]
+            if not isinstance(child, (dict, list)) or not child or rng.random() < 0.4:
+                break
+            node = child
+        if isinstance(node, dict) and rng.random() < 0.2:
+            del node[key]
+        else:
+            node[key] = values[int(rng.integers(len(values)))]
+        out.append(m)
+    return out
+
+
+def test_the_fast_manifest_check_agrees_with_jsonschema(laid_out):
+    """Oracle: jsonschema on the same schema. Over 600 one-field mutations of a real manifest (and
+    the manifest itself), the fast check accepts exactly what jsonschema accepts."""
+    mpath, _, _ = laid_out
+    d = json.loads(mpath.read_text())
+    d["splits"] = {"train": {"documents": 3, "tokens": 9}}
+    top = mf._without_shard_items(fmt.MANIFEST_SCHEMA)
+    validator = mf._schema_validator(top)
+    cases = [d, *_mutations(d, np.random.default_rng(3), 600)]
+    verdicts = [(mf._conforms(m, top), validator.is_valid(m)) for m in cases]
+    assert all(a == b for a, b in verdicts)
+    assert sum(not b for _, b in verdicts) > 200  # the mutations do break the schema, often

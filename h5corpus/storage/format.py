@@ -264,7 +264,7 @@ class TokenizerIdentity:
         return (self.sha256, self.vocab_size, self.eos_id) == (other.sha256, other.vocab_size, other.eos_id)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: ~300 bytes less per shard a reader holds
 class ShardRecord:
     """What is recorded about one finished shard: the writer returns it, the manifest lists it,
     build state records carry it, the validator checks a file against it."""
@@ -619,6 +619,17 @@ def stored_tail_chunk(chunk: np.ndarray, real_bytes: int) -> bytes:
     return bytes(out)
 
 
+def stored_block_runs(offset: int, real_bytes: int, n_runs: int) -> list[tuple[int, int]]:
+    """The ``(byte offset, bytes)`` of the real tokens of a final chunk stored at ``offset`` by
+    :func:`stored_tail_chunk`, computed (not read): [] unless ``n_runs`` is the number of blocks
+    that writer makes of ``real_bytes`` bytes."""
+    n = -(-real_bytes // STORED_BLOCK_BYTES)
+    if n_runs <= 0 or n != n_runs:
+        return []
+    heads = [offset + 2 + k * (5 + STORED_BLOCK_BYTES) for k in range(n)]
+    return [(h + 5, min(STORED_BLOCK_BYTES, real_bytes - k * STORED_BLOCK_BYTES)) for k, h in enumerate(heads)]
+
+
 def _regular_stored_runs(data: Any, offset: int, size: int, real_bytes: int) -> list[tuple[int, int]] | None:
     """:func:`stored_tail_runs` of the blocks :func:`stored_tail_chunk` writes (every one
     :data:`STORED_BLOCK_BYTES` long but the last), their headers checked in one vectorized read;
@@ -683,13 +694,27 @@ LAYOUT_MAGIC = b"H5CLAY01"
 #: checked, the counts of token-chunk addresses, offsets-chunk addresses, ``/chunk_xxh3`` and
 #: ``/offsets_xxh3`` entries, the final chunk's stored extent (offset, bytes; 0, 0 when raw), where
 #: the row's payload starts in the file, and its xxh3-64 digest (row and payload).
-LAYOUT_COLUMNS = ("size", "mtime_ns", "tokens", "offsets", "sums", "osums", "tail_offset", "tail_bytes", "at", "xxh3")
+LAYOUT_COLUMNS = (
+    "size",
+    "mtime_ns",
+    "tokens",
+    "offsets",
+    "sums",
+    "osums",
+    "tail_offset",
+    "tail_bytes",
+    "tail_runs",
+    "at",
+    "xxh3",
+)
 
 
 class ShardLayout(NamedTuple):
     """What a first touch of a finished version 3 shard needs, as found by the full (HDF5) check:
     the file's size and mtime then, the byte offset of every ``/tokens`` chunk (-1: the final one,
-    stored filtered at ``tail``) and ``/doc_offsets`` chunk, and both checksum tables."""
+    stored filtered at ``tail``) and ``/doc_offsets`` chunk, both checksum tables, and
+    ``tail_runs``: the number of stored deflate blocks of the final chunk as
+    :func:`stored_tail_chunk` lays them out, found when the entry was made (0: decode it)."""
 
     size: int
     mtime_ns: int
@@ -698,6 +723,7 @@ class ShardLayout(NamedTuple):
     offsets: np.ndarray
     chunk_sums: np.ndarray
     offsets_sums: np.ndarray
+    tail_runs: int = 0
 
 
 def layout_path(manifest_path: str | os.PathLike[str]) -> Path:
@@ -711,21 +737,8 @@ def _layout_row(lay: ShardLayout, at: int) -> tuple[np.ndarray, bytes]:
         np.ascontiguousarray(a, dt).tobytes()
         for a, dt in ((lay.tokens, "<i8"), (lay.offsets, "<i8"), (lay.chunk_sums, "<u8"), (lay.offsets_sums, "<u8"))
     )
-    row = np.array(
-        [
-            lay.size,
-            lay.mtime_ns,
-            lay.tokens.size,
-            lay.offsets.size,
-            lay.chunk_sums.size,
-            lay.offsets_sums.size,
-            lay.tail[0],
-            lay.tail[1],
-            at,
-            0,
-        ],
-        "<i8",
-    )
+    counts = (lay.tokens.size, lay.offsets.size, lay.chunk_sums.size, lay.offsets_sums.size)
+    row = np.array([lay.size, lay.mtime_ns, *counts, *lay.tail, lay.tail_runs, at, 0], "<i8")
     row[-1] = np.int64(np.uint64(xxhash.xxh3_64_intdigest(row[:-1].tobytes() + payload)).astype(np.int64))
     return row, payload
 
@@ -755,7 +768,7 @@ def decode_layout(data: Any, shard: int, n_shards: int) -> ShardLayout | None:
     if int(np.frombuffer(data, "<i8", 1, 8)[0]) != n_shards or not 0 <= shard < n_shards:
         return None
     row = np.frombuffer(data, "<i8", cols, 16 + shard * cols * 8)
-    size, mtime, nt, no, ns, nos, toff, tbytes, at, _ = row.tolist()
+    size, mtime, nt, no, ns, nos, toff, tbytes, truns, at, _ = row.tolist()
     counts = (nt, no, ns, nos)
     if size <= 0 or min(counts) < 0 or at < 16 or at + 8 * sum(counts) > len(data):
         return None
@@ -764,7 +777,7 @@ def decode_layout(data: Any, shard: int, n_shards: int) -> ShardLayout | None:
         return None
     ends = np.cumsum((0,) + counts) * 8
     arrs = [np.frombuffer(payload, dt, c, int(a)) for dt, c, a in zip(("<i8", "<i8", "<u8", "<u8"), counts, ends)]
-    return ShardLayout(size, mtime, arrs[0], (toff, tbytes), arrs[1], arrs[2], arrs[3])
+    return ShardLayout(size, mtime, arrs[0], (toff, tbytes), arrs[1], arrs[2], arrs[3], truns)
 
 
 #: Deprecated name of :func:`chunk_byte_layout` (the loaders' ``chunking.chunk_layout`` is another thing).

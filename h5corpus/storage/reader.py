@@ -39,9 +39,8 @@ import os
 import stat
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
 import numpy as np
 
 from . import format as fmt
@@ -60,9 +59,16 @@ from .readpaths import (
     read_checksums,
 )
 
+if TYPE_CHECKING:
+    import h5py
+
 #: Shards one corpus keeps open per process (each holds two descriptors, its memory maps): 10,000
 #: shards then read under the default ``ulimit -n`` of 1,024.
 MAX_OPEN_SHARDS = 128
+#: File descriptors one corpus's open shards may hold per process: 128 shards read through HDF5
+#: (two each), or up to 256 opened through the layout file (one memory map each, shared by tokens
+#: and offsets).
+MAX_OPEN_FDS = 2 * MAX_OPEN_SHARDS
 
 
 class UnverifiedCorpusWarning(UserWarning):
@@ -374,7 +380,7 @@ class Corpus:
         flat = pos.reshape(-1)
         shard = np.searchsorted(self.shard_token_starts, flat, side="right") - 1
         out = np.empty(flat.size, np.int64)
-        for s in np.unique(shard).tolist():
+        for s in sorted(set(shard.tolist())):
             sel = shard == s
             local = self._index(s).search(flat[sel] - self.shard_token_starts[s])
             out[sel] = local + self.shard_doc_starts[s]
@@ -498,14 +504,29 @@ class Corpus:
         memory maps'): opening one more first closes the older half."""
         r = self._readers.get(shard)
         if r is None:
-            if len(self._readers) >= MAX_OPEN_SHARDS:
-                self._close_oldest(MAX_OPEN_SHARDS // 2)
+            if len(self._readers) >= MAX_OPEN_SHARDS and self._open_fds() + 2 > MAX_OPEN_FDS:
+                self._close_oldest(len(self._readers) // 2)
+            fds = self._open_fds()
             if self.version >= 3 and self.manifest is not None:
-                r, self._indexes[shard] = self._open_v3(shard)
+                r, idx = self._open_v3(shard)
+                self._indexes[shard] = idx
+                fds += idx.fds
             else:
                 r = self._open_reader(shard)
             self._readers[shard] = r
+            self.__dict__["_fdn"] = (self._readers, len(self._readers), fds + r.fds)
         return r
+
+    def _open_fds(self) -> int:
+        """File descriptors this corpus's open shards hold in this process (a memory map holds one);
+        counted once per change of the open set, else kept up to date by :meth:`_reader`."""
+        hit = self.__dict__.get("_fdn")
+        if hit is not None and hit[0] is self._readers and hit[1] == len(self._readers):
+            return hit[2]
+        idx = self._indexes
+        n = sum(r.fds + (idx[s].fds if s in idx else 0) for s, r in self._readers.items())
+        self.__dict__["_fdn"] = (self._readers, len(self._readers), n)
+        return n
 
     def _index(self, shard: int) -> MappedOffsets:
         """This process's verified map of a version 3 shard's ``/doc_offsets`` (opens the shard)."""
@@ -543,16 +564,8 @@ class Corpus:
         self._check_unchanged(shard, None)
         lay = self._mapped_layout(shard, now)
         if lay is not None:  # proven by the layout file: no HDF5 open
-            sums, osums, tok_layout, off_layout, filtered = (
-                lay.chunk_sums,
-                lay.offsets_sums,
-                lay.tokens,
-                lay.offsets,
-                True,
-            )
-            tail: tuple[int, int] | None = lay.tail if lay.tail[1] else None
-        else:
-            sums, osums, tok_layout, off_layout, filtered, tail = self._checked_v3(path, e)
+            return self._open_mapped(shard, lay)
+        sums, osums, tok_layout, off_layout, filtered, tail = self._checked_v3(path, e)
         verify, vocab = self.verified, self.tokenizer.vocab_size
         if tok_layout is not None:
             r: MmapTokens | H5Tokens = MmapTokens(
@@ -567,6 +580,34 @@ class Corpus:
         except FormatError:
             r.close()
             idx.close()
+            raise
+        return r, idx
+
+    def _open_mapped(self, shard: int, lay: fmt.ShardLayout) -> tuple[MmapTokens, MappedOffsets]:
+        """:meth:`_open_v3` of a shard whose layout file entry holds (:meth:`_mapped_layout`): one
+        memory map of the file, shared by its tokens and its offsets, no HDF5 call."""
+        path, e = self.paths[shard], self.entries[shard]
+        verify = self.verified
+        runs = fmt.stored_block_runs(lay.tail[0], e.tokens % self.chunk_tokens * self.dtype.itemsize, lay.tail_runs)
+        r = MmapTokens(
+            path,
+            self.chunk_tokens,
+            lay.tokens,
+            self.dtype,
+            e.tokens,
+            lay.chunk_sums if verify else None,
+            self.tokenizer.vocab_size,
+            lay.tail if lay.tail[1] and not runs else None,
+            tail_runs=runs,
+        )
+        try:
+            idx = MappedOffsets(
+                path, lay.offsets, e.documents + 1, lay.offsets_sums if verify else None, e.tokens, mapped=r.mapped
+            )
+            self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
+            idx.check_ends()
+        except FormatError:
+            r.close()
             raise
         return r, idx
 
@@ -643,7 +684,14 @@ class Corpus:
         sums, osums, tok, off, _, tail = self._checked_v3(path, e)
         if tok is None or _file_id(path) != before or before[2] != e.bytes:
             raise FormatError(f"{path}: the shard cannot be memory-mapped, or changed while it was checked")
-        return fmt.ShardLayout(before[2], before[3], tok, tail or (0, 0), off, sums, osums)
+        runs = 0
+        if tail is not None:  # how many stored blocks hold the final chunk's tokens (0: decode it)
+            real = e.tokens % self.chunk_tokens * self.dtype.itemsize
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                found = fmt.stored_tail_runs(mm, tail[0], tail[1], real, self.dtype.itemsize)
+            if found and found == fmt.stored_block_runs(tail[0], real, len(found)):
+                runs = len(found)
+        return fmt.ShardLayout(before[2], before[3], tok, tail or (0, 0), off, sums, osums, runs)
 
     def _check_v3(
         self, f: h5py.File, path: str, e: ShardRecord
@@ -748,6 +796,7 @@ class Corpus:
         d.pop("_offs_view", None)
         d.pop("_rtab", None)
         d.pop("_layout_map", None)  # mapped again, per process
+        d.pop("_fdn", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -1123,6 +1172,8 @@ def _file_id(path: str) -> FileId:
 
 def _open_live_file(final: Path) -> h5py.File:
     """Open a shard being written (``<final>.partial``) or, once renamed, the finished file (SWMR)."""
+    import h5py
+
     for p in (final.with_name(final.name + PARTIAL_SUFFIX), final):
         try:
             return h5py.File(p, "r", libver=fmt.LIBVER, swmr=True)
