@@ -23,7 +23,8 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
   (4,096 x 35, buffer 64, ``plan_dir`` = that folder), seconds after the open;
 * ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
 * ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
-  memory-mapped shards is shared and not counted);
+  memory-mapped shards is shared and not counted); ``rss_anon_mb_over_torch``: that minus
+  ``rss_anon_mb_torch_alone``, a fresh interpreter's after ``import torch`` (what h5corpus adds);
 * ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512 (2 packs
   per microbatch), over its first 16 microbatches (planning included);
 * ``plan_s_per_million_docs``: the plan's one-off cost (``plan``), per million documents, and
@@ -233,6 +234,14 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
 # -- the driver --------------------------------------------------------------------------------------------
 
 
+def torch_rss_anon_mb() -> float:
+    """``RssAnon`` of a fresh interpreter that imports torch and nothing else, in MB: the floor of
+    any process that runs the loaders (what h5corpus adds is a probe's ``rss_anon_mb`` minus it)."""
+    code = "import torch, pathlib; print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon:')][0].split()[1])"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    return round(int(p.stdout.strip()) / 1024, 1)
+
+
 def run_probe(manifest: Path, figure: str, timeout: float) -> dict[str, Any]:
     """``probe`` in a fresh interpreter; {"error": ...} when it fails or runs past ``timeout`` seconds."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "probe", str(manifest), figure]
@@ -331,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     # process (a checkout run with PYTHONDONTWRITEBYTECODE) leaves ~2 MB of freed heap in RssAnon.
     compileall.compile_dir(str(REPO / "h5corpus"), quiet=1)
     load0 = list(os.getloadavg())
+    torch_mb = None if args.write_only else torch_rss_anon_mb()
     for spec in args.corpora:
         docs, shards = parse_spec(spec)
         mpath, write_s = corpus(args.cache, docs, shards)
@@ -339,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = {"documents": docs, "shards": shards, "write_s": round(write_s, 1)}
         row.update(measure(mpath, args.figures, args.rounds, args.timeout))
+        if isinstance(row.get("rss_anon_mb"), float) and torch_mb is not None:
+            row["rss_anon_mb_over_torch"] = round(row["rss_anon_mb"] - torch_mb, 1)
         rows[spec] = row
         print(json.dumps({spec: row}), file=sys.stderr, flush=True)
         if args.drop:
@@ -348,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = growth(rows)
     report = {
         "load_average": {"before": load0, "after": list(os.getloadavg())},
+        "rss_anon_mb_torch_alone": torch_mb,
         "bytecode": "compiled (compileall) before the probes, as an installed package's",
         "settings": {"window": WINDOW, "bestfit": BESTFIT, "ranks": RANKS, "length_median": LENGTH_MEDIAN},
         "corpora": rows,

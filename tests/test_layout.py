@@ -18,11 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from h5corpus.build.config import BuildConfig
+from h5corpus.build.run.runner import build_corpus
 from h5corpus.storage import format as fmt
 from h5corpus.storage import manifest as mf
 from h5corpus.storage.reader import _file_id, open_corpus, write_layout_file
 from h5corpus.storage.readpaths import IndexChecksumError
-from tests.helpers import subprocess_env
+from tests.helpers import subprocess_env, write_jsonl
 from tests.test_storage_v3 import synthetic
 
 
@@ -194,3 +196,22 @@ def test_the_fast_manifest_check_agrees_with_jsonschema(laid_out):
     verdicts = [(mf._conforms(m, top), validator.is_valid(m)) for m in cases]
     assert all(a == b for a, b in verdicts)
     assert sum(not b for _, b in verdicts) > 200  # the mutations do break the schema, often
+
+
+def test_the_build_writes_a_layout_file_that_every_shard_opens_through(tmp_path, stdlib_corpus_texts):
+    """A build's commit writes ``<manifest>.layout``; every shard of both splits then opens through
+    it and reads what HDF5 reads."""
+    src = write_jsonl(tmp_path / "in" / "a.jsonl", stdlib_corpus_texts[:150])
+    mpath = tmp_path / "manifests" / "shards.json"
+    cfg = BuildConfig(
+        sources=[str(src)], shards_dir=tmp_path / "shards", manifest=mpath, tokenizer="bytes", workers=1,
+        task_bytes=60_000, chunk_tokens=4096, shard_tokens=150_000,
+    )  # fmt: skip
+    build_corpus(cfg)
+    assert fmt.layout_path(mpath).is_file()
+    for split in fmt.SPLITS:
+        c, ref = open_corpus(mpath, split), open_corpus(mpath, split, read_path="h5py")
+        if c.num_shards:
+            assert _used(c) == [True] * c.num_shards
+            assert (c.tokens(0, c.num_tokens) == ref.tokens(0, ref.num_tokens)).all()
+            assert (c.doc_offsets_range(0, c.num_documents) == ref.doc_offsets_range(0, ref.num_documents)).all()

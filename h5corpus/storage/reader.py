@@ -1,8 +1,9 @@
 """Read one split of a built corpus as one global token stream and a list of documents.
 
 ``open_corpus`` of a format version 3 corpus reads the manifest only: sizes and shard starts come
-from its counts, and each process opens (and checks) a shard the first time it touches it, at
-most :data:`MAX_OPEN_SHARDS` at a time; document offsets are consulted lazily through a verified
+from its counts, and each process opens (and checks) a shard the first time it touches it (through
+the manifest's layout file when it proves the shard, else through HDF5), holding at most
+:data:`MAX_OPEN_FDS` descriptors; document offsets are consulted lazily through a verified
 memory map (:meth:`Corpus.doc_offsets_range`, :meth:`Corpus.doc_index_at`). Versions 1 and 2 read
 every shard's index at open, as before. A :class:`Corpus` pickles as its manifest, split and what it
 has checked, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
@@ -500,8 +501,9 @@ class Corpus:
 
     def _reader(self, shard: int) -> MmapTokens | H5Tokens:
         """This process's read path for ``shard`` (callers run :meth:`_check_pid` first). At most
-        :data:`MAX_OPEN_SHARDS` shards are open per corpus and process (two descriptors each, the
-        memory maps'): opening one more first closes the older half."""
+        :data:`MAX_OPEN_FDS` descriptors are held per corpus and process (a shard opened through the
+        layout file holds one, through HDF5 two): past :data:`MAX_OPEN_SHARDS` shards, opening one
+        more when the descriptors are used up first closes the older half."""
         r = self._readers.get(shard)
         if r is None:
             if len(self._readers) >= MAX_OPEN_SHARDS and self._open_fds() + 2 > MAX_OPEN_FDS:

@@ -133,22 +133,7 @@ class MmapTokens:
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         n_chunks = int(byte_offsets.size)
         decoded = bool(n_chunks) and int(byte_offsets[-1]) < 0
-        raw = byte_offsets[:-1] if decoded else byte_offsets
-        chunk_bytes = C * self.dtype.itemsize
-        first = np.flatnonzero(np.diff(raw) != chunk_bytes) + 1 if raw.size else raw
-        bounds = [0, *first.tolist(), int(raw.size)] if raw.size else [0]
-        #: zero-copy arrays over runs of file-contiguous chunks, in token order (and the decoded
-        #: final chunk, if it is stored compressed)
-        self.runs = [
-            np.frombuffer(self._mm, dtype=self.dtype, count=(b - a) * C, offset=int(raw[a]))
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        #: per chunk: its run's array, and the chunk's first token's position inside that run
-        self.chunk_run: list[np.ndarray] = []
-        self.chunk_pos: list[int] = []
-        for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
-            self.chunk_run.extend([run] * (b - a))
-            self.chunk_pos.extend(range(0, (b - a) * C, C))
+        self._map_raw(byte_offsets[:-1] if decoded else byte_offsets)
         #: the final chunk's runs when it is mapped from stored deflate blocks (else empty)
         self._tail_runs: list[np.ndarray] = []
         if decoded:
@@ -169,6 +154,24 @@ class MmapTokens:
         if decoded:
             self.ready[-1] = 0
         self.pending = n_chunks - sum(self.ready)
+
+    def _map_raw(self, raw: np.ndarray) -> None:
+        """Map the raw chunks at byte offsets ``raw``: :attr:`runs`, :attr:`chunk_run`, :attr:`chunk_pos`."""
+        C = self.chunk_tokens
+        first = np.flatnonzero(np.diff(raw) != C * self.dtype.itemsize) + 1 if raw.size else raw
+        bounds = [0, *first.tolist(), int(raw.size)] if raw.size else [0]
+        #: zero-copy arrays over runs of file-contiguous chunks, in token order (and the final
+        #: chunk's stored blocks, or the array it is decoded into)
+        self.runs = [
+            np.frombuffer(self._mm, dtype=self.dtype, count=(b - a) * C, offset=int(raw[a]))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        #: per chunk: its run's array, and the chunk's first token's position inside that run
+        self.chunk_run: list[np.ndarray] = []
+        self.chunk_pos: list[int] = []
+        for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
+            self.chunk_run.extend([run] * (b - a))
+            self.chunk_pos.extend(range(0, (b - a) * C, C))
 
     def _map_tail(self, tail: tuple[int, int] | None, runs: list[tuple[int, int]] | None, n: int) -> list[np.ndarray]:
         """The final chunk's ``n`` tokens as arrays over the file's stored deflate blocks: at
