@@ -215,3 +215,28 @@ def test_the_build_writes_a_layout_file_that_every_shard_opens_through(tmp_path,
             assert _used(c) == [True] * c.num_shards
             assert (c.tokens(0, c.num_tokens) == ref.tokens(0, ref.num_tokens)).all()
             assert (c.doc_offsets_range(0, c.num_documents) == ref.doc_offsets_range(0, ref.num_documents)).all()
+
+
+def test_shards_opened_through_the_layout_file_hold_one_descriptor_each(tmp_path):
+    """400 shards read end to end through the layout file in a process limited to 300 open files:
+    at most 256 are open at once (one memory map each), and what is read equals the oracle."""
+    mpath, toks, offs = synthetic(tmp_path, 400, 3, seed=5)
+    write_layout_file(mpath)
+    script = textwrap.dedent(
+        f"""
+        import os, resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+        from h5corpus.storage.reader import open_corpus
+        c = open_corpus({str(mpath)!r}, "train")
+        toks = c.tokens(0, c.num_tokens)
+        offs = c.doc_offsets_range(0, c.num_documents)
+        print(int(toks.astype("int64").sum()), int(offs.sum()), len(c._readers), c._open_fds())
+        """
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    total, osum, open_now, fds = map(int, p.stdout.split())
+    assert (total, osum) == (int(toks.astype(np.int64).sum()), int(offs.sum()))
+    assert 128 < open_now <= 256 and fds == open_now  # more than the HDF5 path's 128, one descriptor each
