@@ -7,7 +7,8 @@ and at 10,000 shards (issue 24).
 
 Corpora: ``DOCS:SHARDS`` each, written once through the real writer
 (:class:`~h5corpus.storage.writer.ShardWriter`, one ``add_documents`` call per shard, no fsync) and
-:func:`~h5corpus.storage.manifest.write_manifest`, then cached under ``--cache`` keyed by documents,
+:func:`~h5corpus.storage.manifest.write_manifest` and
+:func:`~h5corpus.storage.reader.write_layout_file` (as a build's commit), then cached under ``--cache`` keyed by documents,
 shards, seed and format version. Document lengths are lognormal (median 100 tokens, sigma 0.7:
 mean ~128 tokens, a tail past 4,096), token ids uniform below the GPT-2 EOS id, every document ends
 with EOS. About 2 bytes per token on disk: 20 M documents take ~5 GB.
@@ -141,7 +142,8 @@ def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, fl
     and the seconds writing it took (0 when cached)."""
     from h5corpus.storage.manifest import Manifest, write_manifest
 
-    root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}"
+    # "-st": final chunks in stored deflate blocks (an older cache decoded them into memory)
+    root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}-st"
     mpath = root / "manifests" / "shards.json"
     if mpath.exists():  # the manifest is written last, then the layout file
         if not fmt.layout_path(mpath).exists():
