@@ -7,7 +7,8 @@ and at 10,000 shards (issue 24).
 
 Corpora: ``DOCS:SHARDS`` each, written once through the real writer
 (:class:`~h5corpus.storage.writer.ShardWriter`, one ``add_documents`` call per shard, no fsync) and
-:func:`~h5corpus.storage.manifest.write_manifest`, then cached under ``--cache`` keyed by documents,
+:func:`~h5corpus.storage.manifest.write_manifest` and
+:func:`~h5corpus.storage.reader.write_layout_file` (as a build's commit), then cached under ``--cache`` keyed by documents,
 shards, seed and format version. Document lengths are lognormal (median 100 tokens, sigma 0.7:
 mean ~128 tokens, a tail past 4,096), token ids uniform below the GPT-2 EOS id, every document ends
 with EOS. About 2 bytes per token on disk: 20 M documents take ~5 GB.
@@ -23,7 +24,8 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
   (4,096 x 35, buffer 64, ``plan_dir`` = that folder), seconds after the open;
 * ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
 * ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
-  memory-mapped shards is shared and not counted);
+  memory-mapped shards is shared and not counted); ``rss_anon_mb_over_torch``: that minus
+  ``rss_anon_mb_torch_alone``, a fresh interpreter's after ``import torch`` (what h5corpus adds);
 * ``rank_1`` / ``rank_512``: seconds per yielded microbatch of rank 0 of 1 and of 512 (2 packs
   per microbatch), over its first 16 microbatches (planning included);
 * ``plan_s_per_million_docs``: the plan's one-off cost (``plan``), per million documents, and
@@ -37,6 +39,7 @@ Growth ratios divide each figure by the first corpus's (the 1 M one). Figures: m
 from __future__ import annotations
 
 import argparse
+import compileall
 import hashlib
 import json
 import os
@@ -54,14 +57,13 @@ from _report import emit  # bench/ is on sys.path when a bench runs as a script
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from h5corpus.inspection import inspect_corpus  # noqa: E402
+# Only what a training process imports is imported here: a probe's RssAnon is a reader's. The
+# writer (h5py) and inspect are imported where the corpora are written or inspected.
 from h5corpus.loaders.bestfit import BestFitDataset, write_plans  # noqa: E402
 from h5corpus.loaders.window import SlidingWindowDataset  # noqa: E402
 from h5corpus.storage import format as fmt  # noqa: E402
 from h5corpus.storage.format import TokenizerIdentity  # noqa: E402
-from h5corpus.storage.manifest import Manifest, write_manifest  # noqa: E402
-from h5corpus.storage.reader import open_corpus  # noqa: E402
-from h5corpus.storage.writer import ShardWriter  # noqa: E402
+from h5corpus.storage.reader import open_corpus, write_layout_file  # noqa: E402
 
 #: The synthetic corpora's tokenizer identity: GPT-2's id space (uint16 tokens, EOS 50,256).
 IDENTITY = TokenizerIdentity(
@@ -124,6 +126,8 @@ def doc_lengths(n: int, seed: int) -> np.ndarray:
 
 def write_shard(path: Path, lengths: np.ndarray, rng: np.random.Generator) -> Any:
     """One shard of documents of ``lengths``: uniform ids below EOS, EOS at each end; its record."""
+    from h5corpus.storage.writer import ShardWriter
+
     total = int(lengths.sum())
     flat = rng.integers(0, IDENTITY.eos_id, size=total, dtype=np.uint16)
     flat[np.cumsum(lengths) - 1] = IDENTITY.eos_id
@@ -136,9 +140,14 @@ def write_shard(path: Path, lengths: np.ndarray, rng: np.random.Generator) -> An
 def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, float]:
     """The manifest of the cached corpus of ``docs`` documents in ``shards`` shards (written if absent),
     and the seconds writing it took (0 when cached)."""
-    root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}"
+    from h5corpus.storage.manifest import Manifest, write_manifest
+
+    # "-st": final chunks in stored deflate blocks (an older cache decoded them into memory)
+    root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}-st"
     mpath = root / "manifests" / "shards.json"
-    if mpath.exists():  # the manifest is written last
+    if mpath.exists():  # the manifest is written last, then the layout file
+        if not fmt.layout_path(mpath).exists():
+            write_layout_file(mpath)
         return mpath, 0.0
     shutil.rmtree(root, ignore_errors=True)
     t0 = time.perf_counter()
@@ -151,6 +160,7 @@ def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, fl
         m.shards.append(rec.relative_to(mpath.parent))
     m.splits["train"] = {"documents": docs, "tokens": int(lengths.sum())}
     write_manifest(mpath, m)
+    write_layout_file(mpath)  # as the build's commit does
     return mpath, time.perf_counter() - t0
 
 
@@ -215,6 +225,8 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
         )
         write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **RANKS)
     elif figure == "inspect":
+        from h5corpus.inspection import inspect_corpus
+
         out[figure], out["inspect_peak_rss_anon_mb"] = peak_rss(lambda: inspect_corpus(manifest, splits=["train"]))
     out["rss_anon_mb"] = rss_anon_mb()
     out["num_documents"] = c.num_documents
@@ -222,6 +234,14 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
 
 
 # -- the driver --------------------------------------------------------------------------------------------
+
+
+def torch_rss_anon_mb() -> float:
+    """``RssAnon`` of a fresh interpreter that imports torch and nothing else, in MB: the floor of
+    any process that runs the loaders (what h5corpus adds is a probe's ``rss_anon_mb`` minus it)."""
+    code = "import torch, pathlib; print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon:')][0].split()[1])"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    return round(int(p.stdout.strip()) / 1024, 1)
 
 
 def run_probe(manifest: Path, figure: str, timeout: float) -> dict[str, Any]:
@@ -318,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "pretrain_scale.json")
     args = ap.parse_args(argv)
     rows: dict[str, dict[str, Any]] = {}
+    # The probes import compiled bytecode, as from an installed package: compiling sources in each
+    # process (a checkout run with PYTHONDONTWRITEBYTECODE) leaves ~2 MB of freed heap in RssAnon.
+    compileall.compile_dir(str(REPO / "h5corpus"), quiet=1)
     load0 = list(os.getloadavg())
+    torch_mb = None if args.write_only else torch_rss_anon_mb()
     for spec in args.corpora:
         docs, shards = parse_spec(spec)
         mpath, write_s = corpus(args.cache, docs, shards)
@@ -327,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = {"documents": docs, "shards": shards, "write_s": round(write_s, 1)}
         row.update(measure(mpath, args.figures, args.rounds, args.timeout))
+        if isinstance(row.get("rss_anon_mb"), float) and torch_mb is not None:
+            row["rss_anon_mb_over_torch"] = round(row["rss_anon_mb"] - torch_mb, 1)
         rows[spec] = row
         print(json.dumps({spec: row}), file=sys.stderr, flush=True)
         if args.drop:
@@ -336,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = growth(rows)
     report = {
         "load_average": {"before": load0, "after": list(os.getloadavg())},
+        "rss_anon_mb_torch_alone": torch_mb,
+        "bytecode": "compiled (compileall) before the probes, as an installed package's",
         "settings": {"window": WINDOW, "bestfit": BESTFIT, "ranks": RANKS, "length_median": LENGTH_MEDIAN},
         "corpora": rows,
         "growth_vs_first": ratios,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,7 +264,7 @@ class TokenizerIdentity:
         return (self.sha256, self.vocab_size, self.eos_id) == (other.sha256, other.vocab_size, other.eos_id)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: ~300 bytes less per shard a reader holds
 class ShardRecord:
     """What is recorded about one finished shard: the writer returns it, the manifest lists it,
     build state records carry it, the validator checks a file against it."""
@@ -591,6 +592,194 @@ def chunk_byte_layout(ds: Any, n_tokens: int, file_size: int) -> tuple[np.ndarra
     return offsets, ""
 
 
+# -- the final chunk in stored deflate blocks (mapped, never decoded into memory) -------------------
+
+#: Bytes of real tokens per stored deflate block of a final partial ``/tokens`` chunk: a multiple of
+#: every token width (2 and 4 bytes) under deflate's 65,535-byte limit for a stored block.
+STORED_BLOCK_BYTES = 65532
+
+
+def stored_tail_chunk(chunk: np.ndarray, real_bytes: int) -> bytes:
+    """The final partial ``/tokens`` chunk as a zlib stream that HDF5's deflate filter decodes to
+    the whole chunk (``chunk``: its tokens, then zero padding), laid out so that a reader can map
+    its real tokens instead of decoding them: the first ``real_bytes`` bytes in *stored* deflate
+    blocks of :data:`STORED_BLOCK_BYTES` (5 header bytes each, the tokens verbatim after them), then
+    the zero padding as one compressed final block, then the Adler-32 of the whole chunk. Costs 5
+    bytes per 64 KiB of tokens and a few bytes for the padding; :func:`stored_tail_runs` finds the
+    runs again."""
+    raw = memoryview(np.ascontiguousarray(chunk)).cast("B")
+    out = bytearray(b"\x78\x01")  # zlib header: deflate, 32 KiB window, no dictionary
+    for a in range(0, real_bytes, STORED_BLOCK_BYTES):
+        n = min(STORED_BLOCK_BYTES, real_bytes - a)
+        out += bytes((0, n & 0xFF, n >> 8, ~n & 0xFF, (~n >> 8) & 0xFF))  # BFINAL 0, BTYPE 00, LEN, NLEN
+        out += raw[a : a + n]
+    pad = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: its last block is final
+    out += pad.compress(raw[real_bytes:]) + pad.flush()
+    out += zlib.adler32(raw).to_bytes(4, "big")
+    return bytes(out)
+
+
+def stored_block_runs(offset: int, real_bytes: int, n_runs: int) -> list[tuple[int, int]]:
+    """The ``(byte offset, bytes)`` of the real tokens of a final chunk stored at ``offset`` by
+    :func:`stored_tail_chunk`, computed (not read): [] unless ``n_runs`` is the number of blocks
+    that writer makes of ``real_bytes`` bytes."""
+    n = -(-real_bytes // STORED_BLOCK_BYTES)
+    if n_runs <= 0 or n != n_runs:
+        return []
+    heads = [offset + 2 + k * (5 + STORED_BLOCK_BYTES) for k in range(n)]
+    return [(h + 5, min(STORED_BLOCK_BYTES, real_bytes - k * STORED_BLOCK_BYTES)) for k, h in enumerate(heads)]
+
+
+def _regular_stored_runs(data: Any, offset: int, size: int, real_bytes: int) -> list[tuple[int, int]] | None:
+    """:func:`stored_tail_runs` of the blocks :func:`stored_tail_chunk` writes (every one
+    :data:`STORED_BLOCK_BYTES` long but the last), their headers checked in one vectorized read;
+    None when they are laid out otherwise."""
+    n = -(-real_bytes // STORED_BLOCK_BYTES)
+    heads = offset + 2 + np.arange(n, dtype=np.int64) * (5 + STORED_BLOCK_BYTES)
+    if n == 0 or int(heads[-1]) + 5 + real_bytes - (n - 1) * STORED_BLOCK_BYTES > offset + size:
+        return None
+    h = np.frombuffer(data, np.uint8)[heads[:, None] + np.arange(5)].astype(np.int64)
+    lens = np.full(n, STORED_BLOCK_BYTES, np.int64)
+    lens[-1] = real_bytes - (n - 1) * STORED_BLOCK_BYTES
+    if (
+        (h[:, 0] != 0).any()
+        or ((h[:, 1] | h[:, 2] << 8) != lens).any()
+        or ((h[:, 3] | h[:, 4] << 8) != (lens ^ 0xFFFF)).any()
+    ):
+        return None
+    return list(zip((heads + 5).tolist(), lens.tolist()))
+
+
+def stored_tail_runs(data: Any, offset: int, size: int, real_bytes: int, itemsize: int) -> list[tuple[int, int]] | None:
+    """Where the real tokens of a final chunk written by :func:`stored_tail_chunk` lie: the
+    ``(byte offset, bytes)`` of each stored block covering its first ``real_bytes`` bytes, read
+    from ``data`` (the file's bytes, e.g. its memory map) at the chunk's ``offset`` and stored
+    ``size``. None when the chunk is not in that form (another writer's deflate stream: it is then
+    decoded). The headers are only a map: the chunk's checksum proves the bytes found there."""
+    pos, end, runs, got = offset + 2, offset + size, [], 0
+    if size < 2 or bytes(data[offset : offset + 2]) != b"\x78\x01":
+        return None
+    fast = _regular_stored_runs(data, offset, size, real_bytes)
+    if fast is not None:
+        return fast
+    while got < real_bytes:
+        if pos + 5 > end or data[pos] != 0:  # not a stored, non-final block
+            return None
+        n = data[pos + 1] | data[pos + 2] << 8
+        if n ^ (data[pos + 3] | data[pos + 4] << 8) != 0xFFFF or n == 0 or n % itemsize or pos + 5 + n > end:
+            return None
+        n_real = min(n, real_bytes - got)
+        runs.append((pos + 5, n_real))
+        got += n_real
+        pos += 5 + n
+    return runs
+
+
+def final_chunk_extent(ds: Any, offsets: np.ndarray | None) -> tuple[int, int] | None:
+    """``(byte offset, stored bytes)`` of the final ``/tokens`` chunk of an h5py dataset whose
+    :func:`chunk_byte_layout` is ``offsets``, when that chunk is stored filtered (offset -1); else None."""
+    if offsets is None or not offsets.size or int(offsets[-1]) != -1:
+        return None
+    info = ds.id.get_chunk_info_by_coord(((offsets.size - 1) * ds.chunks[0],))
+    return int(info.byte_offset), int(info.size)
+
+
+# -- the layout file: a proof cache that lets a first touch skip HDF5 (version 3) ---------------------
+
+#: Suffix of a manifest's layout file (``shards.json`` -> ``shards.json.layout``), beside it.
+LAYOUT_SUFFIX = ".layout"
+#: First 8 bytes of a layout file.
+LAYOUT_MAGIC = b"H5CLAY01"
+#: Columns of a layout file's per-shard row (int64): the shard file's size and mtime (ns) when it was
+#: checked, the counts of token-chunk addresses, offsets-chunk addresses, ``/chunk_xxh3`` and
+#: ``/offsets_xxh3`` entries, the final chunk's stored extent (offset, bytes; 0, 0 when raw), where
+#: the row's payload starts in the file, and its xxh3-64 digest (row and payload).
+LAYOUT_COLUMNS = (
+    "size",
+    "mtime_ns",
+    "tokens",
+    "offsets",
+    "sums",
+    "osums",
+    "tail_offset",
+    "tail_bytes",
+    "tail_runs",
+    "at",
+    "xxh3",
+)
+
+
+class ShardLayout(NamedTuple):
+    """What a first touch of a finished version 3 shard needs, as found by the full (HDF5) check:
+    the file's size and mtime then, the byte offset of every ``/tokens`` chunk (-1: the final one,
+    stored filtered at ``tail``) and ``/doc_offsets`` chunk, both checksum tables, and
+    ``tail_runs``: the number of stored deflate blocks of the final chunk as
+    :func:`stored_tail_chunk` lays them out, found when the entry was made (0: decode it)."""
+
+    size: int
+    mtime_ns: int
+    tokens: np.ndarray
+    tail: tuple[int, int]
+    offsets: np.ndarray
+    chunk_sums: np.ndarray
+    offsets_sums: np.ndarray
+    tail_runs: int = 0
+
+
+def layout_path(manifest_path: str | os.PathLike[str]) -> Path:
+    """The layout file of the manifest at ``manifest_path``."""
+    p = Path(manifest_path)
+    return p.with_name(p.name + LAYOUT_SUFFIX)
+
+
+def _layout_row(lay: ShardLayout, at: int) -> tuple[np.ndarray, bytes]:
+    payload = b"".join(
+        np.ascontiguousarray(a, dt).tobytes()
+        for a, dt in ((lay.tokens, "<i8"), (lay.offsets, "<i8"), (lay.chunk_sums, "<u8"), (lay.offsets_sums, "<u8"))
+    )
+    counts = (lay.tokens.size, lay.offsets.size, lay.chunk_sums.size, lay.offsets_sums.size)
+    row = np.array([lay.size, lay.mtime_ns, *counts, *lay.tail, lay.tail_runs, at, 0], "<i8")
+    row[-1] = np.int64(np.uint64(xxhash.xxh3_64_intdigest(row[:-1].tobytes() + payload)).astype(np.int64))
+    return row, payload
+
+
+def encode_layouts(layouts: list[ShardLayout | None]) -> bytes:
+    """A layout file's bytes: magic, shard count, one row of :data:`LAYOUT_COLUMNS` per manifest
+    shard (in manifest order; a shard without a layout has a row of zeros), then the payloads
+    (token-chunk and offsets-chunk addresses, the two checksum tables), all little-endian."""
+    n, cols = len(layouts), len(LAYOUT_COLUMNS)
+    at = 16 + n * cols * 8
+    rows, payloads = np.zeros((n, cols), "<i8"), []
+    for k, lay in enumerate(layouts):
+        if lay is not None:
+            rows[k], payload = _layout_row(lay, at)
+            payloads.append(payload)
+            at += len(payload)
+    return LAYOUT_MAGIC + np.array([n], "<i8").tobytes() + rows.tobytes() + b"".join(payloads)
+
+
+def decode_layout(data: Any, shard: int, n_shards: int) -> ShardLayout | None:
+    """Shard ``shard``'s layout from a layout file's bytes ``data`` (e.g. a memory map) of a
+    manifest of ``n_shards`` shards, or None when the file does not hold one for it: another shard
+    count, a zero row, a payload outside the file, a digest that fails (a damaged file is never used)."""
+    cols = len(LAYOUT_COLUMNS)
+    if len(data) < 16 + n_shards * cols * 8 or bytes(data[:8]) != LAYOUT_MAGIC:
+        return None
+    if int(np.frombuffer(data, "<i8", 1, 8)[0]) != n_shards or not 0 <= shard < n_shards:
+        return None
+    row = np.frombuffer(data, "<i8", cols, 16 + shard * cols * 8)
+    size, mtime, nt, no, ns, nos, toff, tbytes, truns, at, _ = row.tolist()
+    counts = (nt, no, ns, nos)
+    if size <= 0 or min(counts) < 0 or at < 16 or at + 8 * sum(counts) > len(data):
+        return None
+    payload = bytes(data[at : at + 8 * sum(counts)])
+    if np.int64(np.uint64(xxhash.xxh3_64_intdigest(row[:-1].tobytes() + payload)).astype(np.int64)) != row[-1]:
+        return None
+    ends = np.cumsum((0,) + counts) * 8
+    arrs = [np.frombuffer(payload, dt, c, int(a)) for dt, c, a in zip(("<i8", "<i8", "<u8", "<u8"), counts, ends)]
+    return ShardLayout(size, mtime, arrs[0], (toff, tbytes), arrs[1], arrs[2], arrs[3], truns)
+
+
 #: Deprecated name of :func:`chunk_byte_layout` (the loaders' ``chunking.chunk_layout`` is another thing).
 chunk_layout = chunk_byte_layout
 
@@ -616,6 +805,18 @@ def chunk_checksum(tokens: np.ndarray) -> int:
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
     return xxhash.xxh3_64_intdigest(memoryview(a).cast("B"))
+
+
+def pieces_checksum(pieces: list[np.ndarray]) -> int:
+    """:func:`chunk_checksum` of the concatenation of ``pieces`` (a chunk mapped in several runs),
+    without concatenating them."""
+    if len(pieces) == 1:
+        return chunk_checksum(pieces[0])
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        a = np.ascontiguousarray(p)
+        h.update(memoryview(a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a).cast("B"))
+    return h.intdigest()
 
 
 def chunk_checksums(tokens: np.ndarray, chunk_tokens: int, first_chunk: int = 0) -> np.ndarray:

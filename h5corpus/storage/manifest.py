@@ -20,7 +20,6 @@ from typing import Any
 
 from . import format as fmt
 from .format import FormatError, ShardRecord, TokenizerIdentity
-from .writer import fsync_dir
 
 DEFAULT_MANIFEST = Path("manifests") / "shards.json"
 DEFAULT_SHARDS_DIR = Path("shards")
@@ -220,6 +219,56 @@ def _without_shard_items(schema: dict[str, Any]) -> dict[str, Any]:
     return dict(schema, properties=props)
 
 
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"object": (dict,), "array": (list,), "string": (str,)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality of two scalars (``1`` is not ``true``, ``1.0`` is not ``1``)."""
+    return type(a) is type(b) and a == b
+
+
+def _conforms(v: Any, schema: dict[str, Any]) -> bool:
+    """Whether ``v`` (parsed JSON) satisfies ``schema``, for the keywords the manifest schema uses
+    (``integer`` meaning a JSON integer, as in :func:`_schema_validator`). False for a keyword it
+    does not know, so that jsonschema then gives the verdict: this is the fast path of every open
+    (importing jsonschema costs a process ~3 MB and ~60 ms), never a second opinion."""
+    for key, want in schema.items():
+        if key == "$schema":
+            continue
+        if key == "type":
+            ok = type(v) is int if want == "integer" else isinstance(v, _JSON_TYPES[want])
+        elif key == "const":
+            ok = _same(v, want)
+        elif key == "enum":
+            ok = any(_same(v, w) for w in want)
+        elif key in ("required", "properties", "additionalProperties"):
+            ok = not isinstance(v, dict) or _object_conforms(v, key, want, schema)
+        elif key == "items":
+            ok = not isinstance(v, list) or all(_conforms(x, want) for x in v)
+        elif key == "pattern":
+            ok = not isinstance(v, str) or re.search(want, v) is not None
+        elif key in ("minimum", "maximum"):
+            num = isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = not num or (v >= want if key == "minimum" else v <= want)
+        elif key == "minLength":
+            ok = not isinstance(v, str) or len(v) >= want
+        else:
+            return False
+        if not ok:
+            return False
+    return True
+
+
+def _object_conforms(v: dict[str, Any], key: str, want: Any, schema: dict[str, Any]) -> bool:
+    """:func:`_conforms`'s object keywords."""
+    if key == "required":
+        return all(k in v for k in want)
+    if key == "properties":
+        return all(_conforms(v[k], sub) for k, sub in want.items() if k in v)
+    known = schema.get("properties", {})
+    return all(_conforms(x, want) for k, x in v.items() if k not in known)
+
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHARD_SCHEMA = fmt.MANIFEST_SCHEMA["properties"]["shards"]["items"]
 
@@ -272,8 +321,10 @@ def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
     if d.get("format") != fmt.FORMAT_NAME:
         raise FormatError(f"{where}: not an h5corpus manifest (format = {d.get('format')!r})")
     fmt.check_version(d.get("version"), where, "format version")
-    validator = _schema_validator(_without_shard_items(fmt.MANIFEST_SCHEMA))
-    err = next(iter(sorted(validator.iter_errors(d), key=lambda e: list(e.absolute_path))), None)
+    top = _without_shard_items(fmt.MANIFEST_SCHEMA)
+    err = None
+    if not _conforms(d, top):  # jsonschema names what is wrong
+        err = next(iter(sorted(_schema_validator(top).iter_errors(d), key=lambda e: list(e.absolute_path))), None)
     if err is not None:
         field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path).lstrip(".")
         raise FormatError(f"{where}: manifest field {field or '(top level)'}: {err.message}")
@@ -339,6 +390,8 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, p)
+        from .writer import fsync_dir  # here: the writer imports h5py, which reading needs not
+
         fsync_dir(p.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,8 +1,9 @@
 """Read one split of a built corpus as one global token stream and a list of documents.
 
 ``open_corpus`` of a format version 3 corpus reads the manifest only: sizes and shard starts come
-from its counts, and each process opens (and checks) a shard the first time it touches it, at
-most :data:`MAX_OPEN_SHARDS` at a time; document offsets are consulted lazily through a verified
+from its counts, and each process opens (and checks) a shard the first time it touches it (through
+the manifest's layout file when it proves the shard, else through HDF5), holding at most
+:data:`MAX_OPEN_FDS` descriptors; document offsets are consulted lazily through a verified
 memory map (:meth:`Corpus.doc_offsets_range`, :meth:`Corpus.doc_index_at`). Versions 1 and 2 read
 every shard's index at open, as before. A :class:`Corpus` pickles as its manifest, split and what it
 has checked, never as open handles, so DataLoader workers (fork or spawn) reopen files themselves.
@@ -34,13 +35,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import mmap
 import os
 import stat
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
 import numpy as np
 
 from . import format as fmt
@@ -61,9 +62,16 @@ from .readpaths import (
 )
 from .remote import RemoteOptions, is_remote, redact
 
+if TYPE_CHECKING:
+    import h5py
+
 #: Shards one corpus keeps open per process (each holds two descriptors, its memory maps): 10,000
 #: shards then read under the default ``ulimit -n`` of 1,024.
 MAX_OPEN_SHARDS = 128
+#: File descriptors one corpus's open shards may hold per process: 128 shards read through HDF5
+#: (two each), or up to 256 opened through the layout file (one memory map each, shared by tokens
+#: and offsets).
+MAX_OPEN_FDS = 2 * MAX_OPEN_SHARDS
 
 
 class UnverifiedCorpusWarning(UserWarning):
@@ -379,7 +387,7 @@ class Corpus:
         flat = pos.reshape(-1)
         shard = np.searchsorted(self.shard_token_starts, flat, side="right") - 1
         out = np.empty(flat.size, np.int64)
-        for s in np.unique(shard).tolist():
+        for s in sorted(set(shard.tolist())):
             sel = shard == s
             local = self._index(s).search(flat[sel] - self.shard_token_starts[s])
             out[sel] = local + self.shard_doc_starts[s]
@@ -501,19 +509,24 @@ class Corpus:
 
     def _reader(self, shard: int) -> MmapTokens | H5Tokens:
         """This process's read path for ``shard`` (callers run :meth:`_check_pid` first). At most
-        :data:`MAX_OPEN_SHARDS` shards are open per corpus and process (two descriptors each, the
-        memory maps'): opening one more first closes the older half."""
+        :data:`MAX_OPEN_FDS` descriptors are held per corpus and process (a shard opened through the
+        layout file holds one, through HDF5 two): past :data:`MAX_OPEN_SHARDS` shards, opening one
+        more when the descriptors are used up first closes the older half."""
         r = self._readers.get(shard)
         if r is None:
             cap = self._open_cap()
-            if len(self._readers) >= cap:
-                self._close_oldest(max(1, cap // 2))
+            if len(self._readers) >= cap and (cap < MAX_OPEN_SHARDS or self._open_fds() + 2 > MAX_OPEN_FDS):
+                self._close_oldest(max(1, len(self._readers) // 2))
             self._fetch(shard)
+            fds = self._open_fds()
             if self.version >= 3 and self.manifest is not None:
-                r, self._indexes[shard] = self._open_v3(shard)
+                r, idx = self._open_v3(shard)
+                self._indexes[shard] = idx
+                fds += idx.fds
             else:
                 r = self._open_reader(shard)
             self._readers[shard] = r
+            self.__dict__["_fdn"] = (self._readers, len(self._readers), fds + r.fds)
         return r
 
     def _fetch(self, shard: int) -> None:
@@ -539,6 +552,17 @@ class Corpus:
             want = np.asarray(shards, dtype=np.int64).reshape(-1).tolist()
             idx = [s for s in want if 0 <= s < self.num_shards and s not in self._leases]  # held: cached
             self._remote.prefetch([(self.entries[s], self.paths[s]) for s in idx])
+
+    def _open_fds(self) -> int:
+        """File descriptors this corpus's open shards hold in this process (a memory map holds one);
+        counted once per change of the open set, else kept up to date by :meth:`_reader`."""
+        hit = self.__dict__.get("_fdn")
+        if hit is not None and hit[0] is self._readers and hit[1] == len(self._readers):
+            return hit[2]
+        idx = self._indexes
+        n = sum(r.fds + (idx[s].fds if s in idx else 0) for s, r in self._readers.items())
+        self.__dict__["_fdn"] = (self._readers, len(self._readers), n)
+        return n
 
     def _index(self, shard: int) -> MappedOffsets:
         """This process's verified map of a version 3 shard's ``/doc_offsets`` (opens the shard)."""
@@ -577,17 +601,14 @@ class Corpus:
         if self._file_ids[shard] is None:
             self._file_ids[shard] = now
         self._check_unchanged(shard, None)
-        try:
-            with h5open(path) as f:
-                sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
-        except (OSError, KeyError, ValueError, RuntimeError) as err:  # RuntimeError: corrupt HDF5 metadata
-            if isinstance(err, FormatError):
-                raise
-            raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
+        lay = self._mapped_layout(shard, now)
+        if lay is not None:  # proven by the layout file: no HDF5 open
+            return self._open_mapped(shard, lay)
+        sums, osums, tok_layout, off_layout, filtered, tail = self._checked_v3(path, e)
         verify, vocab = self.verified, self.tokenizer.vocab_size
         if tok_layout is not None:
             r: MmapTokens | H5Tokens = MmapTokens(
-                path, self.chunk_tokens, tok_layout, self.dtype, e.tokens, sums if verify else None, vocab
+                path, self.chunk_tokens, tok_layout, self.dtype, e.tokens, sums if verify else None, vocab, tail
             )
         else:
             r = H5Tokens(path, filtered, self.chunk_tokens, self.dtype, verify=verify, checksums=sums, vocab_size=vocab)
@@ -600,6 +621,116 @@ class Corpus:
             idx.close()
             raise
         return r, idx
+
+    def _open_mapped(self, shard: int, lay: fmt.ShardLayout) -> tuple[MmapTokens, MappedOffsets]:
+        """:meth:`_open_v3` of a shard whose layout file entry holds (:meth:`_mapped_layout`): one
+        memory map of the file, shared by its tokens and its offsets, no HDF5 call."""
+        path, e = self.paths[shard], self.entries[shard]
+        verify = self.verified
+        runs = fmt.stored_block_runs(lay.tail[0], e.tokens % self.chunk_tokens * self.dtype.itemsize, lay.tail_runs)
+        r = MmapTokens(
+            path,
+            self.chunk_tokens,
+            lay.tokens,
+            self.dtype,
+            e.tokens,
+            lay.chunk_sums if verify else None,
+            self.tokenizer.vocab_size,
+            lay.tail if lay.tail[1] and not runs else None,
+            tail_runs=runs,
+        )
+        try:
+            idx = MappedOffsets(
+                path, lay.offsets, e.documents + 1, lay.offsets_sums if verify else None, e.tokens, mapped=r.mapped
+            )
+            self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
+            idx.check_ends()
+        except FormatError:
+            r.close()
+            raise
+        return r, idx
+
+    def _checked_v3(
+        self, path: str, e: ShardRecord
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, bool, tuple[int, int] | None]:
+        """Open a version 3 shard through HDF5 and run :meth:`_check_v3`; also returns the stored
+        extent of its final ``/tokens`` chunk when that chunk is filtered."""
+        try:
+            with h5open(path) as f:
+                sums, osums, tok_layout, off_layout, filtered = self._check_v3(f, path, e)
+                tail = fmt.final_chunk_extent(f[fmt.TOKENS], tok_layout)
+        except (OSError, KeyError, ValueError, RuntimeError) as err:  # RuntimeError: corrupt HDF5 metadata
+            if isinstance(err, FormatError):
+                raise
+            raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
+        return sums, osums, tok_layout, off_layout, filtered, tail
+
+    def _mapped_layout(self, shard: int, now: FileId) -> fmt.ShardLayout | None:
+        """The layout file's entry for ``shard`` when it may replace the HDF5 checks (docs/FORMAT.md
+        "The layout file"): the file is the one that was checked (size and mtime), its checksum
+        tables hash to the manifest's ``sums_sha256``, its counts and addresses fit the manifest's
+        entry and the file. Else None (the shard is then checked through HDF5)."""
+        if self.read_path == "h5py" or self.manifest is None or self.manifest.path is None:
+            return None
+        data = self.__dict__.get("_layout_map")
+        if data is None:
+            data = self.__dict__["_layout_map"] = _map_file(fmt.layout_path(self.manifest.path))
+        if not data:
+            return None
+        where = self._manifest_rows()
+        lay = fmt.decode_layout(data, where[shard], len(self.manifest.shards))
+        e, C = self.entries[shard], self.chunk_tokens
+        if lay is None or (lay.size, lay.mtime_ns) != (now[2], now[3]):
+            return None
+        n_tok, n_off = -(-e.tokens // C), -(-(e.documents + 1) // fmt.OFFSETS_CHUNK_V3)
+        if (lay.tokens.size, lay.chunk_sums.size, lay.offsets.size, lay.offsets_sums.size) != (
+            n_tok,
+            n_tok,
+            n_off,
+            n_off,
+        ):
+            return None
+        raw = lay.tokens[lay.tokens >= 0]
+        if (
+            raw.size
+            and int(raw.max()) + C * self.dtype.itemsize > lay.size
+            or int(lay.offsets.max()) + 8 * fmt.OFFSETS_CHUNK_V3 > lay.size
+        ):
+            return None
+        if n_tok and int(lay.tokens[-1]) == -1 and sum(lay.tail) > lay.size:
+            return None
+        if fmt.sums_sha256(lay.chunk_sums, lay.offsets_sums) != e.sums_sha256:
+            return None
+        return lay
+
+    def _manifest_rows(self) -> list[int]:
+        """Each shard's position among the manifest's shards (the layout file's rows)."""
+        hit = self.__dict__.get("_mrows")
+        if hit is None or len(hit) != len(self.entries):
+            assert self.manifest is not None
+            hit = [i for i, e in enumerate(self.manifest.shards) if e.split == self.split]
+            self.__dict__["_mrows"] = hit
+        return hit
+
+    def shard_layout(self, shard: int) -> fmt.ShardLayout:
+        """A finished version 3 shard's :class:`~h5corpus.storage.format.ShardLayout`, found by the
+        full checks of a first touch through HDF5 (for :func:`write_layout_file`). Raises
+        :class:`FormatError` naming the shard when a check fails."""
+        if self.version < 3 or self.manifest is None:
+            raise FormatError(f"{self.paths[shard]}: layouts are for finished format version 3 shards")
+        path, e = self.paths[shard], self.entries[shard]
+        before = _file_id(path)
+        sums, osums, tok, off, _, tail = self._checked_v3(path, e)
+        if tok is None or _file_id(path) != before or before[2] != e.bytes:
+            raise FormatError(f"{path}: the shard cannot be memory-mapped, or changed while it was checked")
+        runs = 0
+        if tail is not None:  # how many stored blocks hold the final chunk's tokens (0: decode it)
+            real = e.tokens % self.chunk_tokens * self.dtype.itemsize
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                found = fmt.stored_tail_runs(mm, tail[0], tail[1], real, self.dtype.itemsize)
+            if found and found == fmt.stored_block_runs(tail[0], real, len(found)):
+                runs = len(found)
+        return fmt.ShardLayout(before[2], before[3], tok, tail or (0, 0), off, sums, osums, runs)
 
     def _check_v3(
         self, f: h5py.File, path: str, e: ShardRecord
@@ -650,6 +781,7 @@ class Corpus:
                 offsets, why = None, "shard is still being written"
                 if self.read_path != "h5py" and not live:
                     offsets, why = fmt.chunk_byte_layout(ds, n, os.path.getsize(path))
+                tail = fmt.final_chunk_extent(ds, offsets)
                 sums = None
                 if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
                     sums = self._chunk_sums[shard]
@@ -661,7 +793,7 @@ class Corpus:
                 raise FormatError(
                     f"{path}: {sums.size:,} chunk checksums for {offsets.size:,} chunks; run h5corpus validate"
                 )
-            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums, self.tokenizer.vocab_size)
+            r = MmapTokens(path, chunk_tokens, offsets, self.dtype, n, sums, self.tokenizer.vocab_size, tail)
             self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
             return r
         if self.read_path == "mmap" and not live:
@@ -705,6 +837,8 @@ class Corpus:
         d.pop("_sts_list", None)
         d.pop("_offs_view", None)
         d.pop("_rtab", None)
+        d.pop("_layout_map", None)  # mapped again, per process
+        d.pop("_fdn", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -872,12 +1006,17 @@ class Corpus:
         readers = self._readers
         flat = out.reshape(-1) if out.flags.c_contiguous else None
         parts: list[np.ndarray] = []  # one view per window, copied into ``out`` by one concatenate
+        done = 0  # rows of ``out`` already copied
         for s, g in zip(shard, starts.tolist()):
             a = g - bounds[s]
             if g < 0 or g + length > bounds[s + 1]:  # crosses into the next shard (or out of range)
+                done = _flush_rows(out, parts, done)
                 parts.append(self.tokens(g, g + length))
                 continue
-            r = readers.get(s) or self._reader(s)
+            r = readers.get(s)
+            if r is None:  # opening a shard may close others: copy the views taken so far first
+                done = _flush_rows(out, parts, done)
+                r = self._reader(s)
             if r.kind == "mmap":  # the one-run case: a view, no call
                 k, o = divmod(a, r.chunk_tokens)  # type: ignore[union-attr]
                 if r.pending:  # type: ignore[union-attr]
@@ -892,11 +1031,10 @@ class Corpus:
             row = np.empty(length, dtype=self.dtype)
             r.read(a, a + length, row)
             parts.append(row)
-        if flat is not None and length:
-            np.concatenate(parts, out=flat, casting="unsafe")
+        if flat is not None and length and parts:
+            np.concatenate(parts, out=flat[done * length :], casting="unsafe")
         else:
-            for row, part in zip(out, parts):
-                row[:] = part
+            _flush_rows(out, parts, done)
         return out
 
     def gather_ranges(self, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -1009,6 +1147,51 @@ FileId = tuple[int, int, int, int]
 """(device, inode, size in bytes, mtime in ns) of a shard file."""
 
 
+def _flush_rows(out: np.ndarray, parts: list[np.ndarray], done: int) -> int:
+    """Copy ``parts`` into rows ``done, done + 1, ...`` of ``out`` and empty it (views into maps
+    are then released before their shard may be closed); returns the rows copied so far."""
+    for row, part in zip(out[done:], parts):
+        row[:] = part
+    done += len(parts)
+    parts.clear()
+    return done
+
+
+def _map_file(path: Path) -> Any:
+    """A read-only memory map of ``path``, or b"" when it is absent, empty or unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return b""
+
+
+def write_layout_file(manifest: str | os.PathLike[str]) -> Path:
+    """Check every finished version 3 shard of the manifest at ``manifest`` through HDF5 (as a
+    first touch does) and write the layout file beside it (``<manifest>.layout``, atomically), so
+    that readers' first touches of these files skip HDF5. Shards that fail a check get no row
+    (they are checked, and refused, through HDF5). Returns the layout file's path."""
+    m = read_manifest(Path(manifest))
+    rows: list[fmt.ShardLayout | None] = [None] * len(m.shards)
+    if m.version >= 3:
+        for split in fmt.SPLITS:
+            c = Corpus(m, split)
+            where = c._manifest_rows()
+            for s in range(c.num_shards):
+                try:
+                    rows[where[s]] = c.shard_layout(s)
+                except FormatError:
+                    continue
+    out = fmt.layout_path(manifest)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(fmt.encode_layouts(rows))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 def _read_checksums(ds: h5py.Dataset, path: str) -> np.ndarray:
     try:
         return read_checksums(ds)
@@ -1035,6 +1218,8 @@ def _file_id(path: str) -> FileId:
 
 def _open_live_file(final: Path) -> h5py.File:
     """Open a shard being written (``<final>.partial``) or, once renamed, the finished file (SWMR)."""
+    import h5py
+
     for p in (final.with_name(final.name + PARTIAL_SUFFIX), final):
         try:
             return h5py.File(p, "r", libver=fmt.LIBVER, swmr=True)

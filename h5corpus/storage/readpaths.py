@@ -18,12 +18,12 @@ verifies chunks as ranges are located in it). None of these objects is ever pick
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import weakref
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import h5py
 import numpy as np
 
 from . import format as fmt
@@ -31,6 +31,9 @@ from .format import PARTIAL_SUFFIX, ChunkChecksumError, FormatError
 
 ReadPath = Literal["auto", "mmap", "h5py"]
 READ_PATHS = ("auto", "mmap", "h5py")
+
+if TYPE_CHECKING:
+    import h5py
 
 #: Chunks the HDF5 chunk cache holds per compressed ``/tokens`` dataset (per process).
 FILTERED_CACHE_CHUNKS = 8
@@ -53,6 +56,8 @@ def h5open(path: str | os.PathLike[str], *, live: bool = False) -> h5py.File:
     here, at once, instead of reading as zeros or looping in SWMR's metadata retries). HDF5 refuses
     a second open with other SWMR flags in one process: a shard already open the other way in
     this process is then opened that way."""
+    import h5py  # here, not at import: a memory-mapped read through the layout file never needs it
+
     try:
         return h5py.File(path, "r", libver=fmt.LIBVER, swmr=live)
     except OSError as e:
@@ -75,6 +80,8 @@ def read_checksums(ds: h5py.Dataset) -> np.ndarray:
     """(chunks,) uint64: a version 2 shard's open ``/chunk_xxh3`` dataset, read by one low-level
     ``H5Dread`` (every process pays this once per shard it verifies; h5py's ``ds[()]`` costs
     several times more for these few bytes, docs/READING.md "Verified reads")."""
+    import h5py
+
     sums = np.empty(ds.shape, dtype=fmt.CHECKSUM_DTYPE)
     ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, sums)
     return sums
@@ -97,6 +104,8 @@ class MmapTokens:
     chunks that are not yet."""
 
     kind = "mmap"
+    #: file descriptors it holds (its memory map's)
+    fds = 1
 
     def __init__(
         self,
@@ -107,6 +116,9 @@ class MmapTokens:
         n_tokens: int,
         checksums: np.ndarray | None = None,
         vocab_size: int | None = None,
+        tail: tuple[int, int] | None = None,
+        *,
+        tail_runs: list[tuple[int, int]] | None = None,
     ) -> None:
         self.path = path
         #: ids at or above it are refused when a chunk is verified (None: not checked)
@@ -121,12 +133,35 @@ class MmapTokens:
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         n_chunks = int(byte_offsets.size)
         decoded = bool(n_chunks) and int(byte_offsets[-1]) < 0
-        raw = byte_offsets[:-1] if decoded else byte_offsets
-        chunk_bytes = C * self.dtype.itemsize
-        first = np.flatnonzero(np.diff(raw) != chunk_bytes) + 1 if raw.size else raw
+        self._map_raw(byte_offsets[:-1] if decoded else byte_offsets)
+        #: the final chunk's runs when it is mapped from stored deflate blocks (else empty)
+        self._tail_runs: list[np.ndarray] = []
+        if decoded:
+            self._tail_runs = self._map_tail(tail, tail_runs, n_tokens - (n_chunks - 1) * C)
+            decoded = not self._tail_runs
+        self._decoded = decoded
+        if decoded:  # pages untouched until decoded
+            self._tail_runs = [np.empty(n_tokens - (n_chunks - 1) * C, dtype=self.dtype)]
+        if self._tail_runs:
+            self.runs.extend(self._tail_runs)
+            self.chunk_run.append(self._tail_runs[0])
+            self.chunk_pos.append(0)
+        #: shard-local position of each run's first token (runs cover the shard in order)
+        self._run_starts = np.cumsum([0] + [r.size for r in self.runs[:-1]]).tolist()
+        self.checksums = None if checksums is None else checksums.tolist()
+        #: per chunk: 1 once it may be served in this process
+        self.ready = bytearray(n_chunks) if checksums is not None else bytearray(b"\x01" * n_chunks)
+        if decoded:
+            self.ready[-1] = 0
+        self.pending = n_chunks - sum(self.ready)
+
+    def _map_raw(self, raw: np.ndarray) -> None:
+        """Map the raw chunks at byte offsets ``raw``: :attr:`runs`, :attr:`chunk_run`, :attr:`chunk_pos`."""
+        C = self.chunk_tokens
+        first = np.flatnonzero(np.diff(raw) != C * self.dtype.itemsize) + 1 if raw.size else raw
         bounds = [0, *first.tolist(), int(raw.size)] if raw.size else [0]
-        #: zero-copy arrays over runs of file-contiguous chunks, in token order (and the decoded
-        #: final chunk, if it is stored compressed)
+        #: zero-copy arrays over runs of file-contiguous chunks, in token order (and the final
+        #: chunk's stored blocks, or the array it is decoded into)
         self.runs = [
             np.frombuffer(self._mm, dtype=self.dtype, count=(b - a) * C, offset=int(raw[a]))
             for a, b in zip(bounds[:-1], bounds[1:])
@@ -137,18 +172,34 @@ class MmapTokens:
         for run, a, b in zip(self.runs, bounds[:-1], bounds[1:]):
             self.chunk_run.extend([run] * (b - a))
             self.chunk_pos.extend(range(0, (b - a) * C, C))
-        self._decoded = decoded
-        if decoded:
-            tail = np.empty(n_tokens - (n_chunks - 1) * C, dtype=self.dtype)  # pages untouched until decoded
-            self.runs.append(tail)
-            self.chunk_run.append(tail)
-            self.chunk_pos.append(0)
-        self.checksums = None if checksums is None else checksums.tolist()
-        #: per chunk: 1 once it may be served in this process
-        self.ready = bytearray(n_chunks) if checksums is not None else bytearray(b"\x01" * n_chunks)
-        if decoded:
-            self.ready[-1] = 0
-        self.pending = n_chunks - sum(self.ready)
+
+    def _map_tail(self, tail: tuple[int, int] | None, runs: list[tuple[int, int]] | None, n: int) -> list[np.ndarray]:
+        """The final chunk's ``n`` tokens as arrays over the file's stored deflate blocks: at
+        ``runs`` (``(byte offset, bytes)``, known already), or found from ``tail``, its byte offset
+        and stored size (:func:`~h5corpus.storage.format.stored_tail_runs`); [] when it is not
+        stored that way (it is then decoded into memory)."""
+        w = self.dtype.itemsize
+        found = runs or None
+        if self._mm is None:
+            return []
+        if found is None and tail is not None and tail[0] + tail[1] <= len(self._mm):
+            found = fmt.stored_tail_runs(self._mm, tail[0], tail[1], n * w, w)
+        if not found or sum(b for _, b in found) != n * w or max(o + b for o, b in found) > len(self._mm):
+            return []
+        return [np.frombuffer(self._mm, dtype=self.dtype, count=b // w, offset=o) for o, b in found]
+
+    @property
+    def mapped(self) -> Any:
+        """The memory map of the whole file (None for an empty file), for readers of the same
+        shard's other datasets (:class:`MappedOffsets`), valid until :meth:`close`."""
+        return self._mm
+
+    def _pieces(self, k: int, lo: int, hi: int) -> list[np.ndarray]:
+        """Chunk ``k``'s tokens (shard-local ``[lo, hi)``) as arrays: one view, or the final
+        chunk's stored blocks."""
+        if k == len(self.ready) - 1 and len(self._tail_runs) > 1:
+            return self._tail_runs
+        return [self.chunk_run[k][self.chunk_pos[k] : self.chunk_pos[k] + hi - lo]]
 
     def ensure(self, k0: int, k1: int) -> None:
         """Make chunks ``k0..k1`` (inclusive) ready: verify (and decode) those that are not yet."""
@@ -169,12 +220,14 @@ class MmapTokens:
             except (OSError, ValueError) as e:
                 raise ChunkChecksumError(self.path, k, lo, hi, f"cannot be decoded ({e})") from None
         if self.checksums is not None:
-            got, want = fmt.chunk_checksum(view), self.checksums[k]
+            pieces = self._pieces(k, lo, hi)
+            got, want = fmt.pieces_checksum(pieces), self.checksums[k]
             if got != want:
                 raise ChunkChecksumError(
                     self.path, k, lo, hi, f"fails its checksum (xxh3 {got:016x}, stored {want:016x})"
                 )
-            check_id_range(view, self.vocab_size, self.path, k, lo, hi)
+            for piece in pieces:
+                check_id_range(piece, self.vocab_size, self.path, k, lo, hi)
         if not self.ready[k]:
             self.ready[k] = 1
             self.pending -= 1
@@ -194,9 +247,9 @@ class MmapTokens:
             return
         pos = lo
         while pos < hi:
-            k, off = divmod(pos, C)
-            run = self.chunk_run[k]
-            p = self.chunk_pos[k] + off
+            j = bisect.bisect_right(self._run_starts, pos) - 1
+            run = self.runs[j]
+            p = pos - self._run_starts[j]
             n = min(run.size - p, hi - pos)
             out[pos - lo : pos - lo + n] = run[p : p + n]
             pos += n
@@ -205,7 +258,7 @@ class MmapTokens:
         pass
 
     def close(self) -> None:
-        self.runs, self.chunk_run = [], []
+        self.runs, self.chunk_run, self._tail_runs = [], [], []
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -295,7 +348,7 @@ class RunTable:
         first = starts.searchsorted(pos, side="right") - 1
         last = starts.searchsorted(pos + (length - 1), side="right") - 1
         ends = np.concatenate([first, last])
-        for j in np.unique(ends[~ready[ends]]).tolist():
+        for j in sorted(set(ends[~ready[ends]].tolist())):
             if self._readers[self._chunk_shard[j]].ready[self._chunk_local[j]]:
                 ready[j] = True
                 self._pending -= 1
@@ -320,7 +373,7 @@ class RunTable:
         ready = self._ready
         todo = g[~ready[g]]
         if todo.size:
-            for j in np.unique(todo).tolist():  # the readers' own state may already say ready
+            for j in sorted(set(todo.tolist())):  # the readers' own state may already say ready
                 self._readers[self._chunk_shard[j]].ensure(self._chunk_local[j], self._chunk_local[j])
                 ready[j] = True
                 self._pending -= 1
@@ -344,6 +397,7 @@ class H5Tokens:
     shared = False  # True for live readers shared between corpora: closed when the last user drops it
 
     kind = "h5py"
+    fds = 1
 
     def __init__(
         self,
@@ -357,6 +411,8 @@ class H5Tokens:
         checksums: np.ndarray | None = None,
         vocab_size: int | None = None,
     ) -> None:
+        import h5py
+
         self.dtype = dtype
         self.vocab_size = vocab_size
         self.file = h5open(path, live=live)
@@ -414,6 +470,8 @@ class H5Tokens:
     def _read(self, lo: int, n: int, dst: np.ndarray) -> None:
         mspace = self._mspace.get(n)
         if mspace is None:
+            import h5py
+
             if len(self._mspace) > 64:
                 self._mspace.clear()
             mspace = self._mspace[n] = h5py.h5s.create_simple((n,))
@@ -501,13 +559,29 @@ class MappedOffsets:
     ``checksums`` None reads unverified (``verify=False``)."""
 
     def __init__(
-        self, path: str, byte_offsets: np.ndarray, n_entries: int, checksums: np.ndarray | None, num_tokens: int
+        self,
+        path: str,
+        byte_offsets: np.ndarray,
+        n_entries: int,
+        checksums: np.ndarray | None,
+        num_tokens: int,
+        *,
+        mapped: Any = None,
     ) -> None:
         self.path, self.n_entries, self.num_tokens = path, int(n_entries), int(num_tokens)
         self.chunk = fmt.OFFSETS_CHUNK_V3
-        with open(path, "rb") as fh:
-            self.stat = os.fstat(fh.fileno())
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        #: file descriptors it holds: none when it reads ``mapped``, the map of the shard's tokens
+        self.fds = 0 if mapped is not None else 1
+        self._own = mapped is None
+        self.stat: os.stat_result | None = None
+        if mapped is None:
+            with open(path, "rb") as fh:
+                self.stat = os.fstat(fh.fileno())
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mm = mapped
+        base = np.asarray(byte_offsets, dtype=np.int64)
+        if base.size and int(base.max()) + self.chunk * fmt.OFFSETS_DTYPE.itemsize > len(mapped):
+            raise IndexChecksumError(path, int(np.argmax(base)), "lies past the file's end")
         self._bytes = np.frombuffer(self._mm, np.uint8)
         self._base = np.asarray(byte_offsets, dtype=np.int64)
         self._sums = checksums
@@ -520,7 +594,7 @@ class MappedOffsets:
     def ensure(self, chunks: np.ndarray) -> None:
         """Verify every chunk in ``chunks`` (int array) not verified yet in this process."""
         todo = chunks[~self.ready[chunks]]
-        for k in np.unique(todo).tolist():
+        for k in sorted(set(todo.tolist())):
             v = self._view(k)
             assert self._sums is not None
             got, want = fmt.chunk_checksum(v), int(self._sums[k])
@@ -575,6 +649,8 @@ class MappedOffsets:
 
     def close(self) -> None:
         self._bytes = np.zeros(0, np.uint8)
+        if not self._own:  # the tokens' map: closed with them
+            return
         try:
             self._mm.close()
         except BufferError:  # a view is still alive; the map closes when it is collected

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -339,10 +338,11 @@ class ShardWriter:
                 self._tokens[start : start + self._fill] = real
             elif self._fill == self.chunk_tokens:
                 self._tokens.id.write_direct_chunk((start,), self._buf, filter_mask=1)
-            else:  # the final partial chunk: zero padding, deflated as HDF5's filter would
+            else:  # the final partial chunk: zero padding, in a deflate stream a reader maps
                 self._sealed = True
                 self._buf[self._fill :] = 0
-                self._tokens.id.write_direct_chunk((start,), zlib.compress(self._buf, fmt.DEFLATE_LEVEL), filter_mask=0)
+                tail = fmt.stored_tail_chunk(self._buf, self._fill * self.dtype.itemsize)
+                self._tokens.id.write_direct_chunk((start,), tail, filter_mask=0)
             fmt.tokens_sha256_update(self._hash, real)
             self._sums.append(fmt.chunk_checksum(real))
             self._written += self._fill

@@ -9,6 +9,7 @@ budget, an earlier partition's files; :func:`remove_unlisted`) and the state fol
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ from typing import Any
 
 from ... import __version__
 from ...storage import format as fmt
+from ...storage.format import FormatError
 from ...storage.manifest import Manifest, write_manifest
+from ...storage.reader import write_layout_file
 from ...storage.writer import fsync_dir
 from ..config import MAX_LISTED
 from ..oserrors import os_step
@@ -149,6 +152,11 @@ def commit(
     with os_step("write the manifest", manifest_path):
         write_manifest(manifest_path, m)
     ctx.step("manifest-after")
+    try:  # readers' fast first touch (docs/FORMAT.md "The layout file"); without it they check through HDF5
+        write_layout_file(manifest_path)
+    except (OSError, FormatError):
+        with contextlib.suppress(OSError):
+            fmt.layout_path(manifest_path).unlink(missing_ok=True)
     remove_unlisted(ctx, {m.shard_path(e) for e in entries})
     ctx.state.remove()
     return m
