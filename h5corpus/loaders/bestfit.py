@@ -36,6 +36,7 @@ from ..storage.protocols import CorpusLike
 from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
 from .chunking import ChunkTable
+from .lossmask import apply_loss_mask
 from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, epoch_order
 from .mixture import Mixture, mix
 from .partition import integer_arg
@@ -301,11 +302,12 @@ class BestFitDataset(GlobalSequenceDataset):
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
         item is microbatch ``g mod M``, :mod:`~h5corpus.loaders.partition`); O(1) per item."""
         sched, M = live.schedule, sp.num_microbatches
+        spans = self.corpus.loss_spans()  # fine-tuning masks (None: every target trained on)
         for j in sched.local_items():
             if M == 0 or sched.needed(j) > M:
                 return
             mb = sp.microbatch(sched.global_index(j) % M)
-            batch = reads.batch(mb)
+            batch = apply_loss_mask(reads.batch(mb), spans, mb.seg_start)
             if self.with_segments:
                 batch.segments = reads.segments(mb)
             live.yielded += 1

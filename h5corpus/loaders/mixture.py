@@ -293,6 +293,18 @@ class Mixture:
         a, b = self.doc_offsets_range(i, i + 1).tolist()
         return self.tokens(a, b)
 
+    def loss_spans(self) -> np.ndarray | None:
+        """Every source's trained-on ranges shifted to the concatenated stream; a source without a
+        loss mask (a pretraining corpus) is one range over all its tokens. None when no source has
+        a mask."""
+        got = [s.corpus.loss_spans() for s in self.sources]
+        if all(g is None for g in got):
+            return None
+        parts = []
+        for g, lo, hi in zip(got, self.token_bases[:-1].tolist(), self.token_bases[1:].tolist()):
+            parts.append(np.array([[lo, hi]], np.int64) if g is None else g + lo)
+        return np.concatenate(parts).reshape(-1, 2)
+
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_rtab"] = None

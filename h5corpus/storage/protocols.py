@@ -97,3 +97,9 @@ class CorpusLike(Protocol):
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i``."""
         ...
+
+    def loss_spans(self) -> np.ndarray | None:
+        """(K, 2) int64 sorted, disjoint global ``[start, end)`` ranges of the positions whose
+        token is a trained-on target (fine-tuning loss masks; docs/FORMAT.md), or None: every
+        target is trained on. O(ranges), read once per process."""
+        ...

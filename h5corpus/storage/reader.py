@@ -665,6 +665,7 @@ class Corpus:
         d.pop("_sts_list", None)
         d.pop("_offs_view", None)
         d.pop("_rtab", None)
+        d.pop("_loss_cache", None)  # re-read (and proven) in the process that asks
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -934,6 +935,65 @@ class Corpus:
             tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
         self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
         return tab
+
+    # -- fine-tuning: loss mask and BOS (docs/FORMAT.md, "Loss masks") -------------------------------
+    @property
+    def sft(self) -> dict[str, Any]:
+        """The manifest's fine-tuning facts (``loss_mask``, ``bos_id``, ``loss_on``); {} for a
+        pretraining corpus or a live shard."""
+        if self.manifest is None:
+            return {}
+        return dict(self.manifest.extra.get(fmt.SFT_KEY) or {})
+
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS id every document of this corpus starts with (``build-sft --bos``), or None."""
+        v = self.sft.get("bos_id")
+        return None if v is None else int(v)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True when the split's shards store a loss mask (``/loss_spans``)."""
+        return any(e.loss_sha256 is not None for e in self.entries)
+
+    def loss_spans(self) -> np.ndarray | None:
+        """(K, 2) int64 global ``[start, end)`` token ranges of this split whose positions are
+        trained-on targets (sorted, disjoint), or None when the split has no loss mask (every
+        target trained on). Read once per process from every shard's ``/loss_spans`` (16 bytes
+        per range), each proven against the manifest's ``loss_sha256`` first; a shard without a
+        mask in a masked split is refused."""
+        hit = self.__dict__.get("_loss_cache")
+        if hit is not None and hit[0] == self.num_shards:
+            return hit[1]
+        out: np.ndarray | None = None
+        if self.has_loss_mask:
+            parts = [self._shard_loss_spans(s) + int(self.shard_token_starts[s]) for s in range(self.num_shards)]
+            out = np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+        self.__dict__["_loss_cache"] = (self.num_shards, out)
+        return out
+
+    def _shard_loss_spans(self, shard: int) -> np.ndarray:
+        """One shard's ``/loss_spans`` (shard positions), proven against its manifest entry."""
+        e, path = self.entries[shard], self.paths[shard]
+        if e.loss_sha256 is None:
+            raise FormatError(f"{path}: the split has a loss mask but this shard's manifest entry has no loss_sha256")
+        self._check_unchanged(shard)
+        try:
+            with h5open(path) as f:
+                ds = f.get(fmt.LOSS_SPANS)
+                if not isinstance(ds, h5py.Dataset) or ds.ndim != 2 or ds.shape != (e.loss_spans, 2):
+                    got = "missing" if not isinstance(ds, h5py.Dataset) else f"of shape {ds.shape}"
+                    raise FormatError(
+                        f"{path}: /{fmt.LOSS_SPANS} is {got}, manifest says {e.loss_spans:,} ranges; run h5corpus validate"
+                    )
+                spans = np.asarray(ds[()], dtype=np.int64).reshape(-1, 2)
+        except (OSError, KeyError, RuntimeError) as err:
+            raise FormatError(f"{path}: cannot read /{fmt.LOSS_SPANS} ({err}); run h5corpus validate") from None
+        if self._verify and fmt.loss_spans_sha256(spans) != e.loss_sha256:
+            raise FormatError(
+                f"{path}: /{fmt.LOSS_SPANS} differs from the manifest's loss_sha256 (corrupt mask); run h5corpus validate"
+            )
+        return spans
 
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i`` (EOS included unless it was truncated at build time); verified
