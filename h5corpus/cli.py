@@ -229,6 +229,53 @@ def _write_inspection(rep: Any, data: str, output: Path | None, plot: Path | Non
         raise os_failure("write --plot", e if e.filename else OSError(e.errno, e.strerror, str(plot))) from None
 
 
+@app.command("build-sft")
+def build_sft_cli(
+    sources: list[Path] = typer.Argument(..., help="Fine-tuning records, .jsonl (messages, prompt/completion, text)."),
+    out: Path = typer.Option(Path("."), "--out", help="Corpus folder: manifests/shards.json and shards/ go there."),
+    tokenizer: str = typer.Option("gpt2", "--tokenizer", help="gpt2, or a tokenizer.json / its folder."),
+    eos_token: str | None = typer.Option(None, "--eos-token", help="The EOS token appended to every document."),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template", help="tokenizer_config.json with the chat template (default: beside the tokenizer)."
+    ),
+    loss_on: str = typer.Option("assistant", "--loss-on", help="assistant | completion | all."),
+    bos: str | None = typer.Option(None, "--bos", help="Prepend a BOS: 'tokenizer' (its bos_token) or an id."),
+    shard_tokens: int = typer.Option(1 << 27, "--shard-tokens", help="Tokens per shard (documents whole)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a corpus already in --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest's split figures as JSON."),
+) -> None:
+    """Build a fine-tuning corpus: chat / prompt-completion records, loss mask stored with the tokens."""
+    from .build.run.sftbuild import SFTBuildConfig, build_sft
+
+    check_positive("--shard-tokens", shard_tokens)
+    cfg = SFTBuildConfig(
+        sources=list(sources),
+        out=out,
+        tokenizer=tokenizer,
+        eos_token=eos_token,
+        chat_template=chat_template,
+        loss_on=loss_on,
+        bos=bos,
+        shard_tokens=shard_tokens,
+        overwrite=overwrite,
+    )
+    try:
+        m = build_sft(cfg)
+    except (BuildError, FormatError) as e:
+        raise fail(str(e), EXIT_BAD_DATA) from None
+    except (TokenizerError, ValueError) as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except OSError as e:
+        raise os_failure("build-sft", e) from None
+    if as_json:
+        typer.echo(json.dumps(m.splits, indent=2, sort_keys=True))
+    else:
+        for split, f in m.splits.items():
+            typer.echo(
+                f"{split}: {f['documents']:,} documents, {f['tokens']:,} tokens, {f['trained_tokens']:,} trained on"
+            )
+
+
 @app.command("inspect")
 def inspect_cli(
     manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),

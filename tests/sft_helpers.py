@@ -108,7 +108,9 @@ def hf_tokenizer(folder: Path):
 
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     kw = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token") if k in cfg}
-    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=cfg["chat_template"], **kw)
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), chat_template=cfg["chat_template"], **kw
+    )
 
 
 def training_texts(records: list[dict]) -> list[str]:

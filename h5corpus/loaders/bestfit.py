@@ -36,8 +36,8 @@ from ..storage.protocols import CorpusLike
 from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
 from .chunking import ChunkTable
-from .lossmask import apply_loss_mask
 from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, epoch_order
+from .lossmask import apply_loss_mask
 from .mixture import Mixture, mix
 from .partition import integer_arg
 from .planfile import PlanArrays, SharedPlan, ensure_plan_file, materialize

@@ -44,8 +44,8 @@ import numpy as np
 
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
-from .lossmask import apply_loss_mask
 from .bestfit import MappedRuns, as_source, mapped_runs
+from .lossmask import apply_loss_mask
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer, integer_arg
 from .sequence import GlobalSequenceDataset, check_epoch

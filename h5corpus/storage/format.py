@@ -776,7 +776,9 @@ def loss_span_problems(spans: np.ndarray, doc_offsets: np.ndarray) -> list[Probl
     lo, hi = s[:, 0], s[:, 1]
     if (hi <= lo).any():
         k = int(np.flatnonzero(hi <= lo)[0])
-        return [Problem("loss_spans", f"range {k:,} of /{LOSS_SPANS} is empty or reversed ({int(lo[k])}, {int(hi[k])})")]
+        return [
+            Problem("loss_spans", f"range {k:,} of /{LOSS_SPANS} is empty or reversed ({int(lo[k])}, {int(hi[k])})")
+        ]
     if (lo[1:] <= hi[:-1]).any():
         k = int(np.flatnonzero(lo[1:] <= hi[:-1])[0]) + 1
         return [Problem("loss_spans", f"range {k:,} of /{LOSS_SPANS} overlaps, touches or precedes the one before")]

@@ -205,13 +205,17 @@ def _read_all(cfg, template, enc, rule, outs, figures, bos_id) -> None:
                 if isinstance(rec, RecordError):
                     raise rec
                 doc = sft_text(rec, template, cfg.loss_on)
-                if bos_id is not None and template is not None and doc.text.startswith(
-                    template.special_tokens.get("bos_token") or "\0"
+                if (
+                    bos_id is not None
+                    and template is not None
+                    and doc.text.startswith(template.special_tokens.get("bos_token") or "\0")
                 ):
                     raise RecordError("the chat template already writes the BOS token; drop --bos")
                 tokens, spans = enc.document(doc.text, doc.spans, eos, bos_id)
                 if int(np.count_nonzero(tokens[:-1] == eos)) > int(bos_id == eos and tokens[0] == eos):
-                    raise RecordError(f"the text holds the EOS id {eos} inside the document (choose another --eos-token)")
+                    raise RecordError(
+                        f"the text holds the EOS id {eos} inside the document (choose another --eos-token)"
+                    )
             except RecordError as e:
                 raise BuildError(f"{src}:{line}: {e}") from None
             doc_id = hashlib.sha256(doc.text.encode("utf-8")).digest()

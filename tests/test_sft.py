@@ -1,0 +1,405 @@
+"""Fine-tuning corpora (issue 26): loss masks stored with the tokens, chat templates, BOS, and
+packing that never loses a mask.
+
+The oracle is independent of h5corpus's own rendering and masking: transformers'
+``apply_chat_template(..., return_assistant_tokens_mask=True)`` on the test templates (whose
+``{% generation %}`` blocks mark each assistant answer and its closing marker) gives the ids and
+the trained tokens of every conversation; prompt/completion records use the reference
+``tokenizers`` offsets directly. Loaders are then checked target by target against it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from h5corpus import BestFitDataset, SlidingWindowDataset, mix, open_corpus
+from h5corpus.build.config import BuildError
+from h5corpus.build.input.chat import ChatTemplate
+from h5corpus.build.run.sftbuild import SFTBuildConfig, build_sft
+from h5corpus.loaders.batch import IGNORE_INDEX
+from h5corpus.storage.format import FormatError
+from h5corpus.storage.validate import validate_corpus
+from tests.sft_helpers import STYLES, conversations, hf_tokenizer, make_tokenizer, training_texts, write_jsonl
+from testkit.corpora import write_corpus
+
+RECORDS = conversations(48)
+
+
+def _build(root: Path, style: str, records=RECORDS, **kw) -> Path:
+    tokdir = root / "tok"
+    if not tokdir.exists():
+        make_tokenizer(tokdir, style, training_texts(RECORDS))
+    src = write_jsonl(root / "data.jsonl", records)
+    cfg = SFTBuildConfig(
+        sources=[src],
+        out=root / "corpus",
+        tokenizer=str(tokdir / "tokenizer.json"),
+        eos_token=STYLES[style]["config"]["eos_token"],
+        shard_tokens=2500,
+        chunk_tokens=512,
+        overwrite=True,
+        **kw,
+    )
+    build_sft(cfg)
+    return root / "corpus" / "manifests" / "shards.json"
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def chat(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"sft-{request.param}")
+    return request.param, _build(root, request.param), root / "tok"
+
+
+def oracle(records, tokdir: Path, bos: int | None = None) -> dict[bytes, tuple[np.ndarray, np.ndarray]]:
+    """Per document id (first 16 bytes of the sha256 of its text): the stored tokens
+    ``[BOS] + ids + [EOS]`` and the bool trained-on mask, from transformers and tokenizers alone."""
+    hf = hf_tokenizer(tokdir)
+    out = {}
+    for r in records:
+        if "messages" in r:
+            text = hf.apply_chat_template(r["messages"], tokenize=False)
+            enc = hf.apply_chat_template(
+                r["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids, trained = np.array(enc["input_ids"]), np.array(enc["assistant_masks"], bool)
+        else:
+            text = r["prompt"] + r["completion"]
+            enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = np.array(enc["input_ids"])
+            trained = np.array([b > len(r["prompt"]) for _, b in enc["offset_mapping"]], bool)
+        head = [] if bos is None else [bos]
+        tokens = np.concatenate([head, ids, [hf.eos_token_id]]).astype(np.int64)
+        mask = np.concatenate([np.zeros(len(head), bool), trained, trained[-1:]])
+        mask[0] = False
+        out[hashlib.sha256(text.encode()).digest()[:16]] = (tokens, mask)
+    return out
+
+
+def stored(manifest: Path, split: str = "train"):
+    """(corpus, per document (tokens, trained mask) from the corpus's own loss spans)."""
+    c = open_corpus(manifest, split)
+    offs = c.doc_offsets
+    mask = np.zeros(c.num_tokens, bool)
+    for a, b in c.loss_spans():
+        mask[a:b] = True
+    return c, offs, mask
+
+
+def test_rendering_equals_apply_chat_template(chat):
+    """The build's renderer gives transformers' text, with and without the generation prompt."""
+    style, _, tokdir = chat
+    hf = hf_tokenizer(tokdir)
+    ours = ChatTemplate.from_config(tokdir)
+    n = 0
+    for r in RECORDS:
+        if "messages" in r:
+            for agp in (False, True):
+                msgs = r["messages"][:-1] if agp else r["messages"]
+                assert ours.render(msgs, add_generation_prompt=agp) == hf.apply_chat_template(
+                    msgs, tokenize=False, add_generation_prompt=agp
+                )
+                n += 1
+    assert n > 50
+
+
+def test_stored_tokens_and_mask_equal_the_oracle(chat):
+    """Every stored document's ids equal transformers' and its mask equals the template's own
+    generation mask (answers + closing marker, never headers, system or user turns)."""
+    style, manifest, tokdir = chat
+    want = oracle(RECORDS, tokdir)
+    seen = 0
+    for split in ("train", "validation"):
+        c, offs, mask = stored(manifest, split)
+        ids = c.doc_ids
+        for i in range(c.num_documents):
+            tokens, m = want[ids[i].tobytes()]
+            a, b = int(offs[i]), int(offs[i + 1])
+            np.testing.assert_array_equal(c.tokens(a, b).astype(np.int64), tokens)
+            np.testing.assert_array_equal(mask[a:b], m)
+            seen += 1
+    assert seen == len(RECORDS)
+    hf = hf_tokenizer(tokdir)
+    closer = hf.convert_tokens_to_ids("<|im_end|>" if style == "chatml" else "<|eot_id|>")
+    c, offs, mask = stored(manifest)
+    toks = c.tokens(0, c.num_tokens)
+    header = hf.convert_tokens_to_ids("<|im_start|>" if style == "chatml" else "<|start_header_id|>")
+    assert not mask[toks == header].any()  # turn headers never trained
+    assert mask[toks == closer].sum() > 0  # the closing marker of assistant turns is
+
+
+def _epoch_targets(make, world: int, epochs=(0, 1, 2)):
+    """Per epoch: Counter of (document, position, target id) over every rank's batches of the
+    epoch, microbatches wrapped by the remainder rule left out (each counted once)."""
+    out = []
+    for e in epochs:
+        got: collections.Counter = collections.Counter()
+        for r in range(world):
+            ds = make(rank=r, world_size=world)
+            ds.set_epoch(e)
+            M = ds.num_microbatches()
+            for j, b in enumerate(ds):
+                if r + j * world >= M:
+                    continue
+                got.update(_batch_targets(b))
+        out.append(got)
+    return out
+
+
+def _batch_targets(b):
+    t = b.targets.numpy()
+    out = []
+    cu = b.cu_seqlens.numpy()
+    for s, (doc, start, n) in enumerate(b.segments.tolist()):
+        seg = t[cu[s] : cu[s + 1]]
+        for j in np.flatnonzero(seg != IGNORE_INDEX).tolist():
+            out.append((doc, start + j + 1, int(seg[j])))
+    return out
+
+
+def _expected(manifest, split="train"):
+    c, offs, mask = stored(manifest, split)
+    toks = c.tokens(0, c.num_tokens)
+    doc = np.searchsorted(offs, np.arange(c.num_tokens), side="right") - 1
+    pos = np.flatnonzero(mask)
+    return collections.Counter(zip(doc[pos].tolist(), (pos - offs[doc[pos]]).tolist(), toks[pos].tolist()))
+
+
+def test_bestfit_two_ranks_every_answer_target_once_per_epoch(chat):
+    """2 ranks, 3 epochs, max_seq_len 40 (long conversations chunked, chunk lookaheads cut inside
+    answers): every trained target exactly once per epoch, nothing else ever a target."""
+    _, manifest, _ = chat
+    want = _expected(manifest)
+    assert len(want) > 500
+
+    def make(**kw):
+        return BestFitDataset(manifest, max_seq_len=40, batch_size=3, seed=1, with_segments=True, **kw)
+
+    assert make(rank=0, world_size=1).skipped_documents == 0
+    for got in _epoch_targets(make, 2):
+        assert got == want
+
+
+def test_mask_survives_resume_on_another_world_size(chat):
+    """A checkpoint taken on 2 ranks resumes on 3: the epoch's targets are still each trained
+    target once."""
+    _, manifest, _ = chat
+    want = _expected(manifest)
+
+    def make(**kw):
+        return BestFitDataset(manifest, max_seq_len=40, batch_size=2, seed=3, with_segments=True, **kw)
+
+    got: collections.Counter = collections.Counter()
+    k = 2
+    state = None
+    for r in range(2):
+        ds = make(rank=r, world_size=2)
+        it = iter(ds)
+        for _ in range(k):
+            got.update(_batch_targets(next(it)))
+        state = ds.state_dict() if r == 0 else state
+    for r in range(3):
+        ds = make(rank=r, world_size=3)
+        ds.load_state_dict(state)
+        M = ds.num_microbatches()
+        for j, b in enumerate(ds):
+            if 2 * k + r + 3 * j < M:
+                got.update(_batch_targets(b))
+    assert got == want
+
+
+def test_window_loader_targets_follow_the_mask(chat):
+    """Sliding windows: a target is kept iff its position is trained on (never across documents)."""
+    _, manifest, _ = chat
+    c, offs, mask = stored(manifest)
+    L = 32
+    ds = SlidingWindowDataset(manifest, seq_len=L, batch_size=4, seed=0, document_mask=True)
+    seen = 0
+    for b in ds:
+        t = b.targets.numpy().reshape(-1, L)
+        toks = b.tokens.numpy().view(np.uint16).reshape(-1, L + 1)
+        row_starts = _window_starts(c, toks)
+        for r, s in enumerate(row_starts):
+            kept = t[r] != IGNORE_INDEX
+            np.testing.assert_array_equal(kept, mask[s + 1 : s + 1 + L])
+            np.testing.assert_array_equal(t[r][kept], toks[r][1:][kept])
+            seen += int(kept.sum())
+    assert seen > 0
+
+
+def _window_starts(c, rows):
+    """Global start of each window row, found by matching its tokens (the test corpus is small)."""
+    allt = c.tokens(0, c.num_tokens)
+    out = []
+    for row in rows:
+        hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(allt, row.size) == row, axis=1))
+        out.append(int(hits[0]))
+    return out
+
+
+def test_mixture_of_pretraining_and_chat(chat, tmp_path):
+    """A chat corpus mixed with a pretraining corpus of the same tokenizer: pretraining targets
+    all count, chat targets follow the mask, each once per epoch (a source without a mask is
+    trained on whole)."""
+    style, manifest, tokdir = chat
+    hf = hf_tokenizer(tokdir)
+    c_chat = open_corpus(manifest, "train")
+    texts = [f"plain text number {i} about rivers and robots" for i in range(30)]
+    pre = write_corpus(
+        tmp_path / "pre", texts, lambda ts: [hf(t, add_special_tokens=False)["input_ids"] for t in ts], c_chat.tokenizer
+    )
+    m = mix([manifest, pre])  # in proportion to their tokens: each source read once per epoch
+    ds = BestFitDataset(m, max_seq_len=40, batch_size=3, seed=0, with_segments=True, world_size=1, rank=0)
+    got = collections.Counter(x for b in ds for x in _batch_targets(b))
+    base = c_chat.num_documents
+    chat_part = collections.Counter({k: v for k, v in got.items() if k[0] < base})
+    p = open_corpus(pre, "train")
+    pre_part = collections.Counter({(k[0] - base, k[1], k[2]): v for k, v in got.items() if k[0] >= base})
+    want_pre = collections.Counter()
+    for d in range(p.num_documents):
+        doc = p.document(d)
+        want_pre.update((d, j, int(doc[j])) for j in range(1, doc.size))
+    # a mixture selects chunks by token weight (a chunk may wait for the next epoch): every target
+    # it yields is a trained one, at most once, and nearly all are yielded
+    for part, want in ((chat_part, _expected(manifest)), (pre_part, want_pre)):
+        assert set(part) <= set(want) and max(part.values()) == 1
+        assert len(part) >= 0.9 * len(want)
+
+
+def test_trl_3728_completion_mask_survives_packing(tmp_path):
+    """trl #3728: under packing the completion mask silently disappeared. Here prompt/completion
+    records packed many to a row keep exactly their completion (and EOS) as targets."""
+    recs = [{"prompt": f"Question {i}: why do rivers form?\nAnswer:", "completion": f" Because of rain {i}."} for i in range(40)]
+    manifest = _build(tmp_path, "chatml", records=recs)
+    want = _expected(manifest)
+    ds = BestFitDataset(manifest, max_seq_len=256, batch_size=2, seed=0, with_segments=True, rank=0, world_size=1)
+    batches = list(ds)
+    assert max(b.segments.shape[0] / b.num_packs for b in batches) > 3  # several records per pack
+    got = collections.Counter(x for b in batches for x in _batch_targets(b))
+    assert got == want
+    hf = hf_tokenizer(tmp_path / "tok")
+    c, offs, mask = stored(manifest)
+    for d in range(c.num_documents):
+        doc = c.document(d)
+        text = hf.decode(doc[mask[offs[d] : offs[d + 1]]])
+        assert text.startswith(" Because of rain") and text.endswith("." + hf.eos_token)
+
+
+def test_pad_equals_eos_the_model_learns_to_stop(tmp_path):
+    """Megatron-Bridge #4660: masking labels by the pad id when pad = EOS drops every EOS target.
+    The mask here is positional: with pad = EOS, every prompt/completion document's EOS and every
+    Llama-3 answer's <|eot_id|> is a target, in the packed batches and in hf_kwargs' labels."""
+    recs = [r for r in RECORDS if "prompt" in r] + [r for r in RECORDS if "messages" in r][:10]
+    manifest = _build(tmp_path, "llama3", records=recs)
+    hf = hf_tokenizer(tmp_path / "tok")
+    assert hf.pad_token_id == hf.eos_token_id
+    eot = hf.convert_tokens_to_ids("<|eot_id|>")
+    ds = BestFitDataset(manifest, max_seq_len=64, batch_size=2, seed=0, with_segments=True, rank=0, world_size=1)
+    eos_targets = eot_targets = 0
+    for b in ds:
+        labels = b.hf_kwargs(labels=True)["shift_labels"][0]
+        eos_targets += int((labels == hf.eos_token_id).sum())
+        eot_targets += int((labels == eot).sum())
+    c = open_corpus(manifest, "train")
+    by_id = {hashlib.sha256(hf.apply_chat_template(r["messages"], tokenize=False).encode()).digest()[:16]: r for r in recs if "messages" in r}
+    answers = sum(
+        1 for i in c.doc_ids for m in by_id.get(i.tobytes(), {"messages": []})["messages"] if m["role"] == "assistant"
+    )
+    assert eos_targets == c.num_documents  # every document ends with its answer here: its EOS is trained
+    assert eot_targets == answers > 0  # each answer's <|eot_id|>, none of the user/system turns' ones
+
+
+def test_bos_convention_and_bos_equal_eos(tmp_path):
+    """--bos: every document starts with BOS, never inside, never a target; BOS = EOS builds,
+    validates deep, and the loaders still train every answer's EOS once."""
+    recs = [r for r in RECORDS if "prompt" in r][:8]
+    root = tmp_path / "bos"
+    hf_dir = make_tokenizer(root / "tok", "chatml", training_texts(RECORDS))
+    eos = hf_tokenizer(hf_dir).eos_token_id
+    manifest = _build(root, "chatml", records=recs, bos=str(eos))
+    c = open_corpus(manifest, "train")
+    assert c.bos_id == eos and json.loads(manifest.read_text())["sft"]["bos_id"] == eos
+    report = validate_corpus(manifest, deep=True)
+    assert report.ok, report.findings
+    offs = c.doc_offsets
+    toks = c.tokens(0, c.num_tokens)
+    assert (toks[offs[:-1]] == eos).all()
+    assert _expected(manifest) == collections.Counter(
+        x for b in BestFitDataset(manifest, max_seq_len=16, batch_size=2, with_segments=True, rank=0, world_size=1) for x in _batch_targets(b)
+    )
+    got = oracle(recs, hf_dir, bos=eos)
+    ids = c.doc_ids
+    for i in range(c.num_documents):
+        np.testing.assert_array_equal(c.document(i).astype(np.int64), got[ids[i].tobytes()][0])
+    # Llama-3's template writes BOS itself: --bos on top would double it, and is refused
+    with pytest.raises(BuildError, match="already writes the BOS"):
+        _build(tmp_path / "l3", "llama3", records=[r for r in RECORDS if "messages" in r][:2], bos="tokenizer")
+
+
+def test_corrupt_mask_refused_by_reader_and_validate(tmp_path):
+    """/loss_spans is covered like the tokens: a changed range is refused by the reader (manifest
+    hash) and reported by validate."""
+    manifest = _build(tmp_path, "chatml", records=RECORDS[:12])
+    assert validate_corpus(manifest).ok
+    path = json.loads(manifest.read_text())["shards"][0]["path"]
+    with h5py.File(manifest.parent / path, "r+") as f:
+        ds = f["loss_spans"]
+        ds[0, 1] = ds[0, 1] + 1
+    with pytest.raises(FormatError, match="loss_sha256"):
+        open_corpus(manifest, "train").loss_spans()
+    codes = {f.code for f in validate_corpus(manifest).findings}
+    assert "loss_sha256" in codes
+
+
+def test_pretraining_corpus_has_no_mask_and_pays_nothing(tmp_path):
+    """A corpus without the fine-tuning facts: no dataset, no manifest keys, loaders unchanged."""
+    p = write_corpus(tmp_path / "pre", ["abc def", "ghi jkl mno"], lambda ts: [[1, 2, 3] for _ in ts], _identity())
+    c = open_corpus(p, "train")
+    assert c.loss_spans() is None and c.bos_id is None and not c.has_loss_mask
+    d = json.loads(p.read_text())
+    assert "sft" not in d and all("loss_sha256" not in s for s in d["shards"])
+
+
+def _identity():
+    from tests.helpers import BYTE_IDENTITY
+
+    return BYTE_IDENTITY
+
+
+def test_cli_build_sft_and_bad_record(tmp_path):
+    """build-sft prints trained-on figures; a bad record is one line naming file and line, exit 1."""
+    tok = make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
+    src = write_jsonl(tmp_path / "d.jsonl", RECORDS[:6])
+    cmd = [sys.executable, "-m", "h5corpus.cli", "build-sft", str(src), "--out", str(tmp_path / "c")]
+    cmd += ["--tokenizer", str(tok / "tokenizer.json"), "--eos-token", "<|endoftext|>"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "trained on" in r.stdout
+    bad = write_jsonl(tmp_path / "bad.jsonl", [RECORDS[0], {"messages": [{"role": "user"}]}])
+    r = subprocess.run(cmd[:4] + [str(bad)] + cmd[5:] + ["--overwrite"], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and f"{bad}:2" in r.stderr and "messages[0]" in r.stderr
+
+
+def test_hf_kwargs_labels_follow_the_mask(chat):
+    """hf_kwargs(labels=True): shift_labels are the masked targets; packed_loss agrees."""
+    from h5corpus import packed_loss
+
+    _, manifest, _ = chat
+    b = next(iter(BestFitDataset(manifest, max_seq_len=40, batch_size=3, rank=0, world_size=1)))
+    kw = b.hf_kwargs(labels=True)
+    assert torch.equal(kw["shift_labels"][0], b.targets)
+    assert int((b.targets != IGNORE_INDEX).sum()) == b.num_targets < b.num_tokens
+    logits = torch.randn(b.num_tokens, 500)
+    keep = b.targets != IGNORE_INDEX
+    want = torch.nn.functional.cross_entropy(logits[keep], b.targets[keep])
+    assert torch.allclose(packed_loss(logits, b.targets), want)
