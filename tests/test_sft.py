@@ -403,3 +403,79 @@ def test_hf_kwargs_labels_follow_the_mask(chat):
     keep = b.targets != IGNORE_INDEX
     want = torch.nn.functional.cross_entropy(logits[keep], b.targets[keep])
     assert torch.allclose(packed_loss(logits, b.targets), want)
+
+
+def _tiny_llama(vocab: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def _padded_reference(batch, corpus, mask, offs, pad_id: int) -> dict:
+    """The same conversations as ``batch``, one padded row each, labels -100 where not trained on
+    (and on padding): the unpacked reference transformers computes its loss from."""
+    rows = []
+    for doc, start, n in batch.segments.tolist():
+        assert start == 0 and n == int(offs[doc + 1] - offs[doc]) - 1  # whole documents
+        a, b = int(offs[doc]), int(offs[doc + 1])
+        toks = torch.from_numpy(corpus.tokens(a, b).astype(np.int64))
+        labels = torch.where(torch.from_numpy(mask[a:b]), toks, torch.full_like(toks, IGNORE_INDEX))
+        rows.append((toks, labels))
+    L = max(t.numel() for t, _ in rows)
+    ids = torch.full((len(rows), L), pad_id)
+    labels = torch.full((len(rows), L), IGNORE_INDEX)
+    att = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, (t, lab) in enumerate(rows):
+        ids[i, : t.numel()], labels[i, : t.numel()], att[i, : t.numel()] = t, lab, 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": att}
+
+
+def test_hf_trainer_packed_chat_loss_equals_unpacked_reference(chat, tmp_path):
+    """A tiny Llama trained 3 steps with HF Trainer on packed chat batches (pad = EOS in Llama-3
+    style) logs the same losses as the same Trainer on the same conversations unpacked (one padded
+    row each, labels -100 on masked positions), and ends with the same weights."""
+    from transformers import Trainer, TrainingArguments
+
+    style, manifest, tokdir = chat
+    c, offs, mask = stored(manifest)
+    hf = hf_tokenizer(tokdir)
+    ds = BestFitDataset(manifest, max_seq_len=1024, batch_size=1, seed=0, with_segments=True, rank=0, world_size=1)
+    packed = [b for _, b in zip(range(3), ds)]
+    padded = [_padded_reference(b, c, mask, offs, hf.pad_token_id) for b in packed]
+
+    def train(items, collate):
+        model = _tiny_llama(c.tokenizer.vocab_size)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "t"),
+            max_steps=len(items),
+            per_device_train_batch_size=1,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            remove_unused_columns=False,
+            disable_tqdm=True,
+        )
+        tr = Trainer(model=model, args=args, train_dataset=items, data_collator=collate)
+        tr.train()
+        return [h["loss"] for h in tr.state.log_history if "loss" in h], model
+
+    got, m1 = train(packed, lambda xs: xs[0].hf_kwargs(labels=True))
+    want, m2 = train(padded, lambda xs: xs[0])
+    print(f"{style}: packed losses {got}, unpacked {want}")
+    assert len(got) == 3 and np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert got[-1] < got[0]
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-4)
