@@ -29,8 +29,8 @@ from h5corpus.build.run.sftbuild import SFTBuildConfig, build_sft
 from h5corpus.loaders.batch import IGNORE_INDEX
 from h5corpus.storage.format import FormatError
 from h5corpus.storage.validate import validate_corpus
-from tests.sft_helpers import STYLES, conversations, hf_tokenizer, make_tokenizer, training_texts, write_jsonl
 from testkit.corpora import write_corpus
+from tests.sft_helpers import STYLES, conversations, hf_tokenizer, make_tokenizer, training_texts, write_jsonl
 
 RECORDS = conversations(48)
 
@@ -159,7 +159,7 @@ def _batch_targets(b):
     t = b.targets.numpy()
     out = []
     cu = b.cu_seqlens.numpy()
-    for s, (doc, start, n) in enumerate(b.segments.tolist()):
+    for s, (doc, start, _n) in enumerate(b.segments.tolist()):
         seg = t[cu[s] : cu[s + 1]]
         for j in np.flatnonzero(seg != IGNORE_INDEX).tolist():
             out.append((doc, start + j + 1, int(seg[j])))
@@ -278,7 +278,10 @@ def test_mixture_of_pretraining_and_chat(chat, tmp_path):
 def test_trl_3728_completion_mask_survives_packing(tmp_path):
     """trl #3728: under packing the completion mask silently disappeared. Here prompt/completion
     records packed many to a row keep exactly their completion (and EOS) as targets."""
-    recs = [{"prompt": f"Question {i}: why do rivers form?\nAnswer:", "completion": f" Because of rain {i}."} for i in range(40)]
+    recs = [
+        {"prompt": f"Question {i}: why do rivers form?\nAnswer:", "completion": f" Because of rain {i}."}
+        for i in range(40)
+    ]
     manifest = _build(tmp_path, "chatml", records=recs)
     want = _expected(manifest)
     ds = BestFitDataset(manifest, max_seq_len=256, batch_size=2, seed=0, with_segments=True, rank=0, world_size=1)
@@ -310,7 +313,11 @@ def test_pad_equals_eos_the_model_learns_to_stop(tmp_path):
         eos_targets += int((labels == hf.eos_token_id).sum())
         eot_targets += int((labels == eot).sum())
     c = open_corpus(manifest, "train")
-    by_id = {hashlib.sha256(hf.apply_chat_template(r["messages"], tokenize=False).encode()).digest()[:16]: r for r in recs if "messages" in r}
+    by_id = {
+        hashlib.sha256(hf.apply_chat_template(r["messages"], tokenize=False).encode()).digest()[:16]: r
+        for r in recs
+        if "messages" in r
+    }
     answers = sum(
         1 for i in c.doc_ids for m in by_id.get(i.tobytes(), {"messages": []})["messages"] if m["role"] == "assistant"
     )
@@ -334,7 +341,9 @@ def test_bos_convention_and_bos_equal_eos(tmp_path):
     toks = c.tokens(0, c.num_tokens)
     assert (toks[offs[:-1]] == eos).all()
     assert _expected(manifest) == collections.Counter(
-        x for b in BestFitDataset(manifest, max_seq_len=16, batch_size=2, with_segments=True, rank=0, world_size=1) for x in _batch_targets(b)
+        x
+        for b in BestFitDataset(manifest, max_seq_len=16, batch_size=2, with_segments=True, rank=0, world_size=1)
+        for x in _batch_targets(b)
     )
     got = oracle(recs, hf_dir, bos=eos)
     ids = c.doc_ids
@@ -479,3 +488,29 @@ def test_hf_trainer_packed_chat_loss_equals_unpacked_reference(chat, tmp_path):
     assert got[-1] < got[0]
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         assert torch.allclose(p1, p2, atol=1e-4)
+
+
+def test_inspect_reports_trained_tokens_and_checks_the_mask(tmp_path):
+    """inspect: trained-on targets per split, the mask check and the BOS check pass on a real
+    fine-tuning corpus (BOS = EOS too); the BOS check fails when the manifest claims a BOS its
+    documents do not start with."""
+    from h5corpus.inspection import format_report, inspect_corpus
+
+    root = tmp_path / "c"
+    make_tokenizer(root / "tok", "chatml", training_texts(RECORDS))
+    eos = hf_tokenizer(root / "tok").eos_token_id
+    manifest = _build(root, "chatml", bos=str(eos))
+    rep = inspect_corpus(manifest, seq_len=40, batch_size=3)
+    text = format_report(rep)
+    assert rep.ok, text
+    assert rep.splits["train"]["trained_tokens"] == sum(_expected(manifest).values())
+    assert "trained-on targets" in text and "no masked position is ever a target" in text
+    assert "starts with BOS" in text
+    d = json.loads(manifest.read_text())
+    d["sft"]["bos_id"] = eos + 1
+    manifest.write_text(json.dumps(d))
+    bad = inspect_corpus(manifest, seq_len=40, batch_size=3)
+    failed = [c for c in bad.checks if not c.passed]
+    # the EOS each document really starts with is now an EOS inside it, and the claimed BOS is missing
+    assert sorted(c.name.split("] ")[1][:14] for c in failed) == ["every document"] * 4, format_report(bad)
+    assert sum("starts with BOS" in c.name for c in failed) == 2
