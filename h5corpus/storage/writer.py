@@ -338,15 +338,8 @@ class ShardWriter:
             raise ValueError(
                 f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} does not end with EOS {self.eos_id}"
             )
-        eos_count = int(is_eos.sum())
-        if eos_count != int(last_is_eos.sum()):
-            pos = _inner_eos(is_eos, ends, lengths, self.bos_id == self.eos_id)
-            if pos >= 0:
-                i = int(np.searchsorted(ends, pos, side="right"))
-                raise ValueError(
-                    f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it"
-                )
-
+        if int(is_eos.sum()) != int(last_is_eos.sum()):
+            self._refuse_inner_eos(is_eos, ends, lengths, doc_ids)
         self._check_loss_spans(loss_spans, ends, lengths)
         self._ends.append(self._n_tokens + ends)
         self._id_blocks.append(doc_ids.copy())
@@ -354,6 +347,15 @@ class ShardWriter:
         self._n_docs += n
         self._n_tokens += int(ends[-1])
         self._append_tokens(flat.astype(self.dtype, copy=False))
+
+    def _refuse_inner_eos(self, is_eos: np.ndarray, ends: np.ndarray, lengths: np.ndarray, doc_ids: np.ndarray) -> None:
+        """Raise naming the first document with an EOS inside it (a BOS equal to EOS excepted)."""
+        pos = _inner_eos(is_eos, ends, lengths, self.bos_id == self.eos_id)
+        if pos >= 0:
+            i = int(np.searchsorted(ends, pos, side="right"))
+            raise ValueError(
+                f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it"
+            )
 
     def _check_loss_spans(self, spans: np.ndarray | None, ends: np.ndarray, lengths: np.ndarray) -> None:
         """Check a batch's trained-on ranges (positions of the batch) and keep them in shard
