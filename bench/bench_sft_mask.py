@@ -1,0 +1,116 @@
+"""Bytes per token of the fine-tuning loss mask (``/loss_spans``) on a chat corpus, against the
+alternatives a format could store (a bit per token, a byte per token).
+
+Conversations are made from the dev corpus (``$H5CORPUS_SHARED/corpora/dev``): a system line, then
+1-4 turns of a user question (a paragraph's first ~300 characters) and an assistant answer (the next
+paragraph, up to 2,000 characters), rendered with a ChatML template; the GPT-2 tokenizer with
+``<|im_start|>`` and ``<|im_end|>`` added as special tokens. The mask is measured as stored: the
+HDF5 storage of ``/loss_spans`` (allocated chunks) per token, and its ranges per document.
+
+    python bench/bench_sft_mask.py [--conversations 3000] [--out bench/results/sft-mask.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import h5py
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._report import emit  # noqa: E402
+from h5corpus.build.run.sftbuild import SFTBuildConfig, build_sft  # noqa: E402
+from h5corpus.storage.manifest import read_manifest  # noqa: E402
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def paragraphs(shared: Path, limit: int) -> list[str]:
+    out: list[str] = []
+    for f in sorted((shared / "corpora" / "dev").glob("*.jsonl")):
+        for line in f.open(encoding="utf-8"):
+            for p in json.loads(line)["text"].split("\n\n"):
+                if len(p.strip()) > 80:
+                    out.append(p.strip())
+            if len(out) > limit:
+                return out
+    return out
+
+
+def conversations(paras: list[str], n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+        for _ in range(rng.randint(1, 4)):
+            k = rng.randrange(len(paras) - 1)
+            msgs.append({"role": "user", "content": paras[k][:300]})
+            msgs.append({"role": "assistant", "content": paras[k + 1][:2000]})
+        out.append({"messages": msgs})
+    return out
+
+
+def tokenizer_folder(shared: Path, folder: Path) -> Path:
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(shared / "tokenizers" / "gpt2" / "tokenizer.json"))
+    tk.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conversations", type=int, default=3000)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    shared = Path(os.environ.get("H5CORPUS_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        tok = tokenizer_folder(shared, t / "tok")
+        src = t / "chat.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in conversations(paragraphs(shared, 20000), a.conversations)))
+        build_sft(SFTBuildConfig(sources=[src], out=t / "c", tokenizer=str(tok / "tokenizer.json"), eos_token="<|endoftext|>"))
+        m = read_manifest(t / "c" / "manifests" / "shards.json")
+        tokens = sum(s.tokens for s in m.shards)
+        docs = sum(s.documents for s in m.shards)
+        spans = sum(s.loss_spans for s in m.shards)
+        stored = 0
+        for s in m.shards:
+            with h5py.File(m.shard_path(s), "r") as f:
+                stored += f["loss_spans"].id.get_storage_size()
+        trained = sum(f["trained_tokens"] for f in m.splits.values())
+    per_token = stored / tokens
+    report = {
+        "conversations": a.conversations,
+        "documents": docs,
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "loss_ranges": spans,
+        "ranges_per_document": round(spans / docs, 3),
+        "tokens_per_range": round(tokens / spans, 1),
+        "loss_spans_stored_bytes": stored,
+        "loss_spans_bytes_per_token": round(per_token, 5),
+        "bit_per_token_bytes_per_token": 0.125,
+        "byte_per_token_bytes_per_token": 1.0,
+        "shard_bytes_per_token": round(sum(s.bytes for s in m.shards) / tokens, 4),
+    }
+    figures = {
+        "loss mask, chat corpus": f"{per_token:.4f} B/token ({spans / docs:.2f} ranges/conversation, "
+        f"{tokens / spans:.0f} tokens/range); a bit per token: 0.125",
+    }
+    emit(report, a.out, figures=figures)
+
+
+if __name__ == "__main__":
+    main()
