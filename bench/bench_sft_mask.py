@@ -80,7 +80,9 @@ def main() -> None:
         tok = tokenizer_folder(shared, t / "tok")
         src = t / "chat.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in conversations(paragraphs(shared, 20000), a.conversations)))
-        build_sft(SFTBuildConfig(sources=[src], out=t / "c", tokenizer=str(tok / "tokenizer.json"), eos_token="<|endoftext|>"))
+        build_sft(
+            SFTBuildConfig(sources=[src], out=t / "c", tokenizer=str(tok / "tokenizer.json"), eos_token="<|endoftext|>")
+        )
         m = read_manifest(t / "c" / "manifests" / "shards.json")
         tokens = sum(s.tokens for s in m.shards)
         docs = sum(s.documents for s in m.shards)

@@ -526,10 +526,15 @@ def test_readme_sft_block_runs(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "chat.jsonl", RECORDS)
     build_sft(
         SFTBuildConfig(
-            sources=[tmp_path / "chat.jsonl"], out=tmp_path / "sft", tokenizer=str(tok / "tokenizer.json"), eos_token="<|endoftext|>"
+            sources=[tmp_path / "chat.jsonl"],
+            out=tmp_path / "sft",
+            tokenizer=str(tok / "tokenizer.json"),
+            eos_token="<|endoftext|>",
         )
     )
-    block = readme_python_block("Supervised fine-tuning").replace("max_seq_len=4096, batch_size=8", "max_seq_len=256, batch_size=2")
+    block = readme_python_block("Supervised fine-tuning").replace(
+        "max_seq_len=4096, batch_size=8", "max_seq_len=256, batch_size=2"
+    )
     model = _tiny_llama(open_corpus(tmp_path / "sft/manifests/shards.json").tokenizer.vocab_size)
     losses = []
     orig = model.forward
@@ -544,3 +549,71 @@ def test_readme_sft_block_runs(tmp_path, monkeypatch):
     exec(compile(block, "README.md", "exec"), env)
     assert len(losses) >= 4 and np.isfinite(losses).all()
     assert losses[-1] < losses[0]
+
+
+def test_a_token_straddling_a_boundary_is_trained(tmp_path):
+    """The documented rule: a token with any trained character is trained. A merge across the
+    prompt/completion boundary ("...the ca" + "t sat") and across a no_loss range's end are both
+    trained; the tokens wholly inside the prompt or the range are not."""
+    tok = make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
+    hf = hf_tokenizer(tok)
+    prompt, completion = "Tell me: the ca", "t sat on a mat."
+    enc = hf(prompt + completion, add_special_tokens=False, return_offsets_mapping=True)
+    straddle = [k for k, (a, b) in enumerate(enc["offset_mapping"]) if a < len(prompt) < b]
+    assert straddle, "the tokenizer merges across the boundary (the test's premise)"
+    text = "the cat sat on the mat"
+    recs = [{"prompt": prompt, "completion": completion}, {"text": text, "no_loss_ranges": [[0, 5]]}]
+    manifest = _build(tmp_path, "chatml", records=recs, validation_fraction=0.0)
+    c, offs, mask = stored(manifest, "train")
+    assert c.num_documents == 2
+    for d in range(2):
+        doc_mask = mask[offs[d] : offs[d + 1]][:-1]  # the text tokens (no BOS), EOS left out
+        t = hf.decode(c.document(d)[:-1])
+        got = hf(t, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        cut = len(prompt) if t.startswith("Tell") else 5  # trained from this character on
+        want = np.array([b > cut for _, b in got])
+        want[0] = False
+        np.testing.assert_array_equal(doc_mask, want)
+        assert any(a < cut < b and m for (a, b), m in zip(got, doc_mask)), "a straddling token, trained"
+
+
+@pytest.mark.parametrize("loss_on", ["completion", "all"])
+def test_loss_on_completion_and_all(tmp_path, loss_on):
+    """--loss-on completion: only each conversation's last answer (and its marker); all: every
+    position but a document's first."""
+    recs = [r for r in RECORDS if "messages" in r][:12]
+    manifest = _build(tmp_path, "chatml", records=recs, loss_on=loss_on, validation_fraction=0.0)
+    hf = hf_tokenizer(tmp_path / "tok")
+    c, offs, mask = stored(manifest)
+    full = oracle(recs, tmp_path / "tok")
+    ids = c.doc_ids
+    end = hf.convert_tokens_to_ids("<|im_end|>")
+    for d in range(c.num_documents):
+        m = mask[offs[d] : offs[d + 1]]
+        if loss_on == "all":
+            assert not m[0] and m[1:].all()
+            continue
+        toks = c.document(d)
+        want = full[ids[d].tobytes()][1].copy()
+        closers = np.flatnonzero(want & (toks == end))
+        want[: closers[-2] + 1 if closers.size > 1 else 0] = False  # every answer before the last one
+        np.testing.assert_array_equal(m, want)
+
+
+def test_masked_targets_on_the_device_path_equal_the_host_path(chat, monkeypatch):
+    """The torch path that materializes targets where a batch lives (CUDA; here on the CPU with
+    numpy off) fills the same IGNORE_INDEX as the numpy path, for both loaders."""
+    import h5corpus.loaders.batch as batch_mod
+
+    _, manifest, _ = chat
+    loaders = [
+        BestFitDataset(manifest, max_seq_len=40, batch_size=3, rank=0, world_size=1),
+        SlidingWindowDataset(manifest, seq_len=32, batch_size=4, document_mask=True),
+    ]
+    for ds in loaders:
+        for b in [x for _, x in zip(range(3), ds)]:
+            host = b.clone().targets
+            monkeypatch.setattr(batch_mod, "_CPU_NUMPY", False)
+            dev = b.clone().targets
+            monkeypatch.setattr(batch_mod, "_CPU_NUMPY", True)
+            assert torch.equal(host, dev) and (host == IGNORE_INDEX).any()
