@@ -48,7 +48,7 @@ def paragraphs(shared: Path, limit: int) -> list[str]:
 def conversations(paras: list[str], n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         msgs = [{"role": "system", "content": "You are a helpful assistant."}]
         for _ in range(rng.randint(1, 4)):
             k = rng.randrange(len(paras) - 1)
