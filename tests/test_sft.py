@@ -617,3 +617,18 @@ def test_masked_targets_on_the_device_path_equal_the_host_path(chat, monkeypatch
             dev = b.clone().targets
             monkeypatch.setattr(batch_mod, "_CPU_NUMPY", True)
             assert torch.equal(host, dev) and (host == IGNORE_INDEX).any()
+
+
+def test_failed_rebuild_keeps_the_old_corpus(tmp_path):
+    """--overwrite with a record that fails half-way leaves the corpus already there whole and
+    valid (shards are staged until the build succeeds); bad settings are usage errors."""
+    manifest = _build(tmp_path, "llama3", records=RECORDS[:10])
+    before = manifest.read_bytes()
+    with pytest.raises(BuildError, match="data.jsonl:1: the chat template already writes the BOS"):
+        _build(tmp_path, "llama3", records=[r for r in RECORDS if "messages" in r][:3], bos="tokenizer")
+    assert manifest.read_bytes() == before and validate_corpus(manifest).ok
+    assert not (tmp_path / "corpus" / ".build-sft").exists()
+    for bad in ({"loss_on": "everything"}, {"bos": "abc"}, {"bos": "99999"}):
+        with pytest.raises(ValueError):
+            _build(tmp_path, "llama3", records=RECORDS[:2], **bad)
+    assert manifest.read_bytes() == before

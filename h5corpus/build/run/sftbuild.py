@@ -25,7 +25,7 @@ import numpy as np
 from ...storage import format as fmt
 from ...storage.format import ShardRecord
 from ...storage.manifest import DEFAULT_MANIFEST, DEFAULT_SHARDS_DIR, Manifest, write_manifest
-from ...storage.writer import ShardWriter
+from ...storage.writer import ShardWriter, fsync_dir
 from ..config import DEFAULT_SPLIT_SEED, DEFAULT_VALIDATION_FRACTION, BuildError, SplitRule
 from ..input.chat import LOSS_ON, ChatTemplate, RecordError, sft_text
 from ..stages.shards import final_shard_name
@@ -74,14 +74,14 @@ def resolve_bos(spec: str | None, tok: Tokenizer, template: ChatTemplate | None)
         name = None if template is None else template.special_tokens.get("bos_token")
         tid = None if name is None else SFTEncoder(tok).hf.token_to_id(name)
         if tid is None:
-            raise BuildError("--bos tokenizer: the tokenizer config names no bos_token with an id (give --bos <id>)")
+            raise ValueError("--bos tokenizer: the tokenizer config names no bos_token with an id (give --bos <id>)")
         return int(tid)
     try:
         v = int(spec)
     except ValueError:
-        raise BuildError(f"--bos must be 'tokenizer' or a token id, got {spec!r}") from None
+        raise ValueError(f"--bos must be 'tokenizer' or a token id, got {spec!r}") from None
     if not 0 <= v < tok.vocab_size:
-        raise BuildError(f"--bos {v}: not an id of the tokenizer (vocabulary size {tok.vocab_size})")
+        raise ValueError(f"--bos {v}: not an id of the tokenizer (vocabulary size {tok.vocab_size})")
     return v
 
 
@@ -110,7 +110,7 @@ class _SplitShards:
         if not self.pending:
             return
         if self.w is None:
-            path = self.cfg.out / DEFAULT_SHARDS_DIR / final_shard_name(self.split, 0, len(self.infos))
+            path = _staging(self.cfg) / DEFAULT_SHARDS_DIR / final_shard_name(self.split, 0, len(self.infos))
             self.w = ShardWriter(
                 path,
                 split=self.split,
@@ -160,13 +160,36 @@ def _records(path: Path):
                     yield k, RecordError(f"not valid JSON ({e})")
 
 
+def _staging(cfg: SFTBuildConfig) -> Path:
+    """Where the shards are written until the build succeeds (a corpus already in ``out`` stays
+    whole until then)."""
+    return cfg.out / ".build-sft"
+
+
 def _prepare_out(cfg: SFTBuildConfig) -> Path:
     manifest = cfg.out / DEFAULT_MANIFEST
     shards = cfg.out / DEFAULT_SHARDS_DIR
     if (manifest.exists() or shards.exists()) and not cfg.overwrite:
-        raise BuildError(f"{cfg.out}: already holds a corpus (pass --overwrite to replace it)")
-    shutil.rmtree(shards, ignore_errors=True)
+        raise ValueError(f"{cfg.out}: already holds a corpus (pass --overwrite to replace it)")
+    shutil.rmtree(_staging(cfg), ignore_errors=True)
     return manifest
+
+
+def _publish(cfg: SFTBuildConfig, manifest: Path, infos: list[ShardRecord]) -> list[ShardRecord]:
+    """Put the staged shards in place of any old corpus: the old manifest goes first (a crash
+    then leaves no manifest, never one naming missing shards), then the shards folder is
+    replaced. Returns the records with their final paths, relative to the manifest's folder."""
+    staged, final = _staging(cfg) / DEFAULT_SHARDS_DIR, cfg.out / DEFAULT_SHARDS_DIR
+    manifest.unlink(missing_ok=True)
+    shutil.rmtree(final, ignore_errors=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if staged.exists():
+        os.replace(staged, final)
+        fsync_dir(final.parent)
+    shutil.rmtree(_staging(cfg), ignore_errors=True)
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    moved = [i.with_path(final / Path(i.path).relative_to(staged.absolute())) for i in infos]
+    return [i.relative_to(manifest.parent) for i in moved]
 
 
 def build_sft(cfg: SFTBuildConfig) -> Manifest:
@@ -174,7 +197,7 @@ def build_sft(cfg: SFTBuildConfig) -> Manifest:
     ``<out>/manifests/shards.json``. Raises :class:`BuildError` naming the file and line of a bad
     record or the bad setting."""
     if cfg.loss_on not in LOSS_ON:
-        raise BuildError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {cfg.loss_on!r}")
+        raise ValueError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {cfg.loss_on!r}")
     tok = load_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token)
     try:
         template = _template(cfg)
@@ -191,11 +214,20 @@ def build_sft(cfg: SFTBuildConfig) -> Manifest:
     except BaseException:
         for o in outs.values():
             o.abort()
+        shutil.rmtree(_staging(cfg), ignore_errors=True)
         raise
-    return _write_manifest(cfg, manifest_path, tok, infos, figures, bos_id)
+    return _write_manifest(cfg, manifest_path, tok, _publish(cfg, manifest_path, infos), figures, bos_id)
 
 
-def _read_all(cfg, template, enc, rule, outs, figures, bos_id) -> None:
+def _read_all(
+    cfg: SFTBuildConfig,
+    template: ChatTemplate | None,
+    enc: SFTEncoder,
+    rule: SplitRule,
+    outs: dict[str, _SplitShards],
+    figures: dict[str, dict[str, int]],
+    bos_id: int | None,
+) -> None:
     """Every record of every source, in order, into the split writers."""
     seen: set[bytes] = set()
     eos = enc.tok.eos_id
@@ -231,10 +263,15 @@ def _read_all(cfg, template, enc, rule, outs, figures, bos_id) -> None:
             f["trained_tokens"] += int((spans[:, 1] - spans[:, 0]).sum())
 
 
-def _write_manifest(cfg, manifest_path: Path, tok: Tokenizer, infos, figures, bos_id) -> Manifest:
-    manifest_path.parent.mkdir(parents=True, exist_ok=True)
+def _write_manifest(
+    cfg: SFTBuildConfig,
+    manifest_path: Path,
+    tok: Tokenizer,
+    entries: list[ShardRecord],
+    figures: dict[str, dict[str, int]],
+    bos_id: int | None,
+) -> Manifest:
     shards_dir = cfg.out / DEFAULT_SHARDS_DIR
-    entries = [i.relative_to(manifest_path.parent) for i in infos]
     splits = {s: {**f, "shards": sum(1 for e in entries if e.split == s)} for s, f in figures.items() if f["documents"]}
     extra = dict(cfg.extra)
     extra[fmt.SFT_KEY] = {"loss_mask": True, "bos_id": bos_id, "loss_on": cfg.loss_on}
