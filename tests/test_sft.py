@@ -217,33 +217,79 @@ def test_mask_survives_resume_on_another_world_size(chat):
     assert got == want
 
 
-def test_window_loader_targets_follow_the_mask(chat):
-    """Sliding windows: a target is kept iff its position is trained on (never across documents)."""
+def _window_rows(ds, epoch: int):
+    """(global start, targets row) of every window ``ds`` yields in ``epoch``, from its own plan."""
+    ds.set_epoch(epoch)
+    starts = ds.plan(epoch)
+    rows = []
+    for b in ds:
+        rows += list(b.targets.numpy().reshape(-1, ds.seq_len))
+    assert len(rows) == starts.size
+    return list(zip(starts.tolist(), rows))
+
+
+def _check_windows(rows, c, mask, L):
+    """Every window's targets: kept iff the position is trained on, and then the stored token."""
+    toks = c.tokens(0, c.num_tokens)
+    kept_total = 0
+    for s, t in rows:
+        kept = t != IGNORE_INDEX
+        np.testing.assert_array_equal(kept, mask[s + 1 : s + 1 + L])
+        np.testing.assert_array_equal(t[kept], toks[s + 1 : s + 1 + L][kept])
+        kept_total += int(kept.sum())
+    return kept_total
+
+
+def test_window_loader_two_ranks_targets_follow_the_mask(chat):
+    """Sliding windows on 2 ranks over 3 epochs (document masking on and off): a target is kept
+    iff its position is trained on (so never across a document start); the ranks together read
+    every window of the epoch, and so every trained position the windows cover, once; a state
+    taken on 2 ranks resumes on 3 with the same windows."""
     _, manifest, _ = chat
     c, offs, mask = stored(manifest)
-    L = 32
-    ds = SlidingWindowDataset(manifest, seq_len=L, batch_size=4, seed=0, document_mask=True)
-    seen = 0
-    for b in ds:
-        t = b.targets.numpy().reshape(-1, L)
-        toks = b.tokens.numpy().view(np.uint16).reshape(-1, L + 1)
-        row_starts = _window_starts(c, toks)
-        for r, s in enumerate(row_starts):
-            kept = t[r] != IGNORE_INDEX
-            np.testing.assert_array_equal(kept, mask[s + 1 : s + 1 + L])
-            np.testing.assert_array_equal(t[r][kept], toks[r][1:][kept])
-            seen += int(kept.sum())
-    assert seen > 0
-
-
-def _window_starts(c, rows):
-    """Global start of each window row, found by matching its tokens (the test corpus is small)."""
-    allt = c.tokens(0, c.num_tokens)
-    out = []
-    for row in rows:
-        hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(allt, row.size) == row, axis=1))
-        out.append(int(hits[0]))
-    return out
+    L = 24
+    for dm in (True, False):
+        for e in range(3):
+            rows = []
+            for r in range(2):
+                rows += _window_rows(
+                    SlidingWindowDataset(
+                        manifest, seq_len=L, batch_size=3, seed=e, document_mask=dm, rank=r, world_size=2
+                    ),
+                    e,
+                )
+            _check_windows(rows, c, mask, L)
+            unique = dict(rows)  # the remainder rule repeats at most one batch: same windows
+            covered = np.zeros(c.num_tokens, bool)
+            for s in unique:
+                assert not covered[s + 1 : s + 1 + L].any()  # windows never overlap
+                covered[s + 1 : s + 1 + L] = True
+            n_windows = SlidingWindowDataset(manifest, seq_len=L, batch_size=3, rank=0, world_size=1).num_windows
+            assert len(unique) == n_windows
+            assert sum(int((t != IGNORE_INDEX).sum()) for t in unique.values()) == int((mask & covered).sum())
+    # resume: 2 batches on each of 2 ranks, then rank 0's state on 3 ranks; global batch g holds
+    # windows [g * B, (g + 1) * B) of the one-consumer plan, rank r of 3 resumes at g = 4 + r, +3, ...
+    B = 3
+    whole = SlidingWindowDataset(manifest, seq_len=L, batch_size=B, seed=5, rank=0, world_size=1)
+    order, M = whole.plan(0), whole.num_microbatches()
+    first = [SlidingWindowDataset(manifest, seq_len=L, batch_size=B, seed=5, rank=r, world_size=2) for r in range(2)]
+    for ds in first:
+        it = iter(ds)
+        for _ in range(2):
+            next(it)
+    state = first[0].state_dict()
+    read = set(order[: 4 * B].tolist())
+    for r in range(3):
+        ds = SlidingWindowDataset(manifest, seq_len=L, batch_size=B, seed=5, rank=r, world_size=3)
+        ds.load_state_dict(state)
+        rows = []
+        for j, b in enumerate(ds):
+            g = (4 + r + 3 * j) % M
+            starts = order[g * B : (g + 1) * B].tolist()
+            rows += list(zip(starts, b.targets.numpy().reshape(-1, L)))
+        _check_windows(rows, c, mask, L)
+        read |= {s for s, _ in rows}
+    assert read == set(order.tolist())
 
 
 def test_mixture_of_pretraining_and_chat(chat, tmp_path):
