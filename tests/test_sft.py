@@ -391,6 +391,10 @@ def test_bos_convention_and_bos_equal_eos(tmp_path):
         for b in BestFitDataset(manifest, max_seq_len=16, batch_size=2, with_segments=True, rank=0, world_size=1)
         for x in _batch_targets(b)
     )
+    for b in BestFitDataset(manifest, max_seq_len=8, batch_size=2, with_segments=True, rank=0, world_size=1):
+        firsts = b.input_ids[b.cu_seqlens[:-1].long()]
+        cut = b.segments[:, 1] > 0  # chunks after a cut start inside the document: never with a BOS
+        assert (firsts[~cut] == eos).all() and not (firsts[cut] == eos).any()
     got = oracle(recs, hf_dir, bos=eos)
     ids = c.doc_ids
     for i in range(c.num_documents):
