@@ -682,3 +682,25 @@ def test_failed_rebuild_keeps_the_old_corpus(tmp_path):
         with pytest.raises(ValueError):
             _build(tmp_path, "llama3", records=RECORDS[:2], **bad)
     assert manifest.read_bytes() == before
+
+
+def test_target_kept_equals_a_per_position_oracle():
+    """The interval arithmetic of target_kept against a boolean array per position, on random
+    ranges and rows (rows crossing ranges, inside them, between them, of length 1)."""
+    from h5corpus.loaders.lossmask import target_kept
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(30, 400))
+        cuts = np.sort(rng.choice(np.arange(1, n), size=2 * int(rng.integers(0, 12)), replace=False))
+        spans = cuts.reshape(-1, 2).astype(np.int64)
+        spans = spans[spans[:, 1] > spans[:, 0]]
+        trained = np.zeros(n + 1, bool)
+        for a, b in spans:
+            trained[a:b] = True
+        R = int(rng.integers(1, 8))
+        lens = rng.integers(1, 40, size=R)
+        starts = np.array([rng.integers(0, n - L) if n - L > 0 else 0 for L in lens], np.int64)
+        lens = np.minimum(lens, n - starts)
+        want = np.concatenate([trained[s + 1 : s + 1 + L] for s, L in zip(starts, lens)])
+        np.testing.assert_array_equal(target_kept(spans, starts, lens), want)
