@@ -74,8 +74,6 @@ def loader_cost(manifest: Path) -> dict:
     seconds ``apply_loss_mask`` takes again on the same batches (the mask's share of the loader)."""
     import time
 
-    import numpy as np
-
     from h5corpus import BestFitDataset, open_corpus
     from h5corpus.loaders.lossmask import apply_loss_mask
 
