@@ -601,15 +601,12 @@ def format_report(rep: InspectReport) -> str:
         ("segments after chunking", lambda s: f"{s['chunks']:,}"),
         ("chars / token", lambda s: "-" if s["characters_per_token"] is None else f"{s['characters_per_token']}"),
         ("vocabulary used", lambda s: f"{s['vocabulary_used']:,} / {s['vocabulary_size']:,}"),
-        (
-            "trained-on targets (loss mask)",
-            lambda s: "all" if s.get("trained_tokens") is None else f"{s['trained_tokens']:,}",
-        ),
         ("pack fill (best-fit)", lambda s: f"{s['packing']['fill']:.4f}"),
         ("packs / microbatches", lambda s: f"{s['packing']['packs']:,} / {s['packing']['microbatches']:,}"),
         ("padded-batch waste (rows of seq_len)", lambda s: f"{s['padding']['pad_each_segment_to_seq_len_waste']:.1%}"),
         ("padded-batch waste (pad to longest)", lambda s: f"{s['padding']['pad_to_longest_in_microbatch_waste']:.1%}"),
     ]
+    rows = _with_mask_row(rows, rep)
     w0 = max(len(r[0]) for r in rows)
     cols = [[fn(rep.splits[n]) for n in names] for _, fn in rows]
     widths = [max(len(n), *(len(c[i]) for c in cols)) for i, n in enumerate(names)]
@@ -728,6 +725,18 @@ def plot_report(rep: InspectReport, path: str | os.PathLike[str]) -> Path:
 
 
 # -- fine-tuning corpora: the loss mask and the BOS convention ---------------------------------------
+def _with_mask_row(rows: list, rep: InspectReport) -> list:
+    """The table's rows with "trained-on targets" before the packing rows when a split has a loss mask."""
+    if all(s.get("trained_tokens") is None for s in rep.splits.values()):
+        return rows
+    at = next(i for i, r in enumerate(rows) if r[0].startswith("pack fill"))
+    row = (
+        "trained-on targets (loss mask)",
+        lambda s: "all" if s.get("trained_tokens") is None else f"{s['trained_tokens']:,}",
+    )
+    return [*rows[:at], row, *rows[at:]]
+
+
 def _trained_tokens(c: Corpus) -> int | None:
     """Targets the loss mask trains on (None: no mask, every target)."""
     spans = c.loss_spans()
