@@ -704,3 +704,20 @@ def test_target_kept_equals_a_per_position_oracle():
         lens = np.minimum(lens, n - starts)
         want = np.concatenate([trained[s + 1 : s + 1 + L] for s, L in zip(starts, lens)])
         np.testing.assert_array_equal(target_kept(spans, starts, lens), want)
+
+
+def test_dataloader_workers_read_and_apply_the_mask(chat):
+    """Through torchdata's StatefulDataLoader with 2 worker processes (the corpus pickled into
+    each, its loss ranges read and proven there), on 2 ranks: every trained target once."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    _, manifest, _ = chat
+    got: collections.Counter = collections.Counter()
+    for r in range(2):
+        ds = BestFitDataset(manifest, max_seq_len=40, batch_size=3, seed=2, with_segments=True, rank=r, world_size=2)
+        M = ds.num_microbatches()
+        loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+        for j, b in enumerate(loader):
+            if r + 2 * j < M:
+                got.update(_batch_targets(b))
+    assert got == _expected(manifest)
