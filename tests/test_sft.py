@@ -721,3 +721,24 @@ def test_dataloader_workers_read_and_apply_the_mask(chat):
             if r + 2 * j < M:
                 got.update(_batch_targets(b))
     assert got == _expected(manifest)
+
+
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ({"prompt": "a", "completion": 3}, "field 'completion' must be a string"),
+        ({"text": "abc", "no_loss_ranges": [[2, 9]]}, "no_loss_ranges[0]"),
+        ({"text": "abc", "no_loss_ranges": "all"}, "no_loss_ranges"),
+        ({"messages": []}, "field 'messages'"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0]"),
+        (["not", "an", "object"], "a JSON object"),
+        ({"text": "x<|endoftext|>y"}, "EOS id"),
+    ],
+)
+def test_bad_records_are_one_line_naming_file_line_and_field(tmp_path, record, words):
+    """Each bad fine-tuning record stops the build with one line: file, line, field."""
+    make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
+    with pytest.raises(BuildError) as e:
+        _build(tmp_path, "chatml", records=[RECORDS[0], record])
+    msg = str(e.value)
+    assert "\n" not in msg and "data.jsonl:2: " in msg and words in msg, msg
