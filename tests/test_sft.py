@@ -742,3 +742,14 @@ def test_bad_records_are_one_line_naming_file_line_and_field(tmp_path, record, w
         _build(tmp_path, "chatml", records=[RECORDS[0], record])
     msg = str(e.value)
     assert "\n" not in msg and "data.jsonl:2: " in msg and words in msg, msg
+
+
+def test_hdf5_read_path_gives_the_same_masked_batches(chat):
+    """Shards read through HDF5 (read_path="h5py": the path of compressed shards) give the
+    memory-mapped path's targets, mask included."""
+    _, manifest, _ = chat
+    kw = dict(max_seq_len=40, batch_size=3, seed=4, rank=0, world_size=1)
+    mapped = [b.targets for b in BestFitDataset(open_corpus(manifest, "train"), **kw)]
+    h5 = [b.targets for b in BestFitDataset(open_corpus(manifest, "train", read_path="h5py"), **kw)]
+    assert len(mapped) == len(h5) and all(torch.equal(a, b) for a, b in zip(mapped, h5))
+    assert any((t == IGNORE_INDEX).any() for t in h5)
