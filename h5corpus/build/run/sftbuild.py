@@ -27,7 +27,7 @@ from ...storage.format import ShardRecord
 from ...storage.manifest import DEFAULT_MANIFEST, DEFAULT_SHARDS_DIR, Manifest, write_manifest
 from ...storage.writer import ShardWriter, fsync_dir
 from ..config import DEFAULT_SPLIT_SEED, DEFAULT_VALIDATION_FRACTION, BuildError, SplitRule
-from ..input.chat import LOSS_ON, ChatTemplate, RecordError, sft_text
+from ..input.chat import LOSS_ON, ChatTemplate, RecordError, SFTText, sft_text
 from ..stages.shards import final_shard_name
 from ..tokenize.lossmask import SFTEncoder
 from ..tokenize.tokenizer import Tokenizer, load_tokenizer
@@ -219,6 +219,57 @@ def build_sft(cfg: SFTBuildConfig) -> Manifest:
     return _write_manifest(cfg, manifest_path, tok, _publish(cfg, manifest_path, infos), figures, bos_id)
 
 
+#: Records rendered, then encoded as one batch.
+ENCODE_BATCH_DOCS = 256
+
+
+def _render(rec: Any, template: ChatTemplate | None, cfg: SFTBuildConfig, bos_id: int | None) -> SFTText:
+    """One parsed record as its text and trained-on characters (RecordError names the field)."""
+    if isinstance(rec, RecordError):
+        raise rec
+    doc = sft_text(rec, template, cfg.loss_on)
+    bos_text = None if template is None else template.special_tokens.get("bos_token")
+    if bos_id is not None and bos_text and doc.text.startswith(bos_text):
+        raise RecordError("the chat template already writes the BOS token; drop --bos")
+    return doc
+
+
+class _Reader:
+    """Records in input order: rendered one by one, exact duplicates dropped, encoded in batches
+    of :data:`ENCODE_BATCH_DOCS`, written to their split."""
+
+    def __init__(self, cfg: SFTBuildConfig, enc: SFTEncoder, rule: SplitRule, outs, figures, bos_id) -> None:
+        self.cfg, self.enc, self.rule, self.outs, self.figures, self.bos_id = cfg, enc, rule, outs, figures, bos_id
+        self.seen: set[bytes] = set()
+        self.pending: list[tuple[str, SFTText, bytes, str]] = []  # where, document, id, split
+
+    def add(self, where: str, doc: SFTText) -> None:
+        doc_id = hashlib.sha256(doc.text.encode("utf-8")).digest()
+        split = fmt.SPLITS[int(self.rule.indices([doc_id])[0])]
+        if doc_id in self.seen:
+            self.figures[split]["duplicates"] += 1
+            return
+        self.seen.add(doc_id)
+        self.pending.append((where, doc, doc_id, split))
+        if len(self.pending) >= ENCODE_BATCH_DOCS:
+            self.flush()
+
+    def flush(self) -> None:
+        eos, bos = self.enc.tok.eos_id, self.bos_id
+        encoded = self.enc.documents([(d.text, d.spans) for _, d, _, _ in self.pending], eos, bos)
+        for (where, _, doc_id, split), (tokens, spans) in zip(self.pending, encoded):
+            if int(np.count_nonzero(tokens[:-1] == eos)) > int(bos == eos and tokens[0] == eos):
+                raise BuildError(
+                    f"{where}: the text holds the EOS id {eos} inside the document (choose another --eos-token)"
+                )
+            self.outs[split].add(tokens, spans, doc_id)
+            f = self.figures[split]
+            f["documents"] += 1
+            f["tokens"] += int(tokens.size)
+            f["trained_tokens"] += int((spans[:, 1] - spans[:, 0]).sum())
+        self.pending = []
+
+
 def _read_all(
     cfg: SFTBuildConfig,
     template: ChatTemplate | None,
@@ -229,38 +280,15 @@ def _read_all(
     bos_id: int | None,
 ) -> None:
     """Every record of every source, in order, into the split writers."""
-    seen: set[bytes] = set()
-    eos = enc.tok.eos_id
+    reader = _Reader(cfg, enc, rule, outs, figures, bos_id)
     for src in cfg.sources:
         for line, rec in _records(src):
             try:
-                if isinstance(rec, RecordError):
-                    raise rec
-                doc = sft_text(rec, template, cfg.loss_on)
-                if (
-                    bos_id is not None
-                    and template is not None
-                    and doc.text.startswith(template.special_tokens.get("bos_token") or "\0")
-                ):
-                    raise RecordError("the chat template already writes the BOS token; drop --bos")
-                tokens, spans = enc.document(doc.text, doc.spans, eos, bos_id)
-                if int(np.count_nonzero(tokens[:-1] == eos)) > int(bos_id == eos and tokens[0] == eos):
-                    raise RecordError(
-                        f"the text holds the EOS id {eos} inside the document (choose another --eos-token)"
-                    )
+                doc = _render(rec, template, cfg, bos_id)
             except RecordError as e:
                 raise BuildError(f"{src}:{line}: {e}") from None
-            doc_id = hashlib.sha256(doc.text.encode("utf-8")).digest()
-            split = fmt.SPLITS[int(rule.indices([doc_id])[0])]
-            if doc_id in seen:
-                figures[split]["duplicates"] += 1
-                continue
-            seen.add(doc_id)
-            outs[split].add(tokens, spans, doc_id)
-            f = figures[split]
-            f["documents"] += 1
-            f["tokens"] += int(tokens.size)
-            f["trained_tokens"] += int((spans[:, 1] - spans[:, 0]).sum())
+            reader.add(f"{src}:{line}", doc)
+    reader.flush()
 
 
 def _write_manifest(

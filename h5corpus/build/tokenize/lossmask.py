@@ -82,12 +82,35 @@ class SFTEncoder:
         offs = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
         return np.asarray(enc.ids, dtype=np.uint32), offs
 
+    def documents(
+        self, docs: Sequence[tuple[str, Sequence[tuple[int, int]]]], eos_id: int, bos_id: int | None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`document` of each ``(text, spans)``, encoded as one batch (``encode_batch``:
+        the same ids and offsets as one by one, on the tokenizer's thread pool)."""
+        encs = self.hf.encode_batch([t for t, _ in docs], add_special_tokens=False)
+        out = []
+        for (text, spans), enc in zip(docs, encs):
+            offs = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            out.append(self._stored(np.asarray(enc.ids, dtype=np.uint32), offs, text, spans, eos_id, bos_id))
+        return out
+
     def document(
         self, text: str, spans: Sequence[tuple[int, int]], eos_id: int, bos_id: int | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The stored document ``[BOS] + ids + [EOS]`` (uint32) and its trained-on token ranges
         (document positions, :func:`mask_ranges`)."""
         ids, offs = self.encode(text)
+        return self._stored(ids, offs, text, spans, eos_id, bos_id)
+
+    @staticmethod
+    def _stored(
+        ids: np.ndarray,
+        offs: np.ndarray,
+        text: str,
+        spans: Sequence[tuple[int, int]],
+        eos_id: int,
+        bos_id: int | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         trained = token_mask(offs, len(text), spans)
         head = [] if bos_id is None else [bos_id]
         tokens = np.concatenate([np.asarray(head, np.uint32), ids, np.asarray([eos_id], np.uint32)])
