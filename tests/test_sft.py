@@ -753,3 +753,31 @@ def test_hdf5_read_path_gives_the_same_masked_batches(chat):
     h5 = [b.targets for b in BestFitDataset(open_corpus(manifest, "train", read_path="h5py"), **kw)]
     assert len(mapped) == len(h5) and all(torch.equal(a, b) for a, b in zip(mapped, h5))
     assert any((t == IGNORE_INDEX).any() for t in h5)
+
+
+LAST_TURN_THINKING = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_template_that_rewrites_earlier_turns(tmp_path):
+    """A template rendering a block only in the last assistant turn (Qwen3-style): with
+    --loss-on assistant the record is refused naming the turn; with --loss-on completion the
+    last turn (its block, answer and <|im_end|>) is trained, nothing else."""
+    tok = make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = LAST_TURN_THINKING
+    (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rec = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}] * 2}
+    with pytest.raises(BuildError, match=r"data.jsonl:1: messages\[1\]: the chat template does not render"):
+        _build(tmp_path, "chatml", records=[rec])
+    manifest = _build(tmp_path, "chatml", records=[rec], loss_on="completion", validation_fraction=0.0)
+    c, offs, mask = stored(manifest)
+    hf = hf_tokenizer(tok)
+    assert hf.decode(c.document(0)[mask[: offs[1]]]) == "<think>\n\n</think>\n\nHello.<|im_end|>"
