@@ -781,3 +781,20 @@ def test_template_that_rewrites_earlier_turns(tmp_path):
     c, offs, mask = stored(manifest)
     hf = hf_tokenizer(tok)
     assert hf.decode(c.document(0)[mask[: offs[1]]]) == "<think>\n\n</think>\n\nHello.<|im_end|>"
+
+
+def test_checkpoint_of_another_mask_is_refused(tmp_path):
+    """The same tokens with another loss mask (--loss-on all instead of assistant) are another
+    corpus to a checkpoint: resuming on it is refused."""
+    from h5corpus import LoaderStateError
+
+    recs = RECORDS[:20]
+    a = _build(tmp_path / "a", "chatml", records=recs)
+    b = _build(tmp_path / "b", "chatml", records=recs, loss_on="all")
+    ds = BestFitDataset(a, max_seq_len=40, batch_size=2, rank=0, world_size=1)
+    next(iter(ds))
+    state = ds.state_dict()
+    assert open_corpus(a).num_tokens == open_corpus(b).num_tokens
+    BestFitDataset(a, max_seq_len=40, batch_size=2, rank=0, world_size=1).load_state_dict(state)
+    with pytest.raises(LoaderStateError):
+        BestFitDataset(b, max_seq_len=40, batch_size=2, rank=0, world_size=1).load_state_dict(state)

@@ -447,6 +447,8 @@ class Corpus:
         if self.manifest is not None:
             for e in self.entries:
                 h.update(e.sha256.encode())
+                if e.loss_sha256 is not None:  # a fine-tuning mask is part of what a checkpoint trained on
+                    h.update(e.loss_sha256.encode())
         else:
             h.update(f"{self.paths[0]}:{self.num_tokens}".encode())
         self.__dict__["_fingerprint"] = (key, h.hexdigest())
