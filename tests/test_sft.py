@@ -798,3 +798,15 @@ def test_checkpoint_of_another_mask_is_refused(tmp_path):
     BestFitDataset(a, max_seq_len=40, batch_size=2, rank=0, world_size=1).load_state_dict(state)
     with pytest.raises(LoaderStateError):
         BestFitDataset(b, max_seq_len=40, batch_size=2, rank=0, world_size=1).load_state_dict(state)
+
+
+def test_bos_from_the_tokenizer_config(tmp_path):
+    """--bos tokenizer takes the config's bos_token (Llama-3's <|begin_of_text|>) for records the
+    template does not render (prompt/completion): every document starts with it, validate passes."""
+    recs = [r for r in RECORDS if "prompt" in r]
+    manifest = _build(tmp_path, "llama3", records=recs, bos="tokenizer")
+    bos = hf_tokenizer(tmp_path / "tok").convert_tokens_to_ids("<|begin_of_text|>")
+    c = open_corpus(manifest, "train")
+    assert c.bos_id == bos
+    assert (c.tokens(0, c.num_tokens)[c.doc_offsets[:-1]] == bos).all()
+    assert validate_corpus(manifest, deep=True).ok
