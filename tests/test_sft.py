@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from h5corpus import BestFitDataset, SlidingWindowDataset, mix, open_corpus
-from h5corpus.build.config import BuildError
+from h5corpus.build.config import BuildConfig, BuildError
 from h5corpus.build.input.chat import ChatTemplate
-from h5corpus.build.run.sftbuild import SFTBuildConfig, build_sft
+from h5corpus.build.run.runner import build_corpus
 from h5corpus.loaders.batch import IGNORE_INDEX
 from h5corpus.storage.format import FormatError
 from h5corpus.storage.validate import validate_corpus
@@ -40,9 +40,12 @@ def _build(root: Path, style: str, records=RECORDS, **kw) -> Path:
     if not tokdir.exists():
         make_tokenizer(tokdir, style, training_texts(RECORDS))
     src = write_jsonl(root / "data.jsonl", records)
-    cfg = SFTBuildConfig(
-        sources=[src],
-        out=root / "corpus",
+    kw.setdefault("loss_on", "assistant")
+    kw.setdefault("workers", 1)
+    cfg = BuildConfig(
+        sources=[str(src)],
+        shards_dir=root / "corpus" / "shards",
+        manifest=root / "corpus" / "manifests" / "shards.json",
         tokenizer=str(tokdir / "tokenizer.json"),
         eos_token=STYLES[style]["config"]["eos_token"],
         shard_tokens=2500,
@@ -50,7 +53,7 @@ def _build(root: Path, style: str, records=RECORDS, **kw) -> Path:
         overwrite=True,
         **kw,
     )
-    build_sft(cfg)
+    build_corpus(cfg)
     return root / "corpus" / "manifests" / "shards.json"
 
 

@@ -30,7 +30,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-LOSS_ON = ("assistant", "completion", "all")
+from ..config import LOSS_ON
+
+__all__ = ["LOSS_ON", "ChatTemplate", "RecordError", "SFTText", "sft_text"]
 
 
 class RecordError(ValueError):

@@ -38,6 +38,7 @@ from ..report import BuildReport
 from ..stages.buckets import lsh_params
 from ..stages.buildplan import BuildPlan, filters_spec, rebuild_filters
 from ..stages.decide import Decider
+from ..stages.sftread import SFTSpec, refuse_non_record_tasks
 from ..stages.statedir import StateDir
 from ..tokenize.encoders import Encoder, HFEncoder
 from ..tokenize.proof import prove_fast_path
@@ -94,6 +95,8 @@ class Target:
     fingerprint: str
     fast_loading: Background | None = None
     """The fast encoder being loaded (:func:`~h5corpus.build.tokenize.encoders.fast_encoder` on a thread)."""
+    sft: SFTSpec | None = None
+    """A fine-tuning build's settings (``BuildConfig.loss_on``), resolved; None for pretraining."""
 
 
 @dataclass
@@ -175,6 +178,8 @@ def prepare(target: Target, tasks: list[Task], resumed: bool, t_start: float) ->
     if cfg.executor != ExecutorKind.LOCAL:
         rebuild_filters(filters_spec(cfg.filters))  # the workers rebuild them from the plan: fail here, not there
         refuse_in_process_tasks(cfg.executor, tasks)
+    if target.sft is not None:
+        refuse_non_record_tasks(tasks)
     decider = new_decider(cfg)
     buckets = decide_buckets(cfg, tasks, decider.can_stop_early)
     if buckets or cfg.executor == ExecutorKind.SLURM:
@@ -230,6 +235,7 @@ def make_plan(target: Target, tasks: Sequence[Task], encoder: Encoder, decider: 
         manifest=str(target.manifest_path),
         sources=dict(target.sources),
         explain_drops=None if cfg.explain_drops is None else str(Path(cfg.explain_drops).absolute()),
+        sft=None if target.sft is None else target.sft.to_json(),
     )
 
 

@@ -24,6 +24,7 @@ from ..oserrors import os_step
 from .buildplan import StageContext
 from .explain import ExplainFile
 from .scores import write_scores
+from .sftread import SFTSpec
 from .shards import build_file_task, our_shard_files
 from .statedir import FinishRecord, ReadRecord, TaskDecision
 
@@ -80,6 +81,8 @@ def _manifest_extra(
     extra: dict[str, Any] = {"source": dict(sources), "build": build_info}
     if plan.filters is not None:
         extra["filters"] = {"settings": settings["filters"], "counters": totals.filter_counters}
+    if plan.sft is not None:  # a fine-tuning corpus: its shards store loss masks
+        extra[fmt.SFT_KEY] = SFTSpec.from_json(plan.sft).manifest_facts()
     return extra
 
 
