@@ -24,7 +24,8 @@ import h5py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._report import emit  # noqa: E402
-from h5corpus.build.run.sftbuild import SFTBuildConfig, build_sft  # noqa: E402
+from h5corpus.build.config import BuildConfig  # noqa: E402
+from h5corpus.build.run.runner import build_corpus  # noqa: E402
 from h5corpus.storage.manifest import read_manifest  # noqa: E402
 
 CHATML = (
@@ -112,18 +113,26 @@ def main() -> None:
         tok = tokenizer_folder(shared, t / "tok")
         src = t / "chat.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in conversations(paragraphs(shared, 20000), a.conversations)))
-        build_sft(
-            SFTBuildConfig(sources=[src], out=t / "c", tokenizer=str(tok / "tokenizer.json"), eos_token="<|endoftext|>")
+        build_corpus(
+            BuildConfig(
+                sources=[str(src)],
+                loss_on="assistant",
+                shards_dir=t / "c" / "shards",
+                manifest=t / "c" / "manifests" / "shards.json",
+                tokenizer=str(tok / "tokenizer.json"),
+                eos_token="<|endoftext|>",
+            )
         )
         m = read_manifest(t / "c" / "manifests" / "shards.json")
         tokens = sum(s.tokens for s in m.shards)
         docs = sum(s.documents for s in m.shards)
         spans = sum(s.loss_spans for s in m.shards)
-        stored = 0
+        stored = trained = 0
         for s in m.shards:
             with h5py.File(m.shard_path(s), "r") as f:
                 stored += f["loss_spans"].id.get_storage_size()
-        trained = sum(f["trained_tokens"] for f in m.splits.values())
+                ranges = f["loss_spans"][()]
+                trained += int((ranges[:, 1] - ranges[:, 0]).sum())
         loader = loader_cost(t / "c" / "manifests" / "shards.json")
     per_token = stored / tokens
     report = {

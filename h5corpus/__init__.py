@@ -47,8 +47,6 @@ _EXPORTS = {
     "BuildConfig": "build",
     "DatasetSource": "build",
     "load_tokenizer": "build.tokenize.tokenizer",
-    "build_sft": "build.run.sftbuild",
-    "SFTBuildConfig": "build.run.sftbuild",
     # filters (optional extra "filters")
     "FilterConfig": "filters",
     "DocumentFilter": "filters",

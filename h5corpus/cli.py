@@ -229,53 +229,6 @@ def _write_inspection(rep: Any, data: str, output: Path | None, plot: Path | Non
         raise os_failure("write --plot", e if e.filename else OSError(e.errno, e.strerror, str(plot))) from None
 
 
-@app.command("build-sft")
-def build_sft_cli(
-    sources: list[Path] = typer.Argument(..., help="Fine-tuning records, .jsonl (messages, prompt/completion, text)."),
-    out: Path = typer.Option(Path("."), "--out", help="Corpus folder: manifests/shards.json and shards/ go there."),
-    tokenizer: str = typer.Option("gpt2", "--tokenizer", help="gpt2, or a tokenizer.json / its folder."),
-    eos_token: str | None = typer.Option(None, "--eos-token", help="The EOS token appended to every document."),
-    chat_template: Path | None = typer.Option(
-        None, "--chat-template", help="tokenizer_config.json with the chat template (default: beside the tokenizer)."
-    ),
-    loss_on: str = typer.Option("assistant", "--loss-on", help="assistant | completion | all."),
-    bos: str | None = typer.Option(None, "--bos", help="Prepend a BOS: 'tokenizer' (its bos_token) or an id."),
-    shard_tokens: int = typer.Option(1 << 27, "--shard-tokens", help="Tokens per shard (documents whole)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a corpus already in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print the manifest's split figures as JSON."),
-) -> None:
-    """Build a fine-tuning corpus: chat / prompt-completion records, loss mask stored with the tokens."""
-    from .build.run.sftbuild import SFTBuildConfig, build_sft
-
-    check_positive("--shard-tokens", shard_tokens)
-    cfg = SFTBuildConfig(
-        sources=list(sources),
-        out=out,
-        tokenizer=tokenizer,
-        eos_token=eos_token,
-        chat_template=chat_template,
-        loss_on=loss_on,
-        bos=bos,
-        shard_tokens=shard_tokens,
-        overwrite=overwrite,
-    )
-    try:
-        m = build_sft(cfg)
-    except (BuildError, FormatError) as e:
-        raise fail(str(e), EXIT_BAD_DATA) from None
-    except (TokenizerError, ValueError) as e:
-        raise fail(str(e), EXIT_USAGE) from None
-    except OSError as e:
-        raise os_failure("build-sft", e) from None
-    if as_json:
-        typer.echo(json.dumps(m.splits, indent=2, sort_keys=True))
-    else:
-        for split, f in m.splits.items():
-            typer.echo(
-                f"{split}: {f['documents']:,} documents, {f['tokens']:,} tokens, {f['trained_tokens']:,} trained on"
-            )
-
-
 @app.command("inspect")
 def inspect_cli(
     manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
@@ -542,6 +495,32 @@ BUILD_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
         ),
     ),
     (
+        "loss_on",
+        str | None,
+        typer.Option(
+            None,
+            "--loss-on",
+            help="A fine-tuning build: records are chat (messages), prompt/completion or text (+no_loss_ranges) "
+            "objects, and the shards store what is trained on: assistant (every answer), completion (the last), all.",
+        ),
+    ),
+    (
+        "chat_template",
+        Path | None,
+        typer.Option(
+            None,
+            "--chat-template",
+            help="Fine-tuning: tokenizer_config.json with the chat template (default: the one beside the tokenizer).",
+        ),
+    ),
+    (
+        "bos",
+        str | None,
+        typer.Option(
+            None, "--bos", help="Fine-tuning: prepend a BOS to every document: 'tokenizer' (its bos_token) or an id."
+        ),
+    ),
+    (
         "task_bytes",
         int | None,
         typer.Option(None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."),
@@ -661,7 +640,7 @@ def _check_build_flags(f: dict[str, Any], srcs: list[str]) -> None:
     for i, src in enumerate(srcs):
         if not _URL.match(src):  # hf:// specs are checked (and named whole) by the sources
             check_path_arg(f"SOURCE {i + 1}", Path(src))
-    for name in ("shards_dir", "manifest", "explain_drops"):
+    for name in ("shards_dir", "manifest", "explain_drops", "chat_template"):
         check_path_arg("--" + name.replace("_", "-"), f[name])
     if f["tokenizer"] is not None:
         check_path_arg("--tokenizer", Path(f["tokenizer"]))
@@ -680,6 +659,7 @@ def _build_config(f: dict[str, Any], srcs: list[str], tokenizer: str, filters: A
         **{k: f[k] for k in ("shards_dir", "manifest", "workers", "text_field", "split_seed", "validation_fraction")},
         **{k: f[k] for k in ("max_document_tokens", "on_error", "overwrite", "explain_drops", "decide_buckets")},
         **{k: f[k] for k in ("drop_worst_fraction", "perplexity_scores", "eos_token")},
+        **{k: f[k] for k in ("loss_on", "chat_template", "bos")},
         max_record_bytes=parse_byte_size("--max-record-bytes", f["max_record_bytes"]),
         **executor_cfg,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -437,19 +438,30 @@ def _identity():
     return BYTE_IDENTITY
 
 
-def test_cli_build_sft_and_bad_record(tmp_path):
-    """build-sft prints trained-on figures; a bad record is one line naming file and line, exit 1."""
+def test_cli_build_loss_on_and_bad_record(tmp_path):
+    """h5corpus build --loss-on: a fine-tuning corpus (manifest sft facts); a bad record is one line
+    naming file, line and field, exit 1; --bos without --loss-on is a usage error, exit 2."""
     tok = make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
     src = write_jsonl(tmp_path / "d.jsonl", RECORDS[:6])
-    cmd = [sys.executable, "-m", "h5corpus.cli", "build-sft", str(src), "--out", str(tmp_path / "c")]
-    cmd += ["--tokenizer", str(tok / "tokenizer.json"), "--eos-token", "<|endoftext|>"]
+    out = ["--shards-dir", str(tmp_path / "c" / "shards"), "--manifest", str(tmp_path / "c" / "m.json")]
+    cmd = [sys.executable, "-m", "h5corpus.cli", "build", str(src), "--loss-on", "assistant", *out]
+    cmd += ["--tokenizer", str(tok / "tokenizer.json"), "--eos-token", "<|endoftext|>", "--workers", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "trained on" in r.stdout
+    assert json.loads((tmp_path / "c" / "m.json").read_text())["sft"] == {
+        "loss_mask": True,
+        "bos_id": None,
+        "loss_on": "assistant",
+    }
     bad = write_jsonl(tmp_path / "bad.jsonl", [RECORDS[0], {"messages": [{"role": "user"}]}])
     r = subprocess.run(cmd[:4] + [str(bad)] + cmd[5:] + ["--overwrite"], capture_output=True, text=True)
     assert r.returncode == 1
-    assert r.stderr.strip().count("\n") == 0 and f"{bad}:2" in r.stderr and "messages[0]" in r.stderr
+    first = r.stderr.strip().splitlines()[0]
+    assert f"{bad.name}:2" in first and "messages[0]" in first, r.stderr
+    r = subprocess.run(
+        [c for c in cmd if c not in ("--loss-on", "assistant")] + ["--bos", "1"], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and "loss_on" in r.stderr
 
 
 def test_hf_kwargs_labels_follow_the_mask(chat):
@@ -570,21 +582,18 @@ def test_inspect_reports_trained_tokens_and_checks_the_mask(tmp_path):
 
 
 def test_readme_sft_block_runs(tmp_path, monkeypatch):
-    """The README's fine-tuning loop, as written, over a corpus built as its build-sft line says:
+    """The README's fine-tuning loop, as written, over a corpus built by its command line:
     every step's loss is finite and it trains (the last loss below the first)."""
-    from tests.helpers import readme_python_block
+    from tests.helpers import readme_block, readme_python_block
 
     monkeypatch.chdir(tmp_path)
-    tok = make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
+    make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
     write_jsonl(tmp_path / "chat.jsonl", RECORDS)
-    build_sft(
-        SFTBuildConfig(
-            sources=[tmp_path / "chat.jsonl"],
-            out=tmp_path / "sft",
-            tokenizer=str(tok / "tokenizer.json"),
-            eos_token="<|endoftext|>",
-        )
-    )
+    line = readme_block("Supervised fine-tuning", "bash").strip()
+    assert line.startswith("h5corpus build ") and "\n" not in line
+    cmd = [sys.executable, "-m", "h5corpus.cli", *shlex.split(line)[1:], "--eos-token", "<|endoftext|>"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
     block = readme_python_block("Supervised fine-tuning").replace(
         "max_seq_len=4096, batch_size=8", "max_seq_len=256, batch_size=2"
     )
@@ -672,15 +681,13 @@ def test_masked_targets_on_the_device_path_equal_the_host_path(chat, monkeypatch
             assert torch.equal(host, dev) and (host == IGNORE_INDEX).any()
 
 
-def test_failed_rebuild_keeps_the_old_corpus(tmp_path):
-    """--overwrite with a record that fails half-way leaves the corpus already there whole and
-    valid (shards are staged until the build succeeds); bad settings are usage errors."""
+def test_bad_settings_keep_the_old_corpus(tmp_path):
+    """Bad fine-tuning settings are usage errors raised before anything is written; a record the
+    template cannot take with --bos stops the build naming file and line."""
     manifest = _build(tmp_path, "llama3", records=RECORDS[:10])
     before = manifest.read_bytes()
     with pytest.raises(BuildError, match="data.jsonl:1: the chat template already writes the BOS"):
-        _build(tmp_path, "llama3", records=[r for r in RECORDS if "messages" in r][:3], bos="tokenizer")
-    assert manifest.read_bytes() == before and validate_corpus(manifest).ok
-    assert not (tmp_path / "corpus" / ".build-sft").exists()
+        _build(tmp_path / "b", "llama3", records=[r for r in RECORDS if "messages" in r][:3], bos="tokenizer")
     for bad in ({"loss_on": "everything"}, {"bos": "abc"}, {"bos": "99999"}):
         with pytest.raises(ValueError):
             _build(tmp_path, "llama3", records=RECORDS[:2], **bad)

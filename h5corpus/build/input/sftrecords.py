@@ -58,7 +58,9 @@ class SFTRecordReader(TaskReader):
             return BadRecord(where(), str(e), "invalid_record")
         data = _utf8(doc.text)
         if data is None:
-            return BadRecord(where(), "the text holds a lone UTF-16 surrogate escape (not valid Unicode)", "invalid_unicode")
+            return BadRecord(
+                where(), "the text holds a lone UTF-16 surrogate escape (not valid Unicode)", "invalid_unicode"
+            )
         return doc.text, data, doc.spans, where()
 
     def _jsonl_record(self, line: bytes, where: Any) -> Any:  # type: ignore[override]
@@ -86,7 +88,10 @@ class SFTRecordReader(TaskReader):
             stop = pf.metadata.num_row_groups if t.stop < 0 else t.stop
             cols = [c for c in SFT_COLUMNS if c in pf.schema_arrow.names]
             batches = pf.iter_batches(
-                batch_size=self.parquet_batch_rows, row_groups=list(range(t.start, stop)), columns=cols, use_threads=False
+                batch_size=self.parquet_batch_rows,
+                row_groups=list(range(t.start, stop)),
+                columns=cols,
+                use_threads=False,
             )
         except Exception as e:
             yield BadRecord(f.name, f"cannot open as parquet ({type(e).__name__}: {e})", "unreadable", fatal=True)

@@ -191,7 +191,9 @@ class _SFTQueue:
         (ranges clipped, no EOS, flagged)."""
         inner = int(np.count_nonzero(tokens[:-1] == self.eos))
         if inner > int(self.bos == self.eos and tokens[0] == self.eos):
-            raise BuildError(f"{where}: the text holds the EOS id {self.eos} inside the document (choose another --eos-token)")
+            raise BuildError(
+                f"{where}: the text holds the EOS id {self.eos} inside the document (choose another --eos-token)"
+            )
         m = self.max_tokens
         if m is None or tokens.size <= m:
             return tokens, spans, 0

@@ -282,7 +282,9 @@ def shards_intact(
 ) -> bool:
     """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
     expect = ShardExpectation.of(identity, chunk_tokens)
-    return all(not check_shard(str(directory / s.path), s, expect)[0] and _loss_intact(directory / s.path, s) for s in shards)
+    return all(
+        not check_shard(str(directory / s.path), s, expect)[0] and _loss_intact(directory / s.path, s) for s in shards
+    )
 
 
 def _loss_intact(path: Path, s: ShardRecord) -> bool:

@@ -51,6 +51,7 @@ from ..config import (
 from ..input.records import BadRecord, DocChunk, LocatingReader, TaskReader
 from .buildplan import StageContext
 from .explain import explain_line
+from .sftread import read_sft_records, sft_bos_id
 from .shards import (
     ShardSequence,
     Syncer,
@@ -60,7 +61,6 @@ from .shards import (
     shards_intact,
     task_shard_files,
 )
-from .sftread import read_sft_records, sft_bos_id
 from .statedir import (
     DOC_DTYPE,
     FinishRecord,
