@@ -31,6 +31,7 @@ from h5corpus.loaders.batch import IGNORE_INDEX
 from h5corpus.storage.format import FormatError
 from h5corpus.storage.validate import validate_corpus
 from testkit.corpora import write_corpus
+from tests.helpers import subprocess_env, tree
 from tests.sft_helpers import STYLES, conversations, hf_tokenizer, make_tokenizer, training_texts, write_jsonl
 
 RECORDS = conversations(48)
@@ -820,3 +821,125 @@ def test_bos_from_the_tokenizer_config(tmp_path):
     assert c.bos_id == bos
     assert (c.tokens(0, c.num_tokens)[c.doc_offsets[:-1]] == bos).all()
     assert validate_corpus(manifest, deep=True).ok
+
+
+# -- the one build: workers, decide buckets, kill -9, stage processes from the plan alone ---------
+MULTI = conversations(150, seed=3)
+MULTI_DUPS = 12  # the last task repeats the first records: its finish stage copies the kept documents
+
+
+def _multi_settings(root: Path, src: Path, tokdir: Path, **kw) -> dict:
+    """JSON-able BuildConfig fields (a killed build gets them in a subprocess): several tasks."""
+    d = {
+        "sources": [str(src)],
+        "tokenizer": str(tokdir / "tokenizer.json"),
+        "eos_token": "<|endoftext|>",
+        "loss_on": "assistant",
+        "workers": 2,
+        "task_bytes": 25_000,
+        "shard_tokens": 4000,
+        "chunk_tokens": 512,
+        "shards_dir": str(root / "shards"),
+        "manifest": str(root / "manifests" / "shards.json"),
+    }
+    d.update(kw)
+    return d
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """(source, tokenizer folder, a reference built on one worker) of a multi-task chat input."""
+    root = tmp_path_factory.mktemp("sft-multi")
+    tokdir = make_tokenizer(root / "tok", "chatml", training_texts(RECORDS))
+    src = write_jsonl(root / "in" / "chat.jsonl", MULTI + MULTI[:MULTI_DUPS])
+    rep = build_corpus(BuildConfig(**_multi_settings(root / "ref", src, tokdir, workers=1)))
+    assert rep.tasks >= 4 and rep.dropped().get("exact_dup") == MULTI_DUPS, rep.to_json()
+    return src, tokdir, root / "ref"
+
+
+def test_same_bytes_for_any_worker_count_and_decide_form(multi, tmp_path):
+    """Two workers (and the bucketed decide of Ray and Slurm) write the one-worker build's bytes;
+    every stored document (copied ones included) has the oracle's tokens and mask."""
+    src, tokdir, ref = multi
+    for name, kw in (("w2", {}), ("b2", {"decide_buckets": 2})):
+        build_corpus(BuildConfig(**_multi_settings(tmp_path / name, src, tokdir, **kw)))
+        assert tree(tmp_path / name) == tree(ref), name
+    want = oracle(MULTI, tokdir)
+    n = 0
+    for split in ("train", "validation"):
+        c, offs, mask = stored(ref / "manifests" / "shards.json", split)
+        for i, doc_id in enumerate(c.doc_ids):
+            tokens, m = want[doc_id.tobytes()]
+            np.testing.assert_array_equal(c.tokens(int(offs[i]), int(offs[i + 1])).astype(np.int64), tokens)
+            np.testing.assert_array_equal(mask[offs[i] : offs[i + 1]], m)
+            n += 1
+    assert n == len(MULTI)
+
+
+@pytest.mark.parametrize("point", ["read-record:2", "finish-copied:1"])
+def test_killed_build_resumes_to_the_same_bytes(multi, tmp_path, point):
+    """kill -9 of a fine-tuning build at a stage boundary; the re-run resumes (the plan's SFT
+    settings match) and ends with the uninterrupted build's bytes, masks included."""
+    from tests.test_build_faults import _killed_at
+
+    src, tokdir, ref = multi
+    settings = _multi_settings(tmp_path, src, tokdir)
+    _killed_at(point, settings)
+    assert build_corpus(BuildConfig(**settings)).resumed
+    assert tree(tmp_path) == tree(ref)
+
+
+def test_other_sft_settings_do_not_resume_an_interrupted_build(multi, tmp_path):
+    """The fingerprint covers the fine-tuning settings: an interrupted build is not finished with
+    another --loss-on (refused, naming the setting)."""
+    from h5corpus.build import BuildConflict
+    from tests.test_build_faults import _killed_at
+
+    src, tokdir, _ = multi
+    _killed_at("read-record:1", _multi_settings(tmp_path, src, tokdir))
+    with pytest.raises(BuildConflict, match="sft"):
+        build_corpus(BuildConfig(**_multi_settings(tmp_path, src, tokdir, loss_on="all")))
+
+
+def test_stage_processes_rebuild_the_sft_settings_from_the_plan(multi, tmp_path):
+    """Slurm's way (a dry run plans; every stage is a fresh `h5corpus build-stage` process): the
+    chat template and BOS travel in the plan (the tokenizer config is gone before any stage runs)
+    and the shards equal a local build's."""
+    import shutil
+
+    src, tokdir, _ = multi
+    tok = tmp_path / "tok"
+    shutil.copytree(tokdir, tok)
+    eos = str(hf_tokenizer(tokdir).eos_token_id)
+    dry = dict(executor="slurm", decide_buckets=1, slurm={"dry_run": True}, bos=eos)
+    build_corpus(BuildConfig(**_multi_settings(tmp_path / "s", src, tok, **dry)))
+    (tok / "tokenizer_config.json").unlink()
+    state = str(tmp_path / "s" / "shards" / ".build")
+
+    def stage(*args: str) -> None:
+        r = subprocess.run(
+            [sys.executable, "-m", "h5corpus", "build-stage", *args, "--state", state],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+
+    tasks = len(json.loads((tmp_path / "s" / "shards" / ".build" / "plan.json").read_text())["tasks"])
+    for i in range(tasks):
+        stage("read", "--task-index", str(i))
+    stage("bucket", "--task-index", "0")
+    stage("decide")
+    for i in range(tasks):
+        stage("finish", "--task-index", str(i))
+    stage("commit")
+    local = _multi_settings(tmp_path / "l", src, tok, bos=eos, chat_template=str(tokdir / "tokenizer_config.json"))
+    build_corpus(BuildConfig(**local))
+    assert tree(tmp_path / "s" / "shards") == tree(tmp_path / "l" / "shards")
+    c = open_corpus(tmp_path / "s" / "manifests" / "shards.json")
+    assert (
+        c.bos_id == int(eos)
+        and c.has_loss_mask
+        and validate_corpus(tmp_path / "s" / "manifests" / "shards.json", deep=True).ok
+    )
