@@ -943,3 +943,46 @@ def test_stage_processes_rebuild_the_sft_settings_from_the_plan(multi, tmp_path)
         and c.has_loss_mask
         and validate_corpus(tmp_path / "s" / "manifests" / "shards.json", deep=True).ok
     )
+
+
+def test_loss_ranges_are_read_per_shard_on_first_touch(multi, monkeypatch):
+    """The loaders' loss_spans_for reads only the shards a batch's rows touch (each proven against
+    its loss_sha256 then), keeps at most MAX_OPEN_SHARDS of them, and gives the targets the
+    whole split's ranges give, for random rows (crossing shard ends too)."""
+    import h5corpus.storage.reader as reader_mod
+    from h5corpus.loaders.lossmask import target_kept
+
+    monkeypatch.setattr(reader_mod, "MAX_OPEN_SHARDS", 2)
+    _, _, ref = multi
+    manifest = ref / "manifests" / "shards.json"
+    whole = open_corpus(manifest, "train").loss_spans()
+    c = open_corpus(manifest, "train")
+    sts = c.shard_token_starts
+    assert c.num_shards >= 4
+    row = np.array([int(sts[2]) + 3])
+    got = c.loss_spans_for(row + 1, row + 9)
+    assert set(c.__dict__["_loss_shards"]) == {2}  # one shard's ranges, not the split's
+    inside = (whole[:, 0] >= sts[2]) & (whole[:, 1] <= sts[3])
+    np.testing.assert_array_equal(got, whole[inside])
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        starts = rng.integers(0, c.num_tokens - 60, size=int(rng.integers(1, 6)))
+        lens = rng.integers(1, 60, size=starts.size)
+        spans = c.loss_spans_for(starts + 1, starts + 1 + lens)
+        np.testing.assert_array_equal(target_kept(spans, starts, lens), target_kept(whole, starts, lens))
+        assert len(c.__dict__["_loss_shards"]) <= 2
+
+
+def test_a_corrupt_mask_is_refused_when_its_shard_is_first_touched(tmp_path):
+    """A changed range in one shard: batches that never touch it are served; the first one that
+    does is refused naming loss_sha256."""
+    manifest = _build(tmp_path, "chatml", records=RECORDS, validation_fraction=0.0)
+    m = json.loads(manifest.read_text())
+    assert len(m["shards"]) >= 2
+    with h5py.File(manifest.parent / m["shards"][-1]["path"], "r+") as f:
+        f["loss_spans"][0, 1] += 1
+    c = open_corpus(manifest, "train")
+    sts = c.shard_token_starts
+    assert c.loss_spans_for(np.array([1]), np.array([5])).size
+    with pytest.raises(FormatError, match="loss_sha256"):
+        c.loss_spans_for(np.array([int(sts[-2]) + 1]), np.array([int(sts[-2]) + 5]))

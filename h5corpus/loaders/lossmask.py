@@ -3,7 +3,7 @@
 
 The corpus's mask (docs/FORMAT.md, "Loss masks") is defined on *predicted* tokens: position ``p``
 of the split's token stream is trained on iff ``p`` lies in one of
-:meth:`~h5corpus.storage.protocols.CorpusLike.loss_spans`. A batch row whose first input is the
+:meth:`~h5corpus.storage.protocols.CorpusLike.loss_spans_for`. A batch row whose first input is the
 global token ``s`` and which holds ``n`` inputs predicts positions ``s + 1 .. s + n``: input ``j``'s
 target is kept iff ``s + 1 + j`` is trained on. The rule sees only positions, never token ids
 (so a pad id equal to EOS cannot hide the EOS that ends an answer), and a chunk cut or a pack
@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
 
 
@@ -82,6 +83,16 @@ def apply_loss_mask(batch: VarlenBatch, spans: np.ndarray | None, row_starts: np
     out = parts.batch(batch.max_seqlen, row_len=int(lens[0]) if lens.size and (lens == lens[0]).all() else 0)
     out.segments = batch.segments
     return out
+
+
+def mask_batch(batch: VarlenBatch, corpus: CorpusLike, row_starts: np.ndarray) -> VarlenBatch:
+    """:func:`apply_loss_mask` with the ranges the batch's targets need, read from ``corpus``
+    (:meth:`~h5corpus.storage.protocols.CorpusLike.loss_spans_for`: only the shards its rows
+    touch, loaded lazily); ``batch`` itself for a corpus without a mask."""
+    assert batch.row_cu is not None, "takes the loaders' compact batches"
+    first = np.asarray(row_starts, dtype=np.int64) + 1  # row r's targets: first[r] .. first[r] + len - 1
+    spans = corpus.loss_spans_for(first, first + np.diff(batch.row_cu.numpy()).astype(np.int64))
+    return apply_loss_mask(batch, spans, row_starts)
 
 
 def batch_token_dtype(tokens: torch.Tensor) -> np.dtype:

@@ -668,6 +668,7 @@ class Corpus:
         d.pop("_offs_view", None)
         d.pop("_rtab", None)
         d.pop("_loss_cache", None)  # re-read (and proven) in the process that asks
+        d.pop("_loss_shards", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -956,13 +957,49 @@ class Corpus:
     @property
     def has_loss_mask(self) -> bool:
         """True when the split's shards store a loss mask (``/loss_spans``)."""
-        return any(e.loss_sha256 is not None for e in self.entries)
+        hit = self.__dict__.get("_has_loss")
+        if hit is None or hit[0] != self.num_shards:
+            hit = (self.num_shards, any(e.loss_sha256 is not None for e in self.entries))
+            self.__dict__["_has_loss"] = hit
+        return hit[1]
+
+    def loss_spans_for(self, first: np.ndarray, last: np.ndarray) -> np.ndarray | None:
+        """(K, 2) int64 global ``[start, end)`` trained-on ranges (sorted, disjoint) that hold
+        every trained-on position of each interval ``[first[i], last[i])``: the ranges of every
+        shard those intervals touch. None when the split has no loss mask. What the loaders call
+        per batch: a shard's ranges are read, and proven against the manifest's ``loss_sha256``,
+        when a batch first touches it, and kept for at most :data:`MAX_OPEN_SHARDS` shards per
+        process (never the whole split's array)."""
+        if not self.has_loss_mask:
+            return None
+        first = np.asarray(first, dtype=np.int64)
+        if not first.size:
+            return np.zeros((0, 2), np.int64)
+        sts = self.shard_token_starts
+        top = self.num_shards - 1
+        lo = np.clip(np.searchsorted(sts, first, side="right") - 1, 0, top)
+        hi = np.clip(np.searchsorted(sts, np.maximum(np.asarray(last, np.int64) - 1, first), side="right") - 1, lo, top)
+        n = hi - lo + 1
+        touched = np.unique(np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+        cache = self.__dict__.setdefault("_loss_shards", {})
+        parts = []
+        for s in touched.tolist():
+            spans = cache.pop(s, None)  # re-inserted: the dict's order is the order of last use
+            if spans is None:
+                spans = self._shard_loss_spans(s)
+                if len(cache) >= MAX_OPEN_SHARDS:
+                    for old in list(cache)[: MAX_OPEN_SHARDS // 2]:
+                        del cache[old]
+            cache[s] = spans
+            parts.append(spans + int(sts[s]))
+        return np.concatenate(parts)
 
     def loss_spans(self) -> np.ndarray | None:
         """(K, 2) int64 global ``[start, end)`` token ranges of this split whose positions are
         trained-on targets (sorted, disjoint), or None when the split has no loss mask (every
-        target trained on). Read once per process from every shard's ``/loss_spans`` (16 bytes
-        per range), each proven against the manifest's ``loss_sha256`` first; a shard without a
+        target trained on). The whole split's ranges (``inspect``'s checks; the loaders ask
+        :meth:`loss_spans_for` instead), read from every shard's ``/loss_spans`` (16 bytes per
+        range), each proven against the manifest's ``loss_sha256`` first; a shard without a
         mask in a masked split is refused."""
         hit = self.__dict__.get("_loss_cache")
         if hit is not None and hit[0] == self.num_shards:
