@@ -981,18 +981,18 @@ class Corpus:
         hi = np.clip(np.searchsorted(sts, np.maximum(np.asarray(last, np.int64) - 1, first), side="right") - 1, lo, top)
         n = hi - lo + 1
         touched = np.unique(np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-        cache = self.__dict__.setdefault("_loss_shards", {})
+        cache = self.__dict__.setdefault("_loss_shards", {})  # shard -> its ranges, in global positions
         parts = []
         for s in touched.tolist():
             spans = cache.pop(s, None)  # re-inserted: the dict's order is the order of last use
             if spans is None:
-                spans = self._shard_loss_spans(s)
+                spans = self._shard_loss_spans(s) + int(sts[s])
                 if len(cache) >= MAX_OPEN_SHARDS:
                     for old in list(cache)[: MAX_OPEN_SHARDS // 2]:
                         del cache[old]
             cache[s] = spans
-            parts.append(spans + int(sts[s]))
-        return np.concatenate(parts)
+            parts.append(spans)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def loss_spans(self) -> np.ndarray | None:
         """(K, 2) int64 global ``[start, end)`` token ranges of this split whose positions are
