@@ -120,9 +120,11 @@ def main() -> None:
         src = t / "chat.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in conversations(paragraphs(shared, 20000), a.conversations)))
 
+        steps: dict = {}
+
         def run(out: Path, **kw) -> float:
             t0 = time.perf_counter()
-            build_corpus(
+            rep = build_corpus(
                 BuildConfig(
                     sources=[str(src)],
                     loss_on="assistant",
@@ -133,6 +135,7 @@ def main() -> None:
                     **kw,
                 )
             )
+            steps[str(out.name)] = {k: round(v, 2) for k, v in (rep.to_json().get("seconds") or {}).items()}
             return round(time.perf_counter() - t0, 2)
 
         run(t / "c", workers=1)  # default task size: one task, one shard per split (the stored mask)
@@ -140,6 +143,7 @@ def main() -> None:
         for workers in (1, 2):  # 1 MiB tasks, side by side under the same load
             build[f"workers_{workers}_seconds"] = run(t / f"w{workers}", workers=workers, task_bytes=1 << 20)
         build["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+        build["worker_cpu_seconds_1_worker"] = steps["w1"]
         m = read_manifest(t / "c" / "manifests" / "shards.json")
         tokens = sum(s.tokens for s in m.shards)
         docs = sum(s.documents for s in m.shards)

@@ -950,7 +950,7 @@ class Corpus:
 
     @property
     def bos_id(self) -> int | None:
-        """The BOS id every document of this corpus starts with (``build-sft --bos``), or None."""
+        """The BOS id every document of this corpus starts with (``build --loss-on ... --bos``), or None."""
         v = self.sft.get("bos_id")
         return None if v is None else int(v)
 
