@@ -986,3 +986,24 @@ def test_a_corrupt_mask_is_refused_when_its_shard_is_first_touched(tmp_path):
     assert c.loss_spans_for(np.array([1]), np.array([5])).size
     with pytest.raises(FormatError, match="loss_sha256"):
         c.loss_spans_for(np.array([int(sts[-2]) + 1]), np.array([int(sts[-2]) + 5]))
+
+
+def test_parquet_records_build_what_jsonl_records_build(tmp_path):
+    """The same records as parquet rows (messages as a list of structs; a column a row does not
+    use is null) give the JSONL build's documents and masks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    recs = RECORDS[:20]
+    jsonl = _build(tmp_path / "j", "chatml", records=recs, validation_fraction=0.0)
+    cols = {k: [r.get(k) for r in recs] for k in ("messages", "prompt", "completion")}
+    pq.write_table(pa.table(cols), tmp_path / "p.parquet")
+    tokdir = tmp_path / "j" / "tok"
+    settings = _multi_settings(tmp_path / "p", tmp_path / "p.parquet", tokdir, validation_fraction=0.0, workers=1)
+    settings.update(shard_tokens=2500, chunk_tokens=512)
+    build_corpus(BuildConfig(**settings))
+    a, b = stored(jsonl), stored(tmp_path / "p" / "manifests" / "shards.json")
+    assert a[0].num_documents == b[0].num_documents == len(recs)
+    np.testing.assert_array_equal(a[0].doc_ids, b[0].doc_ids)
+    np.testing.assert_array_equal(a[0].tokens(0, a[0].num_tokens), b[0].tokens(0, b[0].num_tokens))
+    np.testing.assert_array_equal(a[2], b[2])
