@@ -1007,3 +1007,52 @@ def test_parquet_records_build_what_jsonl_records_build(tmp_path):
     np.testing.assert_array_equal(a[0].doc_ids, b[0].doc_ids)
     np.testing.assert_array_equal(a[0].tokens(0, a[0].num_tokens), b[0].tokens(0, b[0].num_tokens))
     np.testing.assert_array_equal(a[2], b[2])
+
+
+class _DropRobots:
+    """A user's filter (the BuildFilters protocol): drops every document that mentions robots."""
+
+    def process(self, text):
+        return (None, "robots") if "robots" in text else (text, None)
+
+    def counters(self):
+        return {}
+
+
+class _Shout(_DropRobots):
+    def process(self, text):
+        return text.upper(), None
+
+
+def test_filters_keep_or_drop_fine_tuning_records(tmp_path):
+    """Filters see the rendered document and keep or drop it: a user filter's drops are exactly the
+    records whose transformers-rendered text it rejects, counted by reason; near dedup drops a
+    conversation differing from an earlier one by one word; filters that change text are refused
+    up front (--clean) or at the record (a user filter), naming it."""
+    from h5corpus.filters import DocumentFilter, FilterConfig
+
+    chats = [r for r in RECORDS if "messages" in r]
+    near = json.loads(json.dumps(chats[0]))
+    near["messages"][-1]["content"] = near["messages"][-1]["content"] + " Indeed"
+    recs = chats[:20] + [near]
+    make_tokenizer(tmp_path / "tok", "chatml", training_texts(RECORDS))
+    hf = hf_tokenizer(tmp_path / "tok")
+    texts = [hf.apply_chat_template(r["messages"], tokenize=False) for r in recs]
+    want = {hashlib.sha256(t.encode()).digest()[:16] for t in texts if "robots" not in t}
+    assert 0 < len(want) < len(recs)
+    m = _build(tmp_path, "chatml", records=recs, filters=_DropRobots(), validation_fraction=0.0)
+    c, offs, mask = stored(m)
+    assert {i.tobytes() for i in c.doc_ids} == want
+    assert json.loads(m.read_text())["splits"]["train"]["dropped"]["robots"] == len(recs) - len(want)
+    full = oracle(recs, tmp_path / "tok")
+    for d, i in enumerate(c.doc_ids):
+        np.testing.assert_array_equal(mask[offs[d] : offs[d + 1]], full[i.tobytes()][1])
+
+    m = _build(tmp_path, "chatml", records=recs, filters=DocumentFilter(FilterConfig(near_dedup=True)))
+    got = json.loads(m.read_text())["splits"]
+    assert sum(s["dropped"].get("near_dup", 0) for s in got.values()) == 1
+    assert sum(s["documents"] for s in got.values()) == len(recs) - 1
+    with pytest.raises(ValueError, match="change the text"):
+        _build(tmp_path, "chatml", records=recs, filters=DocumentFilter(FilterConfig(clean=True)))
+    with pytest.raises(BuildError, match=r"data.jsonl:1: the filters changed the text"):
+        _build(tmp_path, "chatml", records=recs, filters=_Shout())

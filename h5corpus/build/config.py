@@ -359,8 +359,14 @@ class BuildConfig:
             return
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on (--loss-on) must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
-        if self.filters is not None:
-            raise ValueError("a fine-tuning build (--loss-on) takes no filters: they would move the trained-on ranges")
+        f = self.filters
+        changing = ("clean", "fix_unicode", "normalize_whitespace", "scrub_pii")
+        if isinstance(f, ConfiguredFilters) and any(getattr(f.config, k, False) for k in changing):
+            raise ValueError(
+                "a fine-tuning build (--loss-on) takes filters that keep or drop records (quality, language, "
+                "near dedup, perplexity), not ones that change the text (--clean, --fix-unicode, "
+                "--normalize-whitespace, --scrub-pii): they would move the trained-on ranges"
+            )
         if self.explain_drops is not None:
             raise ValueError("--explain-drops is not available in a fine-tuning build (--loss-on)")
 

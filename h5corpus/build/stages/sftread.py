@@ -144,19 +144,49 @@ def read_sft_records(run: Any, task: Task, plan: Any) -> None:
             continue
         batch.append(rec)
         if len(batch) >= ACCEPT_BATCH_DOCS:
-            _accept(run, queue, batch)
+            _accept(run, queue, _filtered(run, batch))
             batch = []
-    _accept(run, queue, batch)
+    _accept(run, queue, _filtered(run, batch))
     queue.flush()
 
 
-def _accept(run: Any, queue: _SFTQueue, batch: list[Any]) -> None:
+def _filtered(run: Any, batch: list[Any]) -> list[tuple[Any, Any, Any]]:
+    """``(record, signature, info)`` of the records the build's filters keep (all of them without
+    filters). Filters here keep or drop a rendered document, never change it: a changed text
+    would move the trained-on ranges, and stops the build naming the record. Drops are counted
+    per reason in the record's split, as in the pretraining build."""
+    if run.filters is None or not batch:
+        return [(rec, None, None) for rec in batch]
+    c0 = time.process_time()
+    texts = [rec[0] for rec in batch]
+    if run.process_batch is not None:
+        got = run.process_batch(texts, signatures=run.signature is not None)
+        res = [(r.text, r.reason, getattr(r, "signature", None), getattr(r, "info", None)) for r in got]
+    else:
+        res = [(*run.filters.process(t), None, None) for t in texts]
+    run.seconds["filter"] += time.process_time() - c0
+    kept, drops = [], []
+    for rec, (new, reason, sig, info) in zip(batch, res):
+        if new is None:
+            drops.append((rec, str(reason or "filtered")))
+        elif new != rec[0]:
+            raise BuildError(f"{rec[3]}: the filters changed the text of a fine-tuning record (use filters that drop)")
+        else:
+            kept.append((rec, sig, info))
+    ids = [hashlib.sha256(rec[1]).digest() for rec, _ in drops]
+    for (_, reason), s in zip(drops, run.rule.indices(ids).tolist() if ids else []):
+        run.filtered[s][reason] = run.filtered[s].get(reason, 0) + 1
+    return kept
+
+
+def _accept(run: Any, queue: _SFTQueue, batch: list[tuple[Any, Any, Any]]) -> None:
     """The pretraining build's accept rules: id = sha256 of the text, split by id, empty texts
-    skipped, duplicates within the task dropped (across tasks: the decide stage)."""
+    skipped, duplicates within the task dropped (across tasks: the decide stage); a kept
+    document's extras (near-dedup signature, language, perplexity) recorded in table order."""
     if not batch:
         return
-    ids = [hashlib.sha256(rec[1]).digest() for rec in batch]
-    for rec, doc_id, s in zip(batch, ids, run.rule.indices(ids).tolist()):
+    ids = [hashlib.sha256(rec[1]).digest() for rec, _, _ in batch]
+    for (rec, sig, info), doc_id, s in zip(batch, ids, run.rule.indices(ids).tolist()):
         if not rec[0]:
             run.skipped[s] += 1
             run.skip_codes["empty"] = run.skip_codes.get("empty", 0) + 1
@@ -164,7 +194,22 @@ def _accept(run: Any, queue: _SFTQueue, batch: list[Any]) -> None:
             run.duplicates[s] += 1
         else:
             run.seen.add(doc_id)
+            _extras(run, rec[0], sig, info)
             queue.add(rec, doc_id, s)
+
+
+def _extras(run: Any, text: str, sig: Any, info: Any) -> None:
+    """What the decide stage needs of a kept document besides its row (the pretraining build's
+    ``_kept_extras``, without ``--explain-drops``)."""
+    out = run.out
+    if out.sigs is not None and run.signature is not None:
+        out.sigs.append(sig if sig is not None else run.signature(text))
+    if out.langs is not None:
+        out.langs.append(info.get("lang") if info else None)
+    if out.perplexities is not None:
+        if not info or "perplexity" not in info:
+            raise BuildError(f"{run.label}: the filters gave no perplexity for a kept document")
+        out.perplexities.append(float(info["perplexity"]))
 
 
 class _SFTQueue:
