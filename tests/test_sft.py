@@ -1056,3 +1056,28 @@ def test_filters_keep_or_drop_fine_tuning_records(tmp_path):
         _build(tmp_path, "chatml", records=recs, filters=DocumentFilter(FilterConfig(clean=True)))
     with pytest.raises(BuildError, match=r"data.jsonl:1: the filters changed the text"):
         _build(tmp_path, "chatml", records=recs, filters=_Shout())
+
+
+def test_cut_documents_skipped_records_and_text_sources(tmp_path):
+    """--max-document-tokens cuts a fine-tuning document and its mask (no EOS, flagged, valid);
+    --on-error skip counts a bad record (invalid_record) and builds the rest; a .txt source is
+    refused up front, naming it."""
+    recs = [r for r in RECORDS if "messages" in r][:10]
+    m = _build(tmp_path, "chatml", records=recs, max_document_tokens=24, validation_fraction=0.0)
+    c, offs, mask = stored(m)
+    full = oracle(recs, tmp_path / "tok")
+    for d, i in enumerate(c.doc_ids):
+        tokens, want = full[i.tobytes()]
+        np.testing.assert_array_equal(c.document(d).astype(np.int64), tokens[:24])
+        np.testing.assert_array_equal(mask[offs[d] : offs[d + 1]], want[:24])
+    assert (c.doc_flags & 1).all() and validate_corpus(m, deep=True).ok
+    m = _build(tmp_path, "chatml", records=[recs[0], {"messages": "hi"}, recs[1]], on_error="skip")
+    d = json.loads(m.read_text())
+    assert d["build"]["skip_reasons"] == {"invalid_record": 1}
+    assert sum(s["documents"] for s in d["splits"].values()) == 2
+    (tmp_path / "a.txt").write_text("plain text")
+    with pytest.raises(ValueError, match=r"a.txt: a fine-tuning build .* not text"):
+        build_corpus(
+            BuildConfig(sources=[str(tmp_path / "a.txt")], tokenizer="bytes", loss_on="all", shards_dir=tmp_path / "t")
+        )
+    assert not (tmp_path / "t").exists()  # refused before anything is written

@@ -38,7 +38,7 @@ from ..report import BuildReport
 from ..stages.buckets import lsh_params
 from ..stages.buildplan import BuildPlan, filters_spec, rebuild_filters
 from ..stages.decide import Decider
-from ..stages.sftread import SFTSpec, refuse_non_record_tasks
+from ..stages.sftread import SFTSpec
 from ..stages.statedir import StateDir
 from ..tokenize.encoders import Encoder, HFEncoder
 from ..tokenize.proof import prove_fast_path
@@ -178,8 +178,6 @@ def prepare(target: Target, tasks: list[Task], resumed: bool, t_start: float) ->
     if cfg.executor != ExecutorKind.LOCAL:
         rebuild_filters(filters_spec(cfg.filters))  # the workers rebuild them from the plan: fail here, not there
         refuse_in_process_tasks(cfg.executor, tasks)
-    if target.sft is not None:
-        refuse_non_record_tasks(tasks)
     decider = new_decider(cfg)
     buckets = decide_buckets(cfg, tasks, decider.can_stop_early)
     if buckets or cfg.executor == ExecutorKind.SLURM:

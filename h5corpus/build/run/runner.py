@@ -39,7 +39,7 @@ from ..input.sources import plan_tasks, resolve_sources
 from ..oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from ..report import BuildReport, check_build_sections, report_from_manifest
 from ..stages.buildplan import read_plan_run
-from ..stages.sftread import sft_spec
+from ..stages.sftread import refuse_non_record_sources, sft_spec
 from ..stages.shards import our_shard_files
 from ..stages.statedir import StateDir
 from ..tokenize.encoders import fast_encoder
@@ -98,6 +98,7 @@ def build_corpus(config: BuildConfig) -> BuildReport:
     inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
     settings = cfg.settings()
     if sft is not None:
+        refuse_non_record_sources(inputs)
         settings["sft"] = sft.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
     run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": [i.spec for i in inputs]}

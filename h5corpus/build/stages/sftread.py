@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 from ...storage import format as fmt
 from ..config import BuildConfig, BuildError
 from ..input.chat import ChatTemplate, RecordError
-from ..input.inputs import Task
+from ..input.inputs import Input, Task
 from ..input.sftrecords import SFT_KINDS, SFTRecordReader
 from ..tokenize.encoders import HFEncoder
 from ..tokenize.lossmask import SFTEncoder
@@ -121,12 +122,15 @@ def sft_spec(cfg: BuildConfig, tok: Tokenizer) -> SFTSpec | None:
     return SFTSpec(cfg.loss_on, bos, template.source, dict(template.special_tokens))
 
 
-def refuse_non_record_tasks(tasks: list[Task]) -> None:
-    """A fine-tuning build reads JSON objects: refuse ``.txt`` and ``datasets`` sources up front."""
-    for t in tasks:
-        if t.kind not in SFT_KINDS:
+def refuse_non_record_sources(inputs: Sequence[Input]) -> None:
+    """A fine-tuning build reads JSON objects: refuse ``.txt`` files and ``datasets`` sources
+    before anything is written, naming the first."""
+    for i in inputs:
+        bad = [f.name for f in i.files if f.kind not in SFT_KINDS] or ([i.spec] if i.kind == "datasets" else [])
+        if bad:
+            kind = "datasets" if i.kind == "datasets" else "text"
             raise ValueError(
-                f"{t.label}: a fine-tuning build (--loss-on) reads .jsonl(.gz/.zst) and .parquet records, not {t.kind}"
+                f"{bad[0]}: a fine-tuning build (--loss-on) reads .jsonl(.gz/.zst) and .parquet records, not {kind}"
             )
 
 
