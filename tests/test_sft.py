@@ -449,6 +449,7 @@ def test_cli_build_loss_on_and_bad_record(tmp_path):
     cmd += ["--tokenizer", str(tok / "tokenizer.json"), "--eos-token", "<|endoftext|>", "--workers", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    assert "trained tokens" in r.stdout  # the report's column
     assert json.loads((tmp_path / "c" / "m.json").read_text())["sft"] == {
         "loss_mask": True,
         "bos_id": None,
@@ -570,6 +571,8 @@ def test_inspect_reports_trained_tokens_and_checks_the_mask(tmp_path):
     text = format_report(rep)
     assert rep.ok, text
     assert rep.splits["train"]["trained_tokens"] == sum(_expected(manifest).values())
+    for split, st in json.loads(manifest.read_text())["splits"].items():  # the build's own figure agrees
+        assert st["trained_tokens"] == rep.splits[split]["trained_tokens"] > 0
     assert "trained-on targets" in text and "no masked position is ever a target" in text
     assert "starts with BOS" in text
     d = json.loads(manifest.read_text())

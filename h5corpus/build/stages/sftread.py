@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from ...storage import format as fmt
+from ...storage.format import ShardRecord
 from ..config import BuildConfig, BuildError
 from ..input.chat import ChatTemplate, RecordError
 from ..input.inputs import Input, Task
@@ -279,3 +281,15 @@ class _SFTQueue:
 def sft_bos_id(plan: Any) -> int | None:
     """The BOS id a plan's shards are written with (None: a pretraining build, or no BOS)."""
     return None if plan.sft is None else SFTSpec.from_json(plan.sft).bos_id
+
+
+def add_trained_tokens(splits: dict[str, dict[str, Any]], shards_dir: Path, shards: Sequence[ShardRecord]) -> None:
+    """Each split's ``trained_tokens`` (positions trained on, summed over its shards' ``/loss_spans``,
+    16 bytes per range read): the figure the build reports and the manifest records."""
+    for st in splits.values():
+        st["trained_tokens"] = 0
+    for s in shards:
+        with h5py.File(shards_dir / s.path, "r") as f:
+            spans = np.asarray(f[fmt.LOSS_SPANS][()], dtype=np.int64).reshape(-1, 2)
+        if s.split in splits:
+            splits[s.split]["trained_tokens"] += int((spans[:, 1] - spans[:, 0]).sum())
