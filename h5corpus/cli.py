@@ -495,6 +495,32 @@ BUILD_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
         ),
     ),
     (
+        "loss_on",
+        str | None,
+        typer.Option(
+            None,
+            "--loss-on",
+            help="A fine-tuning build: records are chat (messages), prompt/completion or text (+no_loss_ranges) "
+            "objects, and the shards store what is trained on: assistant (every answer), completion (the last), all.",
+        ),
+    ),
+    (
+        "chat_template",
+        Path | None,
+        typer.Option(
+            None,
+            "--chat-template",
+            help="Fine-tuning: tokenizer_config.json with the chat template (default: the one beside the tokenizer).",
+        ),
+    ),
+    (
+        "bos",
+        str | None,
+        typer.Option(
+            None, "--bos", help="Fine-tuning: prepend a BOS to every document: 'tokenizer' (its bos_token) or an id."
+        ),
+    ),
+    (
         "task_bytes",
         int | None,
         typer.Option(None, "--task-bytes", help="Input bytes per task, the unit of parallel work (default 16 MiB)."),
@@ -614,7 +640,7 @@ def _check_build_flags(f: dict[str, Any], srcs: list[str]) -> None:
     for i, src in enumerate(srcs):
         if not _URL.match(src):  # hf:// specs are checked (and named whole) by the sources
             check_path_arg(f"SOURCE {i + 1}", Path(src))
-    for name in ("shards_dir", "manifest", "explain_drops"):
+    for name in ("shards_dir", "manifest", "explain_drops", "chat_template"):
         check_path_arg("--" + name.replace("_", "-"), f[name])
     if f["tokenizer"] is not None:
         check_path_arg("--tokenizer", Path(f["tokenizer"]))
@@ -633,6 +659,7 @@ def _build_config(f: dict[str, Any], srcs: list[str], tokenizer: str, filters: A
         **{k: f[k] for k in ("shards_dir", "manifest", "workers", "text_field", "split_seed", "validation_fraction")},
         **{k: f[k] for k in ("max_document_tokens", "on_error", "overwrite", "explain_drops", "decide_buckets")},
         **{k: f[k] for k in ("drop_worst_fraction", "perplexity_scores", "eos_token")},
+        **{k: f[k] for k in ("loss_on", "chat_template", "bos")},
         max_record_bytes=parse_byte_size("--max-record-bytes", f["max_record_bytes"]),
         **executor_cfg,
     )

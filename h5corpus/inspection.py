@@ -484,6 +484,7 @@ def _first_shard(m: Manifest, split: str) -> Corpus:
 def _split_checks(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: dict[str, Any]) -> list[Check]:
     """The per-split checks: chunking, batch input lengths and restore (on the first shard), EOS placement."""
     s = settings
+    bos_eos = scan.documents if c.bos_id is not None and c.bos_id == c.eos_id else 0  # BOS = EOS: each start
     ok, fig = _check_chunking(c, scan, s["seq_len"])
     first = _first_shard(m, split)
     try:
@@ -500,10 +501,11 @@ def _split_checks(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: dic
         Check(f"[{split}] restoring the sampler state continues with the same next batch", rok, rfig),
         Check(
             f"[{split}] every document ends with EOS and no EOS elsewhere",
-            scan.bad_ends == 0 and scan.eos_inside == 0,
+            scan.bad_ends == 0 and scan.eos_inside - bos_eos == 0,
             f"{scan.bad_ends:,} of {scan.whole_documents:,} documents lack the final EOS; "
-            f"{scan.eos_inside:,} EOS inside documents",
+            f"{scan.eos_inside - bos_eos:,} EOS inside documents",
         ),
+        *_sft_checks(m, split, c, scan, settings),
     ]
 
 
@@ -553,6 +555,7 @@ def inspect_corpus(
             corpora[split] = c = open_corpus(m, split)
             scans[split] = _scan_split(c, seq_len, seed, bar.update if bar else None)
             rep.splits[split] = _split_figures(m, split, c, scans[split], settings, top_k)
+            rep.splits[split]["trained_tokens"] = _trained_tokens(c)
         rep.checks.append(_leakage_check(corpora, chosen))
         for split, c in corpora.items():
             rep.checks.extend(_split_checks(m, split, c, scans[split], settings))
@@ -603,6 +606,7 @@ def format_report(rep: InspectReport) -> str:
         ("padded-batch waste (rows of seq_len)", lambda s: f"{s['padding']['pad_each_segment_to_seq_len_waste']:.1%}"),
         ("padded-batch waste (pad to longest)", lambda s: f"{s['padding']['pad_to_longest_in_microbatch_waste']:.1%}"),
     ]
+    rows = _with_mask_row(rows, rep)
     w0 = max(len(r[0]) for r in rows)
     cols = [[fn(rep.splits[n]) for n in names] for _, fn in rows]
     widths = [max(len(n), *(len(c[i]) for c in cols)) for i, n in enumerate(names)]
@@ -718,3 +722,84 @@ def plot_report(rep: InspectReport, path: str | os.PathLike[str]) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# -- fine-tuning corpora: the loss mask and the BOS convention ---------------------------------------
+def _with_mask_row(rows: list, rep: InspectReport) -> list:
+    """The table's rows with "trained-on targets" before the packing rows when a split has a loss mask."""
+    if all(s.get("trained_tokens") is None for s in rep.splits.values()):
+        return rows
+    at = next(i for i, r in enumerate(rows) if r[0].startswith("pack fill"))
+    row = (
+        "trained-on targets (loss mask)",
+        lambda s: "all" if s.get("trained_tokens") is None else f"{s['trained_tokens']:,}",
+    )
+    return [*rows[:at], row, *rows[at:]]
+
+
+def _trained_tokens(c: Corpus) -> int | None:
+    """Targets the loss mask trains on (None: no mask, every target)."""
+    spans = c.loss_spans()
+    return None if spans is None else int((spans[:, 1] - spans[:, 0]).sum())
+
+
+def _sft_checks(m: Manifest, split: str, c: Corpus, scan: _Scan, settings: dict[str, Any]) -> list[Check]:
+    """A fine-tuning split's checks: no masked position is ever a target (an epoch of the packing
+    loader over the first shard, every target's position against the stored mask), and with a BOS
+    convention, every document starts with BOS and no BOS is anywhere else."""
+    out: list[Check] = []
+    if c.has_loss_mask:
+        first = _first_shard(m, split)
+        try:
+            ok, fig = _check_mask_targets(first, settings)
+        finally:
+            first.close()
+        out.append(Check(f"[{split}] no masked position is ever a target; every trained one is, once", ok, fig))
+    bos = c.bos_id
+    if bos is not None:
+        starts = c.doc_offsets[:-1]
+        firsts = c.gather(starts, 1).reshape(-1) if starts.size else np.zeros(0, np.int64)
+        missing = int(np.count_nonzero(firsts != bos))
+        extra = int(scan.hist[bos]) - scan.documents - (scan.whole_documents if bos == c.eos_id else 0)
+        out.append(
+            Check(
+                f"[{split}] every document starts with BOS {bos} and no BOS elsewhere",
+                missing == 0 and extra == 0,
+                f"{missing:,} of {scan.documents:,} documents lack the BOS; {extra:,} BOS inside documents",
+            )
+        )
+    return out
+
+
+def _check_mask_targets(c: Corpus, settings: dict[str, Any]) -> tuple[bool, str]:
+    """One epoch of :class:`BestFitDataset` over ``c``: every kept target's position is trained on
+    and every trained position is kept exactly once."""
+    from .loaders.batch import IGNORE_INDEX
+
+    spans = c.loss_spans()
+    assert spans is not None
+    trained = np.zeros(c.num_tokens, np.int64)
+    for a, b in spans.tolist():
+        trained[a:b] = 1
+    seen = np.zeros(c.num_tokens, np.int64)
+    offs = c.doc_offsets
+    ds = BestFitDataset(
+        c,
+        max_seq_len=settings["seq_len"],
+        batch_size=settings["batch_size"],
+        seed=settings["seed"],
+        with_segments=True,
+        rank=0,
+        world_size=1,
+    )
+    for batch in ds:
+        seg = batch.segments.numpy()
+        lens = seg[:, 2]
+        first = offs[seg[:, 0]] + seg[:, 1] + 1 - (np.cumsum(lens) - lens)
+        pos = np.arange(int(lens.sum())) + np.repeat(first, lens)
+        np.add.at(seen, pos[batch.targets.numpy() != IGNORE_INDEX], 1)
+    wrong = int(np.count_nonzero(seen[trained == 0]))
+    twice = int(np.count_nonzero(seen > 1))
+    lost = int(np.count_nonzero((trained == 1) & (seen == 0)))
+    fig = f"first shard: {int(trained.sum()):,} trained targets; {wrong:,} masked positions targeted, {lost:,} lost, {twice:,} twice"
+    return wrong == 0 and lost == 0 and twice == 0, fig

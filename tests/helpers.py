@@ -603,3 +603,12 @@ def readme_python_block(section: str) -> str:
     blocks = re.findall(r"```python\n(.*?)```", body, flags=re.S)
     assert len(blocks) == 1, f"the README's {section!r} section holds one python block"
     return blocks[0]
+
+
+def readme_block(section: str, lang: str) -> str:
+    """The one ``lang`` code block of the README section titled ``section`` (``## <section>``)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(rf"```{lang}\n(.*?)```", body, flags=re.S)
+    assert len(blocks) == 1, f"the README's {section!r} section holds one {lang} block"
+    return blocks[0]

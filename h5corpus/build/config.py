@@ -29,6 +29,8 @@ DEFAULT_TASK_BYTES = 16 << 20
 DEFAULT_SHARD_TOKENS = 1 << 27
 #: Skipped records listed per task and in the manifest (all are counted).
 MAX_LISTED = 100
+#: What a fine-tuning build trains on (``BuildConfig.loss_on``, ``--loss-on``; docs/BUILD.md).
+LOSS_ON = ("assistant", "completion", "all")
 
 
 class BuildError(Exception):
@@ -283,6 +285,17 @@ class BuildConfig:
     perplexity_scores: str | os.PathLike[str] | None = None
     """Write each scored document's perplexity to this TSV file at commit (docs/FILTERS.md). Not part
     of the build's settings: it never changes a shard or the manifest."""
+    loss_on: str | None = None
+    """A fine-tuning build (docs/BUILD.md, "Fine-tuning corpora"): records are chat
+    (``messages``), ``prompt``/``completion`` or ``text`` (+ ``no_loss_ranges``) objects, and the
+    shards store which positions are trained on: ``assistant`` (every assistant turn),
+    ``completion`` (the last one), ``all``. None: a pretraining build."""
+    chat_template: str | os.PathLike[str] | None = None
+    """A fine-tuning build's chat template: a ``tokenizer_config.json`` or its folder (default:
+    the one beside the tokenizer file, when there is one)."""
+    bos: str | None = None
+    """A fine-tuning build's BOS before every document: ``"tokenizer"`` (the tokenizer config's
+    ``bos_token``) or an id; None: no BOS."""
     ray: RayOptions = field(default_factory=RayOptions)
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
 
@@ -337,6 +350,25 @@ class BuildConfig:
                 "filters must have process(text) -> (text_or_None, reason_or_None) and counters() (BuildFilters)"
             )
         self._check_perplexity()
+        self._check_sft()
+
+    def _check_sft(self) -> None:
+        if self.loss_on is None:
+            if self.chat_template is not None or self.bos is not None:
+                raise ValueError("chat_template and bos are settings of a fine-tuning build: give loss_on (--loss-on)")
+            return
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on (--loss-on) must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        f = self.filters
+        changing = ("clean", "fix_unicode", "normalize_whitespace", "scrub_pii")
+        if isinstance(f, ConfiguredFilters) and any(getattr(f.config, k, False) for k in changing):
+            raise ValueError(
+                "a fine-tuning build (--loss-on) takes filters that keep or drop records (quality, language, "
+                "near dedup, perplexity), not ones that change the text (--clean, --fix-unicode, "
+                "--normalize-whitespace, --scrub-pii): they would move the trained-on ranges"
+            )
+        if self.explain_drops is not None:
+            raise ValueError("--explain-drops is not available in a fine-tuning build (--loss-on)")
 
     def _check_perplexity(self) -> None:
         scored = filters_score_perplexity(self.filters)

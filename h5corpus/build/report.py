@@ -189,7 +189,7 @@ BUILD_SECTIONS_SCHEMA: dict[str, Any] = {
             "type": "object",
             "additionalProperties": {
                 "type": "object",
-                "properties": {**{k: _COUNT for k in SPLIT_KEYS}, "dropped": _COUNTS},
+                "properties": {**{k: _COUNT for k in SPLIT_KEYS}, "trained_tokens": _COUNT, "dropped": _COUNTS},
             },
         },
     },
@@ -246,6 +246,8 @@ def format_report(report: BuildReport) -> str:
     for extra in ("near_duplicates", "over_budget"):
         if any(int(s.get(extra, 0)) for s in report.splits.values()):
             cols.insert(-1, extra)
+    if any("trained_tokens" in s for s in report.splits.values()):  # a fine-tuning build
+        cols.insert(2, "trained_tokens")
     head = "up to date" if report.up_to_date else ("resumed and built" if report.resumed else "built")
     tok = report.tokenizer
     lines = [

@@ -37,6 +37,7 @@ from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
 from .chunking import ChunkTable
 from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, epoch_order
+from .lossmask import mask_batch
 from .mixture import Mixture, mix
 from .partition import integer_arg
 from .planfile import PlanArrays, SharedPlan, ensure_plan_file, materialize
@@ -310,6 +311,7 @@ class BestFitDataset(GlobalSequenceDataset):
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
         item is microbatch ``g mod M``, :mod:`~h5corpus.loaders.partition`); O(1) per item."""
         sched, M = live.schedule, sp.num_microbatches
+        masked = self.corpus.has_loss_mask  # fine-tuning masks (else every target is trained on)
         for n, j in enumerate(sched.local_items()):
             if M == 0 or sched.needed(j) > M:
                 return
@@ -319,6 +321,8 @@ class BestFitDataset(GlobalSequenceDataset):
                 self.corpus.prefetch(shards_of(self.corpus, np.concatenate(ahead)))
             mb = sp.microbatch(sched.global_index(j) % M)
             batch = reads.batch(mb)
+            if masked:
+                batch = mask_batch(batch, self.corpus, mb.seg_start)
             if self.with_segments:
                 batch.segments = reads.segments(mb)
             live.yielded += 1

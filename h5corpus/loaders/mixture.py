@@ -301,6 +301,42 @@ class Mixture:
         a, b = self.doc_offsets_range(i, i + 1).tolist()
         return self.tokens(a, b)
 
+    def loss_spans(self) -> np.ndarray | None:
+        """Every source's trained-on ranges shifted to the concatenated stream; a source without a
+        loss mask (a pretraining corpus) is one range over all its tokens. None when no source has
+        a mask."""
+        got = [s.corpus.loss_spans() for s in self.sources]
+        if all(g is None for g in got):
+            return None
+        parts = []
+        for g, lo, hi in zip(got, self.token_bases[:-1].tolist(), self.token_bases[1:].tolist()):
+            parts.append(np.array([[lo, hi]], np.int64) if g is None else g + lo)
+        return np.concatenate(parts).reshape(-1, 2)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True when some source has a loss mask."""
+        return any(s.corpus.has_loss_mask for s in self.sources)
+
+    def loss_spans_for(self, first: np.ndarray, last: np.ndarray) -> np.ndarray | None:
+        """:meth:`~h5corpus.storage.reader.Corpus.loss_spans_for` over the concatenated stream:
+        each source asked for the intervals' parts inside it (a source without a mask: one range
+        over all its tokens). None when no source has a mask."""
+        if not self.has_loss_mask:
+            return None
+        first, last = np.asarray(first, np.int64), np.asarray(last, np.int64)
+        parts = []
+        for s, lo, hi in zip(self.sources, self.token_bases[:-1].tolist(), self.token_bases[1:].tolist()):
+            inside = (first < hi) & (last > lo)
+            if not inside.any():
+                continue
+            if not s.corpus.has_loss_mask:
+                parts.append(np.array([[lo, hi]], np.int64))
+                continue
+            a, b = np.maximum(first[inside], lo) - lo, np.minimum(last[inside], hi) - lo
+            parts.append(s.corpus.loss_spans_for(a, b) + lo)
+        return np.concatenate(parts).reshape(-1, 2) if parts else np.zeros((0, 2), np.int64)
+
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_rtab"] = None

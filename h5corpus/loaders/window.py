@@ -45,6 +45,7 @@ import numpy as np
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
 from .bestfit import MappedRuns, as_source, mapped_runs, shards_of
+from .lossmask import mask_batch
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer, integer_arg
 from .sequence import GlobalSequenceDataset, check_epoch
@@ -375,7 +376,15 @@ class _WindowReads:
 
     def block(self, starts: np.ndarray, offs: np.ndarray, runs: MappedRuns | None) -> Iterator[VarlenBatch]:
         """The batches of a block (batch b: windows ``offs[b] .. offs[b + 1]`` of ``starts``),
-        masking planned for the whole block at once."""
+        masking planned for the whole block at once; a fine-tuning corpus's loss mask applied to
+        each (:mod:`~h5corpus.loaders.lossmask`)."""
+        if not self.corpus.has_loss_mask:
+            yield from self._block(starts, offs, runs)
+            return
+        for b, batch in enumerate(self._block(starts, offs, runs)):
+            yield mask_batch(batch, self.corpus, starts[int(offs[b]) : int(offs[b + 1])])
+
+    def _block(self, starts: np.ndarray, offs: np.ndarray, runs: MappedRuns | None) -> Iterator[VarlenBatch]:
         mask = self.mask_plan(starts, offs) if self.document_mask else None
         if runs is not None:
             yield from self.mapped(runs, starts, offs, mask)

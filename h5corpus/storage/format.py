@@ -185,7 +185,17 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "index_sha256": _HEX64,
                     "sums_sha256": _HEX64,
                     "bytes": _COUNT,
+                    "loss_sha256": _HEX64,
+                    "loss_spans": _COUNT,
                 },
+            },
+        },
+        "sft": {
+            "type": "object",
+            "properties": {
+                "loss_mask": {"type": "boolean"},
+                "bos_id": {"type": ["integer", "null"], "minimum": 0},
+                "loss_on": {"type": ["string", "null"]},
             },
         },
         "splits": {
@@ -285,10 +295,18 @@ class ShardRecord:
     sums_sha256: str | None = None
     """Version 3: hex sha256 of ``/chunk_xxh3`` ++ ``/offsets_xxh3`` (:func:`sums_sha256`), the
     link from the manifest to every checksum a reader trusts; None for older versions."""
+    loss_sha256: str | None = None
+    """Hex sha256 of the shard's optional ``/loss_spans`` (:func:`loss_spans_sha256`); None: the
+    shard has no loss mask (every target trained on)."""
+    loss_spans: int = 0
+    """Ranges in ``/loss_spans`` (0 without a loss mask)."""
 
     def to_json(self) -> dict[str, Any]:
         keys = SHARD_KEYS if self.sums_sha256 is None else SHARD_KEYS_V3
-        return {k: getattr(self, k) for k in keys}
+        d = {k: getattr(self, k) for k in keys}
+        if self.loss_sha256 is not None:  # only fine-tuning shards carry the keys
+            d["loss_sha256"], d["loss_spans"] = self.loss_sha256, int(self.loss_spans)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str) -> ShardRecord:
@@ -305,6 +323,8 @@ class ShardRecord:
             index_sha256=str(d["index_sha256"]),
             bytes=int(d["bytes"]),
             sums_sha256=None if d.get("sums_sha256") is None else str(d["sums_sha256"]),
+            loss_sha256=None if d.get("loss_sha256") is None else str(d["loss_sha256"]),
+            loss_spans=int(d.get("loss_spans", 0)),
         )
 
     def with_path(self, path: str | os.PathLike[str]) -> ShardRecord:
@@ -919,6 +939,60 @@ def claim_problems(entry: ShardRecord, itemsize: int, chunk_tokens: int) -> list
             Problem(
                 "tokens",
                 f"claims {entry.tokens:,} tokens, more than a {entry.bytes:,}-byte file can hold",
+            )
+        ]
+    return []
+
+
+# -- supervised fine-tuning: the optional loss mask (docs/FORMAT.md, "Loss masks") ---------------
+#: Optional dataset: (K, 2) little-endian int64 ``[start, end)`` token ranges of the shard whose
+#: positions are *trained-on targets* (the token at ``p``, predicted from the tokens before it in
+#: its document, counts in the loss iff ``p`` lies in a range). Sorted, disjoint, never adjacent
+#: (adjacent ranges are merged), each inside one document and never covering a document's first
+#: token (no token predicts it). Absent: every target of the shard is trained on.
+LOSS_SPANS = "loss_spans"
+LOSS_SPANS_DTYPE = np.dtype("<i8")
+#: Ranges per chunk of ``/loss_spans`` (16 KiB chunks).
+LOSS_SPANS_CHUNK = 1024
+#: Manifest key (top level) of the fine-tuning facts: ``{"loss_mask": bool, "bos_id": int | null,
+#: "loss_on": str | null}``; absent for a pretraining corpus.
+SFT_KEY = "sft"
+
+
+def loss_spans_sha256(spans: np.ndarray) -> str:
+    """Hex sha256 of ``/loss_spans`` as little-endian int64 bytes, row-major: the manifest's
+    ``loss_sha256`` of a shard, checked by the reader when it first reads the ranges and by
+    ``validate``."""
+    return hashlib.sha256(np.ascontiguousarray(spans, dtype=LOSS_SPANS_DTYPE).reshape(-1, 2).tobytes()).hexdigest()
+
+
+def loss_span_problems(spans: np.ndarray, doc_offsets: np.ndarray) -> list[Problem]:
+    """``/loss_spans`` (K, 2) against the shard's ``doc_offsets``: int64 pairs, ``start < end``,
+    sorted, disjoint and not adjacent, each inside one document after its first token. Vectorized."""
+    s = np.asarray(spans)
+    if s.ndim != 2 or s.shape[1] != 2 or s.dtype.kind != "i":
+        return [Problem("loss_spans", f"/{LOSS_SPANS} is {s.dtype} {s.shape}, expected (K, 2) int64", fatal=True)]
+    if not s.size:
+        return []
+    lo, hi = s[:, 0], s[:, 1]
+    if (hi <= lo).any():
+        k = int(np.flatnonzero(hi <= lo)[0])
+        return [
+            Problem("loss_spans", f"range {k:,} of /{LOSS_SPANS} is empty or reversed ({int(lo[k])}, {int(hi[k])})")
+        ]
+    if (lo[1:] <= hi[:-1]).any():
+        k = int(np.flatnonzero(lo[1:] <= hi[:-1])[0]) + 1
+        return [Problem("loss_spans", f"range {k:,} of /{LOSS_SPANS} overlaps, touches or precedes the one before")]
+    doc = np.searchsorted(doc_offsets, lo, side="right") - 1
+    ok = (doc >= 0) & (doc < doc_offsets.size - 1)
+    docc = np.clip(doc, 0, max(doc_offsets.size - 2, 0))
+    ok &= (lo > doc_offsets[docc]) & (hi <= doc_offsets[np.minimum(docc + 1, doc_offsets.size - 1)])
+    if not ok.all():
+        k = int(np.flatnonzero(~ok)[0])
+        return [
+            Problem(
+                "loss_spans",
+                f"range {k:,} of /{LOSS_SPANS} ({int(lo[k])}, {int(hi[k])}) leaves its document or covers its first token",
             )
         ]
     return []

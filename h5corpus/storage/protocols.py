@@ -102,3 +102,19 @@ class CorpusLike(Protocol):
         """Hint: these shards (indices into :attr:`shard_token_starts`) will be read soon; a remote
         corpus starts fetching them into its cache in the background, a local one ignores it."""
         ...
+
+    def loss_spans(self) -> np.ndarray | None:
+        """(K, 2) int64 sorted, disjoint global ``[start, end)`` ranges of the positions whose
+        token is a trained-on target (fine-tuning loss masks; docs/FORMAT.md), or None: every
+        target is trained on. The whole split's ranges (inspection)."""
+        ...
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True when some target is not trained on (a fine-tuning loss mask)."""
+        ...
+
+    def loss_spans_for(self, first: np.ndarray, last: np.ndarray) -> np.ndarray | None:
+        """Sorted, disjoint global ranges holding every trained-on position of each interval
+        ``[first[i], last[i])`` (what a batch needs), or None without a mask; read lazily."""
+        ...

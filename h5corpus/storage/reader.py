@@ -463,6 +463,8 @@ class Corpus:
         if self.manifest is not None:
             for e in self.entries:
                 h.update(e.sha256.encode())
+                if e.loss_sha256 is not None:  # a fine-tuning mask is part of what a checkpoint trained on
+                    h.update(e.loss_sha256.encode())
         else:
             h.update(f"{self.paths[0]}:{self.num_tokens}".encode())
         self.__dict__["_fingerprint"] = (key, h.hexdigest())
@@ -839,6 +841,8 @@ class Corpus:
         d.pop("_rtab", None)
         d.pop("_layout_map", None)  # mapped again, per process
         d.pop("_fdn", None)
+        d.pop("_loss_cache", None)  # re-read (and proven) in the process that asks
+        d.pop("_loss_shards", None)
         if self.manifest is not None:  # re-readable from the immutable shards
             d["_doc_ids"] = None
             d["_doc_flags"] = None
@@ -1116,6 +1120,101 @@ class Corpus:
             tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
         self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
         return tab
+
+    # -- fine-tuning: loss mask and BOS (docs/FORMAT.md, "Loss masks") -------------------------------
+    @property
+    def sft(self) -> dict[str, Any]:
+        """The manifest's fine-tuning facts (``loss_mask``, ``bos_id``, ``loss_on``); {} for a
+        pretraining corpus or a live shard."""
+        if self.manifest is None:
+            return {}
+        return dict(self.manifest.extra.get(fmt.SFT_KEY) or {})
+
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS id every document of this corpus starts with (``build --loss-on ... --bos``), or None."""
+        v = self.sft.get("bos_id")
+        return None if v is None else int(v)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True when the split's shards store a loss mask (``/loss_spans``)."""
+        hit = self.__dict__.get("_has_loss")
+        if hit is None or hit[0] != self.num_shards:
+            hit = (self.num_shards, any(e.loss_sha256 is not None for e in self.entries))
+            self.__dict__["_has_loss"] = hit
+        return hit[1]
+
+    def loss_spans_for(self, first: np.ndarray, last: np.ndarray) -> np.ndarray | None:
+        """(K, 2) int64 global ``[start, end)`` trained-on ranges (sorted, disjoint) that hold
+        every trained-on position of each interval ``[first[i], last[i])``: the ranges of every
+        shard those intervals touch. None when the split has no loss mask. What the loaders call
+        per batch: a shard's ranges are read, and proven against the manifest's ``loss_sha256``,
+        when a batch first touches it, and kept for at most :data:`MAX_OPEN_SHARDS` shards per
+        process (never the whole split's array)."""
+        if not self.has_loss_mask:
+            return None
+        first = np.asarray(first, dtype=np.int64)
+        if not first.size:
+            return np.zeros((0, 2), np.int64)
+        sts = self.shard_token_starts
+        top = self.num_shards - 1
+        lo = np.clip(np.searchsorted(sts, first, side="right") - 1, 0, top)
+        hi = np.clip(np.searchsorted(sts, np.maximum(np.asarray(last, np.int64) - 1, first), side="right") - 1, lo, top)
+        n = hi - lo + 1
+        touched = np.unique(np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+        cache = self.__dict__.setdefault("_loss_shards", {})  # shard -> its ranges, in global positions
+        parts = []
+        for s in touched.tolist():
+            spans = cache.pop(s, None)  # re-inserted: the dict's order is the order of last use
+            if spans is None:
+                spans = self._shard_loss_spans(s) + int(sts[s])
+                if len(cache) >= MAX_OPEN_SHARDS:
+                    for old in list(cache)[: MAX_OPEN_SHARDS // 2]:
+                        del cache[old]
+            cache[s] = spans
+            parts.append(spans)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def loss_spans(self) -> np.ndarray | None:
+        """(K, 2) int64 global ``[start, end)`` token ranges of this split whose positions are
+        trained-on targets (sorted, disjoint), or None when the split has no loss mask (every
+        target trained on). The whole split's ranges (``inspect``'s checks; the loaders ask
+        :meth:`loss_spans_for` instead), read from every shard's ``/loss_spans`` (16 bytes per
+        range), each proven against the manifest's ``loss_sha256`` first; a shard without a
+        mask in a masked split is refused."""
+        hit = self.__dict__.get("_loss_cache")
+        if hit is not None and hit[0] == self.num_shards:
+            return hit[1]
+        out: np.ndarray | None = None
+        if self.has_loss_mask:
+            parts = [self._shard_loss_spans(s) + int(self.shard_token_starts[s]) for s in range(self.num_shards)]
+            out = np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+        self.__dict__["_loss_cache"] = (self.num_shards, out)
+        return out
+
+    def _shard_loss_spans(self, shard: int) -> np.ndarray:
+        """One shard's ``/loss_spans`` (shard positions), proven against its manifest entry."""
+        e, path = self.entries[shard], self.paths[shard]
+        if e.loss_sha256 is None:
+            raise FormatError(f"{path}: the split has a loss mask but this shard's manifest entry has no loss_sha256")
+        self._check_unchanged(shard)
+        try:
+            with h5open(path) as f:
+                ds = f.get(fmt.LOSS_SPANS)
+                if not isinstance(ds, h5py.Dataset) or ds.ndim != 2 or ds.shape != (e.loss_spans, 2):
+                    got = "missing" if not isinstance(ds, h5py.Dataset) else f"of shape {ds.shape}"
+                    raise FormatError(
+                        f"{path}: /{fmt.LOSS_SPANS} is {got}, manifest says {e.loss_spans:,} ranges; run h5corpus validate"
+                    )
+                spans = np.asarray(ds[()], dtype=np.int64).reshape(-1, 2)
+        except (OSError, KeyError, RuntimeError) as err:
+            raise FormatError(f"{path}: cannot read /{fmt.LOSS_SPANS} ({err}); run h5corpus validate") from None
+        if self._verify and fmt.loss_spans_sha256(spans) != e.loss_sha256:
+            raise FormatError(
+                f"{path}: /{fmt.LOSS_SPANS} differs from the manifest's loss_sha256 (corrupt mask); run h5corpus validate"
+            )
+        return spans
 
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i`` (EOS included unless it was truncated at build time); verified

@@ -575,7 +575,79 @@ def validate_corpus(
     finally:
         if bar:
             bar.close()
+    bos = (m.extra.get(fmt.SFT_KEY) or {}).get("bos_id")
     for found in results:
+        if bos is not None and int(bos) == m.tokenizer.eos_id:  # BOS = EOS: judged by sft_findings
+            found = [f for f in found if not (f.code == "eos" and "inside documents" in f.message)]
         report.findings.extend(found)
+    report.findings.extend(sft_findings(m, deep=deep))
     report.findings.sort(key=lambda f: (f.shard or "", f.code))
     return report
+
+
+# -- fine-tuning shards: the loss mask and the BOS convention (docs/FORMAT.md, "Loss masks") ------
+def sft_findings(m: Manifest, *, deep: bool = False) -> list[Finding]:
+    """The fine-tuning facts of every shard: ``/loss_spans`` (present when the entry lists a
+    ``loss_sha256``, of the listed row count and hash, sorted, disjoint, inside documents after
+    their first token) and, when the manifest's ``sft.bos_id`` is set, every document starting
+    with BOS (``deep``: and no BOS anywhere else but, for BOS = EOS, at document ends)."""
+    sft = m.extra.get(fmt.SFT_KEY) or {}
+    bos = sft.get("bos_id")
+    out: list[Finding] = []
+    for e in m.shards:
+        if e.loss_sha256 is None and bos is None:
+            continue
+        if sft.get("loss_mask") and e.loss_sha256 is None:
+            out.append(Finding(e.path, "loss_spans", "the corpus has a loss mask but this entry has no loss_sha256"))
+            continue
+        try:
+            with h5py.File(str(m.shard_path(e)), "r") as f:
+                out.extend(_sft_shard(f, e, None if bos is None else int(bos), m.tokenizer.eos_id, deep))
+        except (OSError, KeyError, RuntimeError, ValueError) as err:
+            out.append(Finding(e.path, "unreadable", f"cannot read the fine-tuning data ({err})"))
+    return out
+
+
+def _sft_shard(f: h5py.File, e: ShardRecord, bos: int | None, eos: int, deep: bool) -> list[Finding]:
+    offsets = f[fmt.DOC_OFFSETS][()]
+    out: list[Finding] = []
+    if e.loss_sha256 is not None:
+        ds = f.get(fmt.LOSS_SPANS)
+        if not isinstance(ds, h5py.Dataset):
+            return [Finding(e.path, "loss_spans", f"/{fmt.LOSS_SPANS} is missing")]
+        spans = ds[()]
+        if spans.shape[0] != e.loss_spans:
+            out.append(
+                Finding(
+                    e.path,
+                    "loss_spans",
+                    f"/{fmt.LOSS_SPANS} holds {spans.shape[0]:,} ranges, manifest says {e.loss_spans:,}",
+                )
+            )
+        if fmt.loss_spans_sha256(spans) != e.loss_sha256:
+            out.append(Finding(e.path, "loss_sha256", f"/{fmt.LOSS_SPANS} differs from the manifest's loss_sha256"))
+        out.extend(Finding(e.path, p.code, p.message) for p in fmt.loss_span_problems(spans, offsets))
+    if bos is None or offsets.size < 2:
+        return out
+    tokens = f[fmt.TOKENS]
+    first = tokens[offsets[:-1]] if not deep else None
+    if deep:
+        all_tokens = tokens[()]
+        first = all_tokens[offsets[:-1]]
+        at = np.flatnonzero(all_tokens == bos)
+        allowed = offsets[:-1] if bos != eos else np.union1d(offsets[:-1], offsets[1:] - 1)
+        inner = np.setdiff1d(at, allowed)
+        if inner.size:
+            out.append(
+                Finding(
+                    e.path, "bos", f"{inner.size:,} BOS ids {bos} inside documents (first: token {int(inner[0]):,})"
+                )
+            )
+    bad = np.flatnonzero(first != bos)
+    if bad.size:
+        out.append(
+            Finding(
+                e.path, "bos", f"{bad.size:,} documents do not start with BOS {bos} (first: document {int(bad[0]):,})"
+            )
+        )
+    return out

@@ -150,6 +150,30 @@ def _create_datasets(
     return tokens, offsets, ids, flags, sums, osums
 
 
+def _inner_eos(is_eos: np.ndarray, ends: np.ndarray, lengths: np.ndarray, bos_is_eos: bool) -> int:
+    """Position of the first EOS inside a document of a batch (not its last id; with
+    ``bos_is_eos``, not its first either), or -1."""
+    inner = is_eos.copy()
+    inner[ends - 1] = False
+    if bos_is_eos:  # BOS = EOS: each document's first id is its BOS
+        inner[ends - lengths] = False
+    return int(np.argmax(inner)) if inner.any() else -1
+
+
+def _create_loss_spans(f: h5py.File) -> list[np.ndarray]:
+    """Create the optional ``/loss_spans`` dataset (fine-tuning shards) while the file is not yet
+    in SWMR mode; the writer fills it at close. Returns the writer's list of pending ranges."""
+    f.create_dataset(
+        fmt.LOSS_SPANS,
+        shape=(0, 2),
+        maxshape=(None, 2),
+        dtype=fmt.LOSS_SPANS_DTYPE,
+        chunks=(fmt.LOSS_SPANS_CHUNK, 2),
+        track_times=False,
+    )
+    return []
+
+
 class ShardWriter:
     """Append documents to one shard of one split.
 
@@ -166,6 +190,10 @@ class ShardWriter:
         compression_opts: options for ``compression``.
         fsync: fsync the file before the rename and its folder after it (default). ``False``
             keeps the same bytes and atomic rename, without durability against power loss.
+        loss_mask: also store ``/loss_spans`` (fine-tuning: :meth:`add_documents` takes each
+            batch's trained-on ranges; docs/FORMAT.md, "Loss masks"), written at :meth:`close`.
+        bos_id: the BOS id every document starts with (None: none); when it equals ``eos_id``, an
+            EOS at a document's first position is its BOS, not an EOS inside it.
     """
 
     def __init__(
@@ -178,6 +206,8 @@ class ShardWriter:
         compression: Any = None,
         compression_opts: Any = None,
         fsync: bool = True,
+        loss_mask: bool = False,
+        bos_id: int | None = None,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -199,6 +229,8 @@ class ShardWriter:
         self._direct = compression is None
         dsets = _create_datasets(f, self.dtype, self.chunk_tokens, compression, compression_opts)
         self._tokens, self._offsets, self._ids, self._flags, self._sums_ds, self._offsets_sums_ds = dsets
+        self._loss: list[np.ndarray] | None = _create_loss_spans(f) if loss_mask else None
+        self.bos_id = None if bos_id is None else int(bos_id)
         for k, v in attrs.items():
             f.attrs[k] = _fixed_string(v) if isinstance(v, str) else v
         f.swmr_mode = True  # every object exists; from here on only datasets grow
@@ -256,14 +288,21 @@ class ShardWriter:
         )
 
     def add_documents(
-        self, flat: np.ndarray, lengths: np.ndarray, doc_ids: np.ndarray, flags: np.ndarray | None = None
+        self,
+        flat: np.ndarray,
+        lengths: np.ndarray,
+        doc_ids: np.ndarray,
+        flags: np.ndarray | None = None,
+        loss_spans: np.ndarray | None = None,
     ) -> None:
         """Append a batch of documents given as one flat id array and per-document ``lengths`` (tokens).
 
         ``doc_ids`` is uint8 (n, 32) (sha256 of each text; the shard stores the first 16 bytes) or
         (n, 16) (ids read from a version 3 shard); ``flags`` uint8 (n,) of ``FLAG_*`` bits (default 0). The batch is
         checked as a whole (ids in range, EOS exactly at each untruncated end) before anything is
-        buffered, so a bad document leaves the shard as it was.
+        buffered, so a bad document leaves the shard as it was. ``loss_spans`` (a writer made with
+        ``loss_mask=True`` only, and then required): (k, 2) int64 trained-on ``[start, end)`` ranges
+        in positions of ``flat`` (:func:`~h5corpus.storage.format.loss_span_problems`).
         """
         if self._closed:
             raise RuntimeError(f"{self.final_path}: writer is closed")
@@ -298,23 +337,40 @@ class ShardWriter:
             raise ValueError(
                 f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} does not end with EOS {self.eos_id}"
             )
-        eos_count = int(is_eos.sum())
-        if eos_count != int(last_is_eos.sum()):
-            inner = np.zeros(flat.size, dtype=bool)
-            inner[:] = is_eos
-            inner[ends - 1] = False
-            pos = int(np.argmax(inner))
-            i = int(np.searchsorted(ends, pos, side="right"))
-            raise ValueError(
-                f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it"
-            )
-
+        if int(is_eos.sum()) != int(last_is_eos.sum()):
+            self._refuse_inner_eos(is_eos, ends, lengths, doc_ids)
+        self._check_loss_spans(loss_spans, ends, lengths)
         self._ends.append(self._n_tokens + ends)
         self._id_blocks.append(doc_ids.copy())
         self._flag_blocks.append(flags.copy())
         self._n_docs += n
         self._n_tokens += int(ends[-1])
         self._append_tokens(flat.astype(self.dtype, copy=False))
+
+    def _refuse_inner_eos(self, is_eos: np.ndarray, ends: np.ndarray, lengths: np.ndarray, doc_ids: np.ndarray) -> None:
+        """Raise naming the first document with an EOS inside it (a BOS equal to EOS excepted)."""
+        pos = _inner_eos(is_eos, ends, lengths, self.bos_id == self.eos_id)
+        if pos >= 0:
+            i = int(np.searchsorted(ends, pos, side="right"))
+            raise ValueError(
+                f"{self.final_path}: document {doc_ids[i].tobytes().hex()[:16]} has EOS {self.eos_id} inside it"
+            )
+
+    def _check_loss_spans(self, spans: np.ndarray | None, ends: np.ndarray, lengths: np.ndarray) -> None:
+        """Check a batch's trained-on ranges (positions of the batch) and keep them in shard
+        positions; a writer without ``loss_mask`` takes none, one with it needs them."""
+        if self._loss is None:
+            if spans is not None:
+                raise ValueError(f"{self.final_path}: loss_spans given to a writer made without loss_mask=True")
+            return
+        if spans is None:
+            raise ValueError(f"{self.final_path}: a writer made with loss_mask=True needs loss_spans for every batch")
+        s = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        offsets = np.concatenate([np.zeros(1, np.int64), ends])
+        bad = fmt.loss_span_problems(s, offsets)
+        if bad:
+            raise ValueError(f"{self.final_path}: {bad[0].message}")
+        self._loss.append(s + self._n_tokens)  # ranges never cross a document: batches never touch
 
     def _append_tokens(self, a: np.ndarray) -> None:
         i = 0
@@ -397,6 +453,7 @@ class ShardWriter:
         osums.set_extent((offsets_sums.size,))
         _write_rows(osums, 0, offsets_sums)
         osums.flush()
+        loss = self._write_loss_spans()
         self._f.close()
         self._closed = True
         if self.fsync:
@@ -416,8 +473,22 @@ class ShardWriter:
             index_sha256=fmt.index_sha256(offsets, ids, flags, chunk_sums, offsets_sums),
             bytes=nbytes,
             sums_sha256=fmt.sums_sha256(chunk_sums, offsets_sums),
+            loss_sha256=None if loss is None else fmt.loss_spans_sha256(loss),
+            loss_spans=0 if loss is None else int(loss.shape[0]),
         )
         return self.info
+
+    def _write_loss_spans(self) -> np.ndarray | None:
+        """Write ``/loss_spans`` (a ``loss_mask`` writer, at close); returns the ranges."""
+        if self._loss is None:
+            return None
+        spans = np.concatenate(self._loss) if self._loss else np.zeros((0, 2), np.int64)
+        ds = self._f[fmt.LOSS_SPANS]
+        ds.resize((spans.shape[0], 2))
+        if spans.size:
+            ds[:] = spans
+        ds.flush()
+        return spans
 
     def abort(self) -> None:
         """Close and delete the partial file; nothing is published."""

@@ -38,6 +38,7 @@ from ..report import BuildReport
 from ..stages.buckets import lsh_params
 from ..stages.buildplan import BuildPlan, filters_spec, rebuild_filters
 from ..stages.decide import Decider
+from ..stages.sftread import SFTSpec
 from ..stages.statedir import StateDir
 from ..tokenize.encoders import Encoder, HFEncoder
 from ..tokenize.proof import prove_fast_path
@@ -94,6 +95,8 @@ class Target:
     fingerprint: str
     fast_loading: Background | None = None
     """The fast encoder being loaded (:func:`~h5corpus.build.tokenize.encoders.fast_encoder` on a thread)."""
+    sft: SFTSpec | None = None
+    """A fine-tuning build's settings (``BuildConfig.loss_on``), resolved; None for pretraining."""
 
 
 @dataclass
@@ -230,6 +233,7 @@ def make_plan(target: Target, tasks: Sequence[Task], encoder: Encoder, decider: 
         manifest=str(target.manifest_path),
         sources=dict(target.sources),
         explain_drops=None if cfg.explain_drops is None else str(Path(cfg.explain_drops).absolute()),
+        sft=None if target.sft is None else target.sft.to_json(),
     )
 
 

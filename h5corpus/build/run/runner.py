@@ -39,6 +39,7 @@ from ..input.sources import plan_tasks, resolve_sources
 from ..oserrors import BuildOSError, as_build_os_error, check_output_kinds, check_writable, os_step
 from ..report import BuildReport, check_build_sections, report_from_manifest
 from ..stages.buildplan import read_plan_run
+from ..stages.sftread import refuse_non_record_sources, sft_spec
 from ..stages.shards import our_shard_files
 from ..stages.statedir import StateDir
 from ..tokenize.encoders import fast_encoder
@@ -92,9 +93,13 @@ def build_corpus(config: BuildConfig) -> BuildReport:
     # fastokens builds its tables without holding the GIL (about 0.5 s for GPT-2, docs/BUILD.md):
     # the fast encoder loads on a thread from here on, while this one resolves the sources, plans
     # the tasks and reads the proof's sample; it is taken (the thread joined) before a worker forks.
-    loading = Background(fast_encoder, tok, cfg.fast_encoders) if cfg.fast_path else None
+    sft = sft_spec(cfg, tok)  # a fine-tuning build encodes with the reference encoder (offsets)
+    loading = Background(fast_encoder, tok, cfg.fast_encoders) if cfg.fast_path and sft is None else None
     inputs = resolve_sources(list(cfg.sources), hf_cache_dir=cfg.hf_cache_dir, text_field=cfg.text_field)
     settings = cfg.settings()
+    if sft is not None:
+        refuse_non_record_sources(inputs)
+        settings["sft"] = sft.settings()
     sources = {"inputs": [i.describe() for i in inputs]}
     run_id = {"settings": settings, "tokenizer": tok.identity.to_json(), "sources": [i.spec for i in inputs]}
     target = Target(
@@ -108,6 +113,7 @@ def build_corpus(config: BuildConfig) -> BuildReport:
         run_id=run_id,
         fingerprint=hashlib.sha256(_canonical({"run": run_id, "sources": sources})).hexdigest(),
         fast_loading=loading,
+        sft=sft,
     )
     try:
         with BuildLock(shards_dir, manifest_path) as lock:

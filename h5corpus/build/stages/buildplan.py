@@ -103,6 +103,9 @@ class BuildPlan:
     """Absolute path of the ``--perplexity-scores`` file, when asked for."""
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     """Longest record the read stage reads (:attr:`BuildConfig.max_record_bytes`)."""
+    sft: dict[str, Any] | None = None
+    """A fine-tuning build's settings (:class:`~h5corpus.build.stages.sftread.SFTSpec`: what to
+    train on, the BOS id, the chat template's source), or None for a pretraining build."""
     version: int = PLAN_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -142,6 +145,7 @@ _OPTIONAL_FIELDS = (
     "record_perplexity",
     "drop_worst_fraction",
     "perplexity_scores",
+    "sft",
 )
 """Fields a plan written before they existed lacks (their defaults apply)."""
 

@@ -27,6 +27,7 @@ from ..oserrors import os_step
 from .buildplan import StageContext
 from .explain import ExplainFile
 from .scores import write_scores
+from .sftread import SFTSpec, add_trained_tokens
 from .shards import build_file_task, our_shard_files
 from .statedir import FinishRecord, ReadRecord, TaskDecision
 
@@ -83,6 +84,8 @@ def _manifest_extra(
     extra: dict[str, Any] = {"source": dict(sources), "build": build_info}
     if plan.filters is not None:
         extra["filters"] = {"settings": settings["filters"], "counters": totals.filter_counters}
+    if plan.sft is not None:  # a fine-tuning corpus: its shards store loss masks
+        extra[fmt.SFT_KEY] = SFTSpec.from_json(plan.sft).manifest_facts()
     return extra
 
 
@@ -137,6 +140,8 @@ def commit(
     for name, st in splits.items():
         st["pairs"] = st["tokens"] - st["documents"]
         st["shards"] = sum(1 for e in entries if e.split == name)
+    if plan.sft is not None:
+        add_trained_tokens(splits, shards_dir, [s for rec in reads for s in finishes[rec.index].shards])
     extra = _manifest_extra(plan, reads, totals, sources)
     m = Manifest(
         tokenizer=plan.tokenizer,

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from ...storage import format as fmt
@@ -197,14 +198,28 @@ class ShardSequence:
         chunk_tokens: int,
         shard_tokens: int,
         syncer: Syncer | None = None,
+        *,
+        loss_mask: bool = False,
+        bos_id: int | None = None,
     ) -> None:
         self.directory, self.name, self.split = directory, name, split
         self.identity, self.chunk_tokens, self.cap = identity, chunk_tokens, shard_tokens
         self.syncer = syncer
+        self.loss_mask, self.bos_id = loss_mask, bos_id
+        """A fine-tuning build's shards: ``/loss_spans`` (every :meth:`add` gives the ranges) and the BOS id."""
         self.w: ShardWriter | None = None
         self.infos: list[ShardRecord] = []
 
-    def add(self, flat: np.ndarray, lengths: np.ndarray, ids: np.ndarray, flags: np.ndarray) -> None:
+    def add(
+        self,
+        flat: np.ndarray,
+        lengths: np.ndarray,
+        ids: np.ndarray,
+        flags: np.ndarray,
+        loss_spans: np.ndarray | None = None,
+    ) -> None:
+        """Append documents (``loss_spans``: a fine-tuning sequence's (k, 2) trained-on ranges, in
+        positions of ``flat``)."""
         i, n, pos = 0, lengths.size, 0
         while i < n:
             if self.w is None:
@@ -214,6 +229,8 @@ class ShardSequence:
                     tokenizer=self.identity,
                     chunk_tokens=self.chunk_tokens,
                     fsync=False,
+                    loss_mask=self.loss_mask,
+                    bos_id=self.bos_id,
                 )
             cs = np.cumsum(lengths[i:])
             k = int(np.searchsorted(cs, self.cap - self.w.tokens, side="right"))
@@ -224,7 +241,11 @@ class ShardSequence:
                     self._close()
                     continue
             take = int(cs[k - 1])
-            self.w.add_documents(flat[pos : pos + take], lengths[i : i + k], ids[i : i + k], flags[i : i + k])
+            loss = None
+            if loss_spans is not None:  # the ranges of these documents, in their own positions
+                a, b = np.searchsorted(loss_spans[:, 0], [pos, pos + take])
+                loss = loss_spans[a:b] - pos
+            self.w.add_documents(flat[pos : pos + take], lengths[i : i + k], ids[i : i + k], flags[i : i + k], loss)
             pos += take
             i += k
             if self.w.tokens >= self.cap:
@@ -261,4 +282,18 @@ def shards_intact(
 ) -> bool:
     """True when every listed shard (paths relative to ``directory``) is on disk and matches its hashes."""
     expect = ShardExpectation.of(identity, chunk_tokens)
-    return all(not check_shard(str(directory / s.path), s, expect)[0] for s in shards)
+    return all(
+        not check_shard(str(directory / s.path), s, expect)[0] and _loss_intact(directory / s.path, s) for s in shards
+    )
+
+
+def _loss_intact(path: Path, s: ShardRecord) -> bool:
+    """A fine-tuning shard's ``/loss_spans`` matches its record's ``loss_sha256`` (True without one)."""
+    if s.loss_sha256 is None:
+        return True
+    try:
+        with h5py.File(path, "r") as f:
+            spans = np.asarray(f[fmt.LOSS_SPANS][()], dtype=np.int64)
+    except (OSError, KeyError):
+        return False
+    return fmt.loss_spans_sha256(spans) == s.loss_sha256

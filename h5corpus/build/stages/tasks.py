@@ -51,6 +51,7 @@ from ..config import (
 from ..input.records import BadRecord, DocChunk, LocatingReader, TaskReader
 from .buildplan import StageContext
 from .explain import explain_line
+from .sftread import read_sft_records, sft_bos_id
 from .shards import (
     ShardSequence,
     Syncer,
@@ -125,6 +126,8 @@ class _ReadOutputs:
                 plan.chunk_tokens,
                 plan.shard_tokens,
                 self.syncer,
+                loss_mask=plan.sft is not None,
+                bos_id=sft_bos_id(plan),
             )
             for split in fmt.SPLITS
         ]
@@ -138,9 +141,17 @@ class _ReadOutputs:
         self.ex_drops: list[tuple[int, dict[str, Any]]] = []  # (record ordinal, explain line) of drops
         self.ex_rows: list[list[Any]] = []  # per table row: [ordinal, id as read, source, "line"/"row", n, lang, prob]
 
-    def add_split(self, s: int, flat: np.ndarray, lengths: np.ndarray, ids: np.ndarray, flags: np.ndarray) -> None:
+    def add_split(
+        self,
+        s: int,
+        flat: np.ndarray,
+        lengths: np.ndarray,
+        ids: np.ndarray,
+        flags: np.ndarray,
+        loss_spans: np.ndarray | None = None,
+    ) -> None:
         try:
-            self.seqs[s].add(flat, lengths, ids, flags)
+            self.seqs[s].add(flat, lengths, ids, flags, loss_spans)
         except ValueError as e:  # the writer refused the ids (out of range, EOS inside a document)
             raise BuildError(f"{self.label}: tokenizer output cannot be stored: {e}") from None
 
@@ -527,7 +538,9 @@ def read_task(ctx: StageContext, index: int) -> ReadRecord:
     out = _ReadOutputs(ctx, task.label, paths)
     run = _TaskRead(ctx, task.label, out)
     try:
-        if plan.explain:
+        if plan.sft is not None:
+            read_sft_records(run, task, plan)
+        elif plan.explain:
             reader: TaskReader = LocatingReader(
                 task, plan.text_field, plan.newlines_before.get(index, 0), plan.max_record_bytes
             )
@@ -631,6 +644,8 @@ def _copy_kept(
         plan.tokenizer,
         plan.chunk_tokens,
         plan.shard_tokens,
+        loss_mask=plan.sft is not None,
+        bos_id=sft_bos_id(plan),
     )
     out: list[ShardRecord] = []
     at = 0  # position of the current candidate shard's first document among this split's documents
@@ -656,6 +671,7 @@ def _copy_documents(path: Path, sel: np.ndarray, seq: ShardSequence) -> None:
         ids = f[fmt.DOC_IDS][:]
         flags = f[fmt.DOC_FLAGS][:]
         tokens = f[fmt.TOKENS]
+        loss = np.asarray(f[fmt.LOSS_SPANS][()], np.int64) if seq.loss_mask else None
         lens = (offs[1:] - offs[:-1])[sel]
         i = 0
         while i < sel.size:
@@ -664,5 +680,17 @@ def _copy_documents(path: Path, sel: np.ndarray, seq: ShardSequence) -> None:
             block = tokens[lo:hi]
             part = lens[i:j]
             rel = np.repeat(offs[sel[i:j]] - lo - (np.cumsum(part) - part), part)
-            seq.add(block[rel + np.arange(int(part.sum()), dtype=np.int64)], part, ids[sel[i:j]], flags[sel[i:j]])
+            kept = None if loss is None else _kept_spans(loss, offs, sel[i:j], part)
+            seq.add(block[rel + np.arange(int(part.sum()), dtype=np.int64)], part, ids[sel[i:j]], flags[sel[i:j]], kept)
             i = j
+
+
+def _kept_spans(loss: np.ndarray, offs: np.ndarray, docs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The trained-on ranges of documents ``docs`` (sorted; ``lens`` tokens each) of a shard with
+    ``/loss_spans`` ``loss`` and ``doc_offsets`` ``offs``, moved to where the documents lie once
+    copied end to end."""
+    new_start = np.full(offs.size - 1, -1, np.int64)
+    new_start[docs] = np.cumsum(lens) - lens
+    doc = np.searchsorted(offs, loss[:, 0], side="right") - 1
+    keep = new_start[doc] >= 0
+    return loss[keep] + (new_start[doc[keep]] - offs[doc[keep]])[:, None]
