@@ -219,7 +219,20 @@ def _without_shard_items(schema: dict[str, Any]) -> dict[str, Any]:
     return dict(schema, properties=props)
 
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"object": (dict,), "array": (list,), "string": (str,)}
+_JSON_TYPES: dict[str, Any] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: type(v) is int,
+    "number": lambda v: type(v) in (int, float),
+    "boolean": lambda v: type(v) is bool,
+    "null": lambda v: v is None,
+}
+
+
+def _is_type(v: Any, want: str | list[str]) -> bool:
+    """JSON Schema's ``type`` keyword (one name or a list of names; ``true`` is no integer)."""
+    return any(_JSON_TYPES[w](v) for w in ([want] if isinstance(want, str) else want))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -236,7 +249,7 @@ def _conforms(v: Any, schema: dict[str, Any]) -> bool:
         if key == "$schema":
             continue
         if key == "type":
-            ok = type(v) is int if want == "integer" else isinstance(v, _JSON_TYPES[want])
+            ok = _is_type(v, want)
         elif key == "const":
             ok = _same(v, want)
         elif key == "enum":

@@ -1199,6 +1199,8 @@ class Corpus:
         if e.loss_sha256 is None:
             raise FormatError(f"{path}: the split has a loss mask but this shard's manifest entry has no loss_sha256")
         self._check_unchanged(shard)
+        import h5py  # only fine-tuning corpora read their ranges through HDF5
+
         try:
             with h5open(path) as f:
                 ds = f.get(fmt.LOSS_SPANS)
