@@ -11,9 +11,11 @@ library call, then measures back to back, ``--repeats`` rounds, in this one proc
 * **copy**: ``s3fs.S3FileSystem.get`` of the split's shard objects into a folder (the link rate
   of a plain copy of the same bytes, client start included);
 * **fill**: ``open_corpus(s3://...)`` with an empty cache and ``run_table()``: every shard fetched
-  (``prefetch_workers`` at once), proven against the manifest, renamed and opened; **cold**: fill
-  plus the window loader's epoch; GETs per shard from the server's request log; the fill again
-  with ``RemoteOptions(proof="checksums")``;
+  (``prefetch_workers`` at once), proven against the manifest (the published manifest's
+  ``file_sha256``, hashed while the bytes arrive), renamed and opened; **cold**: fill plus the
+  window loader's epoch; GETs per shard from the server's request log; the fill again from the
+  same shards under a manifest without file hashes (the fallback proofs: ``"sha256"``, validate's
+  checks, and ``"checksums"``);
 * **local / warm**: each loader's epoch over the corpus opened from the local manifest and over
   the one opened through the full cache (opening timed apart: one GET of the manifest).
 
@@ -87,16 +89,21 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
     cold_s = fill_s + epoch(corpus, "window")[0]
     after = s3.gets("corpora")
     corpus.close()
-    shutil.rmtree(cache)
-    t0 = time.perf_counter()  # the same fill, downloads proven by the checksum chain
-    open_corpus(url, cache_dir=cache, remote=RemoteOptions(proof="checksums")).run_table()
-    fill_checksums_s = time.perf_counter() - t0
+    fallback = {}
+    for proof in ("sha256", "checksums"):  # the same fill under a manifest without file hashes
+        shutil.rmtree(cache, ignore_errors=True)
+        t0 = time.perf_counter()
+        open_corpus(
+            url.replace("shards.json", "plain.json"), cache_dir=cache, remote=RemoteOptions(proof=proof)
+        ).run_table()
+        fallback[proof] = time.perf_counter() - t0
     out = {
         "split_bytes": sum(e.bytes for e in train),
         "shards": len(train),
         "copy_s": copy_s,
         "fill_s": fill_s,
-        "fill_checksums_s": fill_checksums_s,
+        "fill_fallback_sha256_s": fallback["sha256"],
+        "fill_fallback_checksums_s": fallback["checksums"],
         "verify_s": verify_s,
         "cold_window_s": cold_s,
         "gets_per_shard": max(after[k.split("/", 1)[1]] - before[k.split("/", 1)[1]] for k in keys),
@@ -131,7 +138,9 @@ def main() -> None:
             import s3fs
 
             s3fs.S3FileSystem(skip_instance_cache=True).mkdir("corpora")
-            upload_corpus(manifest, "s3://corpora/bench")
+            upload_corpus(manifest, "s3://corpora/bench")  # the published manifest has file hashes
+            plain = manifest.read_bytes()  # the same corpus under a manifest without them
+            s3fs.S3FileSystem(skip_instance_cache=True).pipe_file("corpora/bench/manifests/plain.json", plain)
             url = "s3://corpora/bench/manifests/shards.json"
             rounds = [one_round(manifest, url, work, s3) for _ in range(args.repeats)]
     finally:
@@ -146,8 +155,9 @@ def main() -> None:
         f"window: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_window_s'] / r['warm_window_s']):.2f}x",
         f"bestfit: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_bestfit_s'] / r['warm_bestfit_s']):.2f}x",
         "open_corpus, warm cache (manifest GET, client start)": f"{med(lambda r: r['open_warm_s']) * 1e3:.0f} ms",
-        "cache fill (fetch + prove + open) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_s']):.2f}x",
-        "cache fill, proof='checksums' / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_checksums_s']):.2f}x",
+        "cache fill (fetch + prove by file_sha256 + open) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_s']):.2f}x",
+        "cache fill, no file hashes, proof='sha256' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_sha256_s']):.2f}x",
+        "cache fill, no file hashes, proof='checksums' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_checksums_s']):.2f}x",
         "cold epoch (fill + window epoch) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['cold_window_s']):.2f}x",
         "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
         "GETs per shard, cold (max)": str(max(r["gets_per_shard"] for r in rounds)),

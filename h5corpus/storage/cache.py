@@ -29,11 +29,12 @@ import fcntl
 import hashlib
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from .format import FormatError, ShardExpectation, ShardRecord
+from .format import FormatError, ShardExpectation, ShardRecord, file_sha256
 from .remote import RemoteError, RemoteOptions, filesystem, fs_path, join_url, redact, with_retries
 
 LOCK_SUFFIX = ".lock"
@@ -178,12 +179,59 @@ def _first_bad_chunk(ds: Any, n: int, chunk: int, table: Any) -> int:
 PROOFS = {"sha256": verify_shard, "checksums": prove_by_checksums}
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
+#: bytes the hashing thread of a download reads from its file at a time
+HASH_BLOCK = 4 << 20
+
+
+class StreamHash:
+    """The sha256 of a file hashed *while* another thread writes it front to back (a download):
+    a thread reads each block as it lands (from the page cache, hashlib releasing the GIL) so the
+    whole-file proof costs no pass after the download. :meth:`finish` (after the writer is done)
+    returns (hex digest, bytes hashed). A writer that does not write in order (a backend's
+    concurrent ranged parts) or that replaces the file makes the digest differ: the caller then
+    hashes the finished file once (:func:`~h5corpus.storage.format.file_sha256`) before it refuses anything."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._h, self._n, self._error = hashlib.sha256(), 0, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="h5c-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        buf = bytearray(HASH_BLOCK)
+        view = memoryview(buf)
+        try:
+            while True:
+                finished = self._done.is_set()  # read once more after the writer is done
+                got = os.preadv(self._fd, [buf], self._n)
+                if got:
+                    self._h.update(view[:got])
+                    self._n += got
+                elif finished:
+                    return
+                else:
+                    self._done.wait(0.002)
+        except OSError:
+            self._error = True
+
+    def finish(self) -> tuple[str, int]:
+        self._done.set()
+        self._thread.join()
+        os.close(self._fd)
+        return ("" if self._error else self._h.hexdigest()), self._n
+
+
+def prove_by_file_hash(path: str, entry: ShardRecord, streamed: str) -> str:
+    """ "" when the file at ``path`` has the manifest's size and whole-file sha256
+    (``file_sha256``); ``streamed`` is the digest taken during the download (re-hashed from the
+    file once when it differs); else the problem."""
+    if _size(path) != entry.bytes:
+        return f"size: file is {_size(path):,} bytes, manifest says {entry.bytes:,}"
+    got = streamed if streamed == entry.file_sha256 else file_sha256(path)
+    if got != entry.file_sha256:
+        return f"file_sha256: file hash {got[:12]}... differs from the manifest's {str(entry.file_sha256)[:12]}..."
+    return ""
 
 
 class ShardCache:
@@ -354,12 +402,24 @@ class RemoteShards:
 
     def _fetch_verified(self, url: str, part: str, entry: ShardRecord, where: str) -> tuple[int | None, str]:
         """Download (or finish) ``part``; (a shared-locked fd on it, "") when it holds what the
-        manifest says (:func:`verify_shard`), else (None, the first problem) with ``part`` removed."""
+        manifest says, else (None, the first problem) with ``part`` removed. A manifest entry with
+        ``file_sha256`` is proven by the whole file's sha256, hashed while the bytes arrive
+        (:class:`StreamHash`); one without it by ``RemoteOptions.proof`` (:data:`PROOFS`)."""
         fs, path = self.fs(), fs_path(url)
-        with_retries(lambda: _transfer(fs, path, part, entry.bytes), self.options, where)
+        if _size(part) > entry.bytes:  # not a prefix of the shard: start afresh
+            os.unlink(part)
+        open(part, "ab").close()
+        streaming = StreamHash(part) if entry.file_sha256 else None
+        try:
+            with_retries(lambda: _transfer(fs, path, part, entry.bytes), self.options, where)
+        finally:
+            streamed = streaming.finish()[0] if streaming is not None else ""
         fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        problem = PROOFS[self.options.proof](part, entry, self.expect)
+        if entry.file_sha256:  # proven as it arrived; else by the fallback proofs
+            problem = prove_by_file_hash(part, entry, streamed)
+        else:
+            problem = PROOFS[self.options.proof](part, entry, self.expect)
         if not problem:
             return fd, ""
         os.close(fd)
@@ -388,18 +448,22 @@ class RemoteShards:
         except Exception:  # noqa: BLE001 - the read that needs the shard raises it
             pass
 
-    def fetch_all(self, items: list[tuple[ShardRecord, str]]) -> None:
+    def fetch_all(self, items: list[tuple[ShardRecord, str]], then: Callable[[int], None] | None = None) -> None:
         """Download every shard of ``items`` not cached yet, ``prefetch_workers`` at once, and
-        wait; raises the first failure. Processes start at different shards (by pid) so that
-        several fetching one corpus share the work instead of queueing on the same locks."""
+        wait; raises the first failure. ``then(i)`` runs in the calling thread as soon as item
+        ``i`` is cached (the reader opens it while the others still download). Processes start at
+        different shards (by pid) so that several fetching one corpus share the work instead of
+        queueing on the same locks."""
         if not items:
             return
         k = os.getpid() % len(items)
-        order = items[k:] + items[:k]
+        order = list(range(k, len(items))) + list(range(k))
         with ThreadPoolExecutor(self.options.prefetch_workers, thread_name_prefix="h5c-fetch") as pool:
-            futs: list[Future] = [pool.submit(self.acquire, e, p) for e, p in order if not os.path.exists(p)]
-            for f in futs:
+            futs: dict[Future, int] = {pool.submit(self.acquire, *items[i]): i for i in order}
+            for f in as_completed(futs):
                 f.result().release()
+                if then is not None:
+                    then(futs[f])
 
 
 def _unlink(path: str) -> None:

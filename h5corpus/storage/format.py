@@ -183,6 +183,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "sha256": _HEX64,
                     "index_sha256": _HEX64,
                     "sums_sha256": _HEX64,
+                    "file_sha256": _HEX64,
                     "bytes": _COUNT,
                 },
             },
@@ -284,10 +285,16 @@ class ShardRecord:
     sums_sha256: str | None = None
     """Version 3: hex sha256 of ``/chunk_xxh3`` ++ ``/offsets_xxh3`` (:func:`sums_sha256`), the
     link from the manifest to every checksum a reader trusts; None for older versions."""
+    file_sha256: str | None = None
+    """Optional: hex sha256 of the whole shard file's bytes, recorded by ``h5corpus upload`` so a
+    download is proven as it arrives (docs/FORMAT.md); None when not recorded."""
 
     def to_json(self) -> dict[str, Any]:
         keys = SHARD_KEYS if self.sums_sha256 is None else SHARD_KEYS_V3
-        return {k: getattr(self, k) for k in keys}
+        d = {k: getattr(self, k) for k in keys}
+        if self.file_sha256 is not None:
+            d["file_sha256"] = self.file_sha256
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str) -> ShardRecord:
@@ -304,6 +311,7 @@ class ShardRecord:
             index_sha256=str(d["index_sha256"]),
             bytes=int(d["bytes"]),
             sums_sha256=None if d.get("sums_sha256") is None else str(d["sums_sha256"]),
+            file_sha256=None if d.get("file_sha256") is None else str(d["file_sha256"]),
         )
 
     def with_path(self, path: str | os.PathLike[str]) -> ShardRecord:
@@ -688,6 +696,15 @@ def index_sha256(
         h.update(np.ascontiguousarray(checksums, dtype=CHECKSUM_DTYPE).tobytes())
     if offsets_checksums is not None:
         h.update(np.ascontiguousarray(offsets_checksums, dtype=CHECKSUM_DTYPE).tobytes())
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a shard file's bytes: a manifest entry's optional ``file_sha256``."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
     return h.hexdigest()
 
 
