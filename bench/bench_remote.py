@@ -20,14 +20,17 @@ library call, then measures back to back, ``--repeats`` rounds, in this one proc
   the one opened through the full cache (opening timed apart: one GET of the manifest).
 
 Figures are medians over rounds of ratios measured back to back within a round (every round is
-in the JSON with the load average): warm / local epoch on open corpora (target >= 0.9), fill and
-cold bytes/s over the plain copy's (target >= 0.8).
+in the JSON with the load average; also this process's CPU seconds for the copy and the fill,
+and the time to sha256 the split's bytes in memory): warm / local epoch on open corpora (target
+>= 0.9), fill and cold bytes/s over the plain copy's (target >= 0.8).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -46,6 +49,12 @@ from h5corpus.storage.publish import upload_corpus  # noqa: E402
 from h5corpus.storage.remote import RemoteOptions  # noqa: E402
 from testkit.corpora import BYTE_IDENTITY, byte_encode, stdlib_texts, write_corpus  # noqa: E402
 from testkit.objectstores import MotoS3  # noqa: E402
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process so far (every thread: the client's side of a transfer)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def epoch(source, loader: str) -> tuple[float, int]:
@@ -69,32 +78,38 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
 
     train = read_manifest(manifest).shards_of("train")
     keys = [f"corpora/bench/shards/train/{Path(e.path).name}" for e in train]
-    copy_dir, cache = work / "copy", work / "cache"
-    for d in (copy_dir, cache):
+    copy_dir, cache, fb_cache = work / "copy", work / "cache", work / "cache-fallback"
+    for d in (copy_dir, cache, fb_cache):
         shutil.rmtree(d, ignore_errors=True)
     copy_dir.mkdir()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     s3fs.S3FileSystem(skip_instance_cache=True).get(keys, str(copy_dir) + "/")
-    copy_s = time.perf_counter() - t0
+    copy_s, copy_cpu_s = time.perf_counter() - t0, cpu_s() - c0
+    blobs = [(copy_dir / Path(e.path).name).read_bytes() for e in train]
+    t0 = time.perf_counter()
+    for b in blobs:
+        hashlib.sha256(b).digest()
+    sha256_s = time.perf_counter() - t0
+    del blobs
     m = read_manifest(manifest)
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     t0 = time.perf_counter()
     assert not any(verify_shard(str(copy_dir / Path(e.path).name), e, expect) for e in train)
     verify_s = time.perf_counter() - t0
     before = s3.gets("corpora")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     corpus = open_corpus(url, cache_dir=cache)
     corpus.run_table()  # the split fits: every shard fetched (prefetch_workers at once), verified, opened
-    fill_s = time.perf_counter() - t0
+    fill_s, fill_cpu_s = time.perf_counter() - t0, cpu_s() - c0
     cold_s = fill_s + epoch(corpus, "window")[0]
     after = s3.gets("corpora")
     corpus.close()
     fallback = {}
     for proof in ("sha256", "checksums"):  # the same fill under a manifest without file hashes
-        shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(fb_cache, ignore_errors=True)
         t0 = time.perf_counter()
         open_corpus(
-            url.replace("shards.json", "plain.json"), cache_dir=cache, remote=RemoteOptions(proof=proof)
+            url.replace("shards.json", "plain.json"), cache_dir=fb_cache, remote=RemoteOptions(proof=proof)
         ).run_table()
         fallback[proof] = time.perf_counter() - t0
     out = {
@@ -102,6 +117,9 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
         "shards": len(train),
         "copy_s": copy_s,
         "fill_s": fill_s,
+        "copy_cpu_s": copy_cpu_s,
+        "fill_cpu_s": fill_cpu_s,
+        "sha256_s": sha256_s,
         "fill_fallback_sha256_s": fallback["sha256"],
         "fill_fallback_checksums_s": fallback["checksums"],
         "verify_s": verify_s,
@@ -160,6 +178,8 @@ def main() -> None:
         "cache fill, no file hashes, proof='checksums' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_checksums_s']):.2f}x",
         "cold epoch (fill + window epoch) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['cold_window_s']):.2f}x",
         "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
+        "sha256 of the split's bytes in memory, one thread (file_sha256's cost)": f"{med(lambda r: mb / r['sha256_s']):.0f} MB/s",
+        "client CPU seconds, fill / plain copy": f"{med(lambda r: r['fill_cpu_s'] / r['copy_cpu_s']):.2f}x",
         "GETs per shard, cold (max)": str(max(r["gets_per_shard"] for r in rounds)),
         "plain s3fs copy from moto on loopback": f"{med(lambda r: mb / r['copy_s']):.0f} MB/s ({mb:.0f} MB, {rounds[0]['shards']} shards)",
     }

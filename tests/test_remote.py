@@ -230,6 +230,39 @@ def test_upload_records_file_hashes_and_a_download_that_differs_is_refused(corpu
     assert not [p for p in cache.rglob(Path(e.path).name + "*") if not p.name.endswith(LOCK_SUFFIX)]
 
 
+def test_validate_and_inspect_take_a_manifest_url_through_the_cache(corpus, s3, tmp_path):
+    import s3fs
+
+    from h5corpus.storage.publish import upload_corpus
+
+    url = upload_corpus(corpus, f"s3://{BUCKET}/cli").manifest_url
+    env = dict(subprocess_env(), H5CORPUS_REMOTE_CACHE=str(tmp_path / "cache"))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "h5corpus", *args], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    m = read_manifest(corpus)
+    r = cli("validate", url, "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["manifest"], rep["shards"], rep["findings"]) == (url, len(m.shards), [])
+    local, remote = cli("inspect", str(corpus), "--json"), cli("inspect", url, "--json")
+    assert remote.returncode == 0, remote.stderr
+    want, got = json.loads(local.stdout), json.loads(remote.stdout)
+    assert got["splits"] == want["splits"] and got["splits"]  # the same figures from the cached copies
+    e = m.shards[3]
+    key = f"{BUCKET}/cli/shards/{e.path.split('shards/', 1)[1]}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    data = bytearray(fs.cat_file(key))
+    data[-1] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    env["H5CORPUS_REMOTE_CACHE"] = str(tmp_path / "cold")
+    r = cli("validate", url)
+    assert r.returncode == 1 and f"FAIL {e.path}: download: s3://{key}: shard {e.path}: " in r.stdout + r.stderr
+
+
 def test_a_file_written_out_of_order_is_hashed_again_not_refused(tmp_path):
     """StreamHash reads a download front to back as it grows; a writer of ranged parts (holes
     first) makes its digest differ, and the proof then hashes the finished file once."""

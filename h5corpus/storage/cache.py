@@ -181,29 +181,39 @@ PROOFS = {"sha256": verify_shard, "checksums": prove_by_checksums}
 
 #: bytes the hashing thread of a download reads from its file at a time
 HASH_BLOCK = 4 << 20
+#: writes (s3fs: 64 KiB each) after which a download's hashing thread is woken
+POKES_PER_WAKE = 32
 
 
 class StreamHash:
     """The sha256 of a file hashed *while* another thread writes it front to back (a download):
-    a thread reads each block as it lands (from the page cache, hashlib releasing the GIL) so the
-    whole-file proof costs no pass after the download. :meth:`finish` (after the writer is done)
-    returns (hex digest, bytes hashed). A writer that does not write in order (a backend's
-    concurrent ranged parts) or that replaces the file makes the digest differ: the caller then
-    hashes the finished file once (:func:`~h5corpus.storage.format.file_sha256`) before it refuses anything."""
+    a thread reads each block once it has landed (from the page cache; hashlib releases the GIL)
+    so that the whole-file proof costs no pass after the download. The writer calls :meth:`poke`
+    after each write (the backend's progress callback); the thread wakes every
+    :data:`POKES_PER_WAKE` pokes (or 50 ms, for a backend that reports none). :meth:`finish`,
+    once the writer is done, returns (hex digest, bytes hashed). A writer that does not write in
+    order (a backend's concurrent ranged parts) or that replaces the file makes the digest differ:
+    :func:`prove_by_file_hash` then hashes the finished file once before it refuses anything."""
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self._h, self._n, self._error = hashlib.sha256(), 0, False
-        self._done = threading.Event()
+        self._h, self._n, self._error, self._pokes, self._finished = hashlib.sha256(), 0, False, 0, False
+        self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="h5c-hash", daemon=True)
         self._thread.start()
+
+    def poke(self, *_: Any) -> None:
+        self._pokes += 1
+        if self._pokes % POKES_PER_WAKE == 0:
+            with self._wake:
+                self._wake.notify()
 
     def _run(self) -> None:
         buf = bytearray(HASH_BLOCK)
         view = memoryview(buf)
         try:
             while True:
-                finished = self._done.is_set()  # read once more after the writer is done
+                finished = self._finished  # read once more after the writer is done
                 got = os.preadv(self._fd, [buf], self._n)
                 if got:
                     self._h.update(view[:got])
@@ -211,12 +221,16 @@ class StreamHash:
                 elif finished:
                     return
                 else:
-                    self._done.wait(0.002)
+                    with self._wake:
+                        if not self._finished:
+                            self._wake.wait(0.05)
         except OSError:
             self._error = True
 
     def finish(self) -> tuple[str, int]:
-        self._done.set()
+        with self._wake:
+            self._finished = True
+            self._wake.notify()
         self._thread.join()
         os.close(self._fd)
         return ("" if self._error else self._h.hexdigest()), self._n
@@ -411,7 +425,8 @@ class RemoteShards:
         open(part, "ab").close()
         streaming = StreamHash(part) if entry.file_sha256 else None
         try:
-            with_retries(lambda: _transfer(fs, path, part, entry.bytes), self.options, where)
+            poke = streaming.poke if streaming is not None else None
+            with_retries(lambda: _transfer(fs, path, part, entry.bytes, poke), self.options, where)
         finally:
             streamed = streaming.finish()[0] if streaming is not None else ""
         fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
@@ -496,15 +511,18 @@ def _touch(path: str) -> None:
         pass
 
 
-def _transfer(fs: Any, path: str, part: str, size: int) -> None:
+def _transfer(fs: Any, path: str, part: str, size: int, poke: Callable[..., None] | None = None) -> None:
     """Bring ``part`` to ``size`` bytes of the object: the backend's whole-object copy when
-    nothing is there yet, else ranged reads from where it stops (a resumed download)."""
+    nothing is there yet, else ranged reads from where it stops (a resumed download);
+    ``poke()`` after each write (:class:`StreamHash`)."""
+    from fsspec.callbacks import Callback
+
     have = _size(part)
     if have > size:
         os.unlink(part)
         have = 0
     if have == 0:
-        fs.get_file(path, part)
+        fs.get_file(path, part, callback=Callback(hooks={"hash": poke}) if poke is not None else Callback())
         return
     if have == size:
         return
@@ -513,6 +531,9 @@ def _transfer(fs: Any, path: str, part: str, size: int) -> None:
         src.seek(have)
         while block := src.read(RESUME_BLOCK):
             out.write(block)
+            out.flush()
+            if poke is not None:
+                poke()
 
 
 def default_cache_dir() -> Path:
