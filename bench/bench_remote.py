@@ -71,7 +71,7 @@ def epoch(source, loader: str) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
+def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool) -> dict:
     """One round, back to back: the plain copy, the cold epoch (cache filled, then the window
     loader's epoch), then each loader's epoch from the local path and through the warm cache."""
     import s3fs
@@ -82,6 +82,7 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
     for d in (copy_dir, cache, fb_cache):
         shutil.rmtree(d, ignore_errors=True)
     copy_dir.mkdir()
+    os.sync()  # each timed transfer starts with no dirty pages of the previous one to write back
     t0, c0 = time.perf_counter(), cpu_s()
     s3fs.S3FileSystem(skip_instance_cache=True).get(keys, str(copy_dir) + "/")
     copy_s, copy_cpu_s = time.perf_counter() - t0, cpu_s() - c0
@@ -96,7 +97,22 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
     t0 = time.perf_counter()
     assert not any(verify_shard(str(copy_dir / Path(e.path).name), e, expect) for e in train)
     verify_s = time.perf_counter() - t0
+    fallback: dict[str, float] = {}
+
+    def fill_fallbacks() -> None:
+        for proof in ("sha256", "checksums"):  # the same fill under a manifest without file hashes
+            shutil.rmtree(fb_cache, ignore_errors=True)
+            os.sync()
+            t0 = time.perf_counter()
+            open_corpus(
+                url.replace("shards.json", "plain.json"), cache_dir=fb_cache, remote=RemoteOptions(proof=proof)
+            ).run_table()
+            fallback[proof] = time.perf_counter() - t0
+
+    if not hash_first:  # the order alternates between rounds: neither fill always follows the copy
+        fill_fallbacks()
     before = s3.gets("corpora")
+    os.sync()
     t0, c0 = time.perf_counter(), cpu_s()
     corpus = open_corpus(url, cache_dir=cache)
     corpus.run_table()  # the split fits: every shard fetched (prefetch_workers at once), verified, opened
@@ -104,19 +120,14 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
     cold_s = fill_s + epoch(corpus, "window")[0]
     after = s3.gets("corpora")
     corpus.close()
-    fallback = {}
-    for proof in ("sha256", "checksums"):  # the same fill under a manifest without file hashes
-        shutil.rmtree(fb_cache, ignore_errors=True)
-        t0 = time.perf_counter()
-        open_corpus(
-            url.replace("shards.json", "plain.json"), cache_dir=fb_cache, remote=RemoteOptions(proof=proof)
-        ).run_table()
-        fallback[proof] = time.perf_counter() - t0
+    if hash_first:
+        fill_fallbacks()
     out = {
         "split_bytes": sum(e.bytes for e in train),
         "shards": len(train),
         "copy_s": copy_s,
         "fill_s": fill_s,
+        "file_hash_fill_first": hash_first,
         "copy_cpu_s": copy_cpu_s,
         "fill_cpu_s": fill_cpu_s,
         "sha256_s": sha256_s,
@@ -160,7 +171,7 @@ def main() -> None:
             plain = manifest.read_bytes()  # the same corpus under a manifest without them
             s3fs.S3FileSystem(skip_instance_cache=True).pipe_file("corpora/bench/manifests/plain.json", plain)
             url = "s3://corpora/bench/manifests/shards.json"
-            rounds = [one_round(manifest, url, work, s3) for _ in range(args.repeats)]
+            rounds = [one_round(manifest, url, work, s3, k % 2 == 0) for k in range(args.repeats)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb = rounds[0]["split_bytes"] / 1e6

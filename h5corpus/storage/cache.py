@@ -30,7 +30,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +192,7 @@ class StreamHash:
     after each write (the backend's progress callback); the thread wakes every
     :data:`POKES_PER_WAKE` pokes (or 50 ms, for a backend that reports none). :meth:`finish`,
     once the writer is done, returns (hex digest, bytes hashed). A writer that does not write in
-    order (a backend's concurrent ranged parts) or that replaces the file makes the digest differ:
+    order, sizes the file first (s3fs's concurrent ranged parts) or replaces it makes the digest differ:
     :func:`prove_by_file_hash` then hashes the finished file once before it refuses anything."""
 
     def __init__(self, path: str) -> None:
@@ -463,22 +463,18 @@ class RemoteShards:
         except Exception:  # noqa: BLE001 - the read that needs the shard raises it
             pass
 
-    def fetch_all(self, items: list[tuple[ShardRecord, str]], then: Callable[[int], None] | None = None) -> None:
+    def fetch_all(self, items: list[tuple[ShardRecord, str]]) -> None:
         """Download every shard of ``items`` not cached yet, ``prefetch_workers`` at once, and
-        wait; raises the first failure. ``then(i)`` runs in the calling thread as soon as item
-        ``i`` is cached (the reader opens it while the others still download). Processes start at
-        different shards (by pid) so that several fetching one corpus share the work instead of
-        queueing on the same locks."""
+        wait; raises the first failure. Processes start at different shards (by pid) so that
+        several fetching one corpus share the work instead of queueing on the same locks."""
         if not items:
             return
         k = os.getpid() % len(items)
-        order = list(range(k, len(items))) + list(range(k))
+        order = items[k:] + items[:k]
         with ThreadPoolExecutor(self.options.prefetch_workers, thread_name_prefix="h5c-fetch") as pool:
-            futs: dict[Future, int] = {pool.submit(self.acquire, *items[i]): i for i in order}
-            for f in as_completed(futs):
+            futs: list[Future] = [pool.submit(self.acquire, e, p) for e, p in order if not os.path.exists(p)]
+            for f in futs:
                 f.result().release()
-                if then is not None:
-                    then(futs[f])
 
 
 def _unlink(path: str) -> None:

@@ -969,9 +969,10 @@ class Corpus:
         if self.num_shards > self._open_cap():  # the table needs every shard open at once
             self.__dict__["_rtab"] = (self._readers, key, len(self._readers), None)
             return None
-        if self._remote is not None:  # a cold cache: every shard at once, each opened as it lands
-            todo = [s for s in range(self.num_shards) if s not in self._leases]
-            self._remote.fetch_all([(self.entries[s], self.paths[s]) for s in todo], lambda i: self._reader(todo[i]))
+        if self._remote is not None:  # a cold cache: every shard at once, not one by one
+            self._remote.fetch_all(
+                [(e, p) for s, (e, p) in enumerate(zip(self.entries, self.paths)) if s not in self._leases]
+            )
         readers = [self._reader(s) for s in range(self.num_shards)]
         if readers and all(r.kind == "mmap" for r in readers):
             tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
