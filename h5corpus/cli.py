@@ -172,7 +172,7 @@ def print_validation(report, as_json: bool) -> int:
 
 @app.command("validate")
 def validate_cli(
-    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
+    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json, or its URL (s3://...)."),
     workers: int | None = typer.Option(None, "--workers", "-w", help="Shards hashed at once (default: all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
     deep: bool = typer.Option(
@@ -253,7 +253,7 @@ def _write_inspection(rep: Any, data: str, output: Path | None, plot: Path | Non
 
 @app.command("inspect")
 def inspect_cli(
-    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
+    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json, or its URL (s3://...)."),
     split: list[str] | None = typer.Option(None, "--split", help="Split(s) to inspect (default: all present)."),
     seq_len: int = typer.Option(4096, "--seq-len", help="Independent context limit, in input tokens."),
     batch_size: int = typer.Option(35, "--batch-size", help="Packs per microbatch."),
