@@ -11,21 +11,26 @@ library call, then measures back to back, ``--repeats`` rounds, in this one proc
 * **copy**: ``s3fs.S3FileSystem.get`` of the split's shard objects into a folder (the link rate
   of a plain copy of the same bytes, client start included);
 * **fill**: ``open_corpus(s3://...)`` with an empty cache and ``run_table()``: every shard fetched
-  (``prefetch_workers`` at once), proven against the manifest, renamed and opened; **cold**: fill
-  plus the window loader's epoch; GETs per shard from the server's request log; the fill again
-  with ``RemoteOptions(proof="checksums")``;
+  (``prefetch_workers`` at once), proven against the manifest (the published manifest's
+  ``file_sha256``, hashed while the bytes arrive), renamed and opened; **cold**: fill plus the
+  window loader's epoch; GETs per shard from the server's request log; the fill again from the
+  same shards under a manifest without file hashes (the fallback proofs: ``"sha256"``, validate's
+  checks, and ``"checksums"``);
 * **local / warm**: each loader's epoch over the corpus opened from the local manifest and over
   the one opened through the full cache (opening timed apart: one GET of the manifest).
 
 Figures are medians over rounds of ratios measured back to back within a round (every round is
-in the JSON with the load average): warm / local epoch on open corpora (target >= 0.9), fill and
-cold bytes/s over the plain copy's (target >= 0.8).
+in the JSON with the load average; also this process's CPU seconds for the copy and the fill,
+and the time to sha256 the split's bytes in memory): warm / local epoch on open corpora (target
+>= 0.9), fill and cold bytes/s over the plain copy's (target >= 0.8).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -46,6 +51,12 @@ from testkit.corpora import BYTE_IDENTITY, byte_encode, stdlib_texts, write_corp
 from testkit.objectstores import MotoS3  # noqa: E402
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process so far (every thread: the client's side of a transfer)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def epoch(source, loader: str) -> tuple[float, int]:
     """(seconds, tokens) of one epoch of ``loader`` over ``source`` (a path, URL or Corpus)."""
     t0 = time.perf_counter()
@@ -60,43 +71,68 @@ def epoch(source, loader: str) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def one_round(manifest: Path, url: str, work: Path, s3: MotoS3) -> dict:
+def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool) -> dict:
     """One round, back to back: the plain copy, the cold epoch (cache filled, then the window
     loader's epoch), then each loader's epoch from the local path and through the warm cache."""
     import s3fs
 
     train = read_manifest(manifest).shards_of("train")
     keys = [f"corpora/bench/shards/train/{Path(e.path).name}" for e in train]
-    copy_dir, cache = work / "copy", work / "cache"
-    for d in (copy_dir, cache):
+    copy_dir, cache, fb_cache = work / "copy", work / "cache", work / "cache-fallback"
+    for d in (copy_dir, cache, fb_cache):
         shutil.rmtree(d, ignore_errors=True)
     copy_dir.mkdir()
-    t0 = time.perf_counter()
+    os.sync()  # each timed transfer starts with no dirty pages of the previous one to write back
+    t0, c0 = time.perf_counter(), cpu_s()
     s3fs.S3FileSystem(skip_instance_cache=True).get(keys, str(copy_dir) + "/")
-    copy_s = time.perf_counter() - t0
+    copy_s, copy_cpu_s = time.perf_counter() - t0, cpu_s() - c0
+    blobs = [(copy_dir / Path(e.path).name).read_bytes() for e in train]
+    t0 = time.perf_counter()
+    for b in blobs:
+        hashlib.sha256(b).digest()
+    sha256_s = time.perf_counter() - t0
+    del blobs
     m = read_manifest(manifest)
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     t0 = time.perf_counter()
     assert not any(verify_shard(str(copy_dir / Path(e.path).name), e, expect) for e in train)
     verify_s = time.perf_counter() - t0
+    fallback: dict[str, float] = {}
+
+    def fill_fallbacks() -> None:
+        for proof in ("sha256", "checksums"):  # the same fill under a manifest without file hashes
+            shutil.rmtree(fb_cache, ignore_errors=True)
+            os.sync()
+            t0 = time.perf_counter()
+            open_corpus(
+                url.replace("shards.json", "plain.json"), cache_dir=fb_cache, remote=RemoteOptions(proof=proof)
+            ).run_table()
+            fallback[proof] = time.perf_counter() - t0
+
+    if not hash_first:  # the order alternates between rounds: neither fill always follows the copy
+        fill_fallbacks()
     before = s3.gets("corpora")
-    t0 = time.perf_counter()
+    os.sync()
+    t0, c0 = time.perf_counter(), cpu_s()
     corpus = open_corpus(url, cache_dir=cache)
     corpus.run_table()  # the split fits: every shard fetched (prefetch_workers at once), verified, opened
-    fill_s = time.perf_counter() - t0
+    fill_s, fill_cpu_s = time.perf_counter() - t0, cpu_s() - c0
     cold_s = fill_s + epoch(corpus, "window")[0]
     after = s3.gets("corpora")
     corpus.close()
-    shutil.rmtree(cache)
-    t0 = time.perf_counter()  # the same fill, downloads proven by the checksum chain
-    open_corpus(url, cache_dir=cache, remote=RemoteOptions(proof="checksums")).run_table()
-    fill_checksums_s = time.perf_counter() - t0
+    if hash_first:
+        fill_fallbacks()
     out = {
         "split_bytes": sum(e.bytes for e in train),
         "shards": len(train),
         "copy_s": copy_s,
         "fill_s": fill_s,
-        "fill_checksums_s": fill_checksums_s,
+        "file_hash_fill_first": hash_first,
+        "copy_cpu_s": copy_cpu_s,
+        "fill_cpu_s": fill_cpu_s,
+        "sha256_s": sha256_s,
+        "fill_fallback_sha256_s": fallback["sha256"],
+        "fill_fallback_checksums_s": fallback["checksums"],
         "verify_s": verify_s,
         "cold_window_s": cold_s,
         "gets_per_shard": max(after[k.split("/", 1)[1]] - before[k.split("/", 1)[1]] for k in keys),
@@ -131,9 +167,11 @@ def main() -> None:
             import s3fs
 
             s3fs.S3FileSystem(skip_instance_cache=True).mkdir("corpora")
-            upload_corpus(manifest, "s3://corpora/bench")
+            upload_corpus(manifest, "s3://corpora/bench")  # the published manifest has file hashes
+            plain = manifest.read_bytes()  # the same corpus under a manifest without them
+            s3fs.S3FileSystem(skip_instance_cache=True).pipe_file("corpora/bench/manifests/plain.json", plain)
             url = "s3://corpora/bench/manifests/shards.json"
-            rounds = [one_round(manifest, url, work, s3) for _ in range(args.repeats)]
+            rounds = [one_round(manifest, url, work, s3, k % 2 == 0) for k in range(args.repeats)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb = rounds[0]["split_bytes"] / 1e6
@@ -146,10 +184,13 @@ def main() -> None:
         f"window: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_window_s'] / r['warm_window_s']):.2f}x",
         f"bestfit: warm-cache epoch / local path (median of {n})": f"{med(lambda r: r['local_bestfit_s'] / r['warm_bestfit_s']):.2f}x",
         "open_corpus, warm cache (manifest GET, client start)": f"{med(lambda r: r['open_warm_s']) * 1e3:.0f} ms",
-        "cache fill (fetch + prove + open) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_s']):.2f}x",
-        "cache fill, proof='checksums' / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_checksums_s']):.2f}x",
+        "cache fill (fetch + prove by file_sha256 + open) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['fill_s']):.2f}x",
+        "cache fill, no file hashes, proof='sha256' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_sha256_s']):.2f}x",
+        "cache fill, no file hashes, proof='checksums' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_checksums_s']):.2f}x",
         "cold epoch (fill + window epoch) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['cold_window_s']):.2f}x",
         "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
+        "sha256 of the split's bytes in memory, one thread (file_sha256's cost)": f"{med(lambda r: mb / r['sha256_s']):.0f} MB/s",
+        "client CPU seconds, fill / plain copy": f"{med(lambda r: r['fill_cpu_s'] / r['copy_cpu_s']):.2f}x",
         "GETs per shard, cold (max)": str(max(r["gets_per_shard"] for r in rounds)),
         "plain s3fs copy from moto on loopback": f"{med(lambda r: mb / r['copy_s']):.0f} MB/s ({mb:.0f} MB, {rounds[0]['shards']} shards)",
     }

@@ -97,6 +97,17 @@ def check_path_arg(option: str, path: Path | None) -> None:
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
 
 
+def manifest_url(manifest: Path) -> str | None:
+    """The object-storage URL a MANIFEST argument spells (``s3://b/k`` arrives as ``s3:/b/k``), or
+    None for a local path."""
+    from .storage.remote import is_remote
+
+    text = str(manifest)
+    if _URL.match(text) and not text.split(":", 1)[1].startswith("//"):
+        text = text.replace(":/", "://", 1)
+    return text if is_remote(text) else None
+
+
 def check_local_manifest(manifest: Path) -> None:
     """Refuse object-storage URLs up front (``s3://...`` arrives here as ``s3:/...``)."""
     if _URL.match(str(manifest)):
@@ -161,7 +172,7 @@ def print_validation(report, as_json: bool) -> int:
 
 @app.command("validate")
 def validate_cli(
-    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
+    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json, or its URL (s3://...)."),
     workers: int | None = typer.Option(None, "--workers", "-w", help="Shards hashed at once (default: all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable report."),
     deep: bool = typer.Option(
@@ -170,9 +181,18 @@ def validate_cli(
 ) -> None:
     """Recompute every shard's sha256 in parallel and check structure. Exit 1 naming each failing shard."""
 
+    check_positive("--workers", workers)
+    url = manifest_url(manifest)
+    if url is not None:  # through the node cache (docs/READING.md, "Corpora on object storage")
+        from .storage.mirror import validate_remote
+
+        try:
+            report = validate_remote(url, workers=workers, deep=deep)
+        except (FormatError, ImportError) as e:
+            raise fail(str(e), EXIT_BAD_DATA) from None
+        raise typer.Exit(print_validation(report, as_json))
     check_path_arg("MANIFEST", manifest)
     check_local_manifest(manifest)
-    check_positive("--workers", workers)
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     report = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json, deep=deep)
@@ -190,11 +210,13 @@ def _check_inspect_args(
     buffer: int | None,
 ) -> None:
     """``inspect``'s usage checks, before any work (exit 2, or 1 for an output the OS refuses)."""
-    for name, path in (("MANIFEST", manifest), ("--output", output), ("--plot", plot)):
+    remote = manifest_url(manifest) is not None
+    for name, path in (("MANIFEST", None if remote else manifest), ("--output", output), ("--plot", plot)):
         check_path_arg(name, path)
     for name, value in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--packing-buffer", buffer)):
         check_positive(name, value)
-    check_local_manifest(manifest)
+    if not remote:
+        check_local_manifest(manifest)
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -204,7 +226,7 @@ def _check_inspect_args(
             ) from None
     for name, path in (("--output", output), ("--plot", plot)):
         check_output_file(name, path)
-    if not manifest.exists():
+    if not remote and not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     if mode not in ("buffer", "bfd"):
         raise fail(f"--mode must be buffer or bfd, got {mode!r}", EXIT_USAGE)
@@ -231,7 +253,7 @@ def _write_inspection(rep: Any, data: str, output: Path | None, plot: Path | Non
 
 @app.command("inspect")
 def inspect_cli(
-    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json."),
+    manifest: Path = typer.Argument(DEFAULT_MANIFEST, help="Path to shards.json, or its URL (s3://...)."),
     split: list[str] | None = typer.Option(None, "--split", help="Split(s) to inspect (default: all present)."),
     seq_len: int = typer.Option(4096, "--seq-len", help="Independent context limit, in input tokens."),
     batch_size: int = typer.Option(35, "--batch-size", help="Packs per microbatch."),
@@ -255,9 +277,16 @@ def inspect_cli(
     from .inspection import inspect_corpus  # loaders and torch: only for the commands that read batches
 
     _check_inspect_args(manifest, output, plot, mode, seq_len=seq_len, batch_size=batch_size, buffer=packing_buffer)
+    url, local = manifest_url(manifest), manifest
     try:
+        if url is not None:  # every shard through the node cache, then its cached copy
+            from .storage.mirror import mirror_corpus
+
+            local, failures = mirror_corpus(url)
+            if failures:
+                raise FormatError(sorted(failures.values())[0])
         rep = inspect_corpus(
-            manifest,
+            local,
             splits=split or None,
             seq_len=seq_len,
             batch_size=batch_size,
@@ -266,7 +295,7 @@ def inspect_cli(
             seed=seed,
             progress=sys.stderr.isatty() and not as_json,
         )
-    except (FormatError, ValueError) as e:
+    except (FormatError, ValueError, ImportError) as e:  # ImportError: a URL's missing backend
         raise fail(str(e), EXIT_BAD_DATA) from None
     except OSError as e:
         raise os_failure("inspect", e) from None

@@ -323,8 +323,8 @@ def test_manifest_follows_the_umask(stdlib_manifest, tmp_path):
         (["validate", "{m}", "--workers", "-3"], "--workers must be >= 1"),
         (["inspect", "{m}", "--seq-len", "0"], "--seq-len must be >= 1"),
         (["inspect", "{m}", "--batch-size", "0"], "--batch-size must be >= 1"),
-        (["inspect", "s3://bucket/manifests/shards.json"], "s3:// manifests are not supported"),
-        (["validate", "gs://bucket/shards.json"], "gs:// manifests are not supported"),
+        (["inspect", "ftp://bucket/manifests/shards.json"], "ftp:// manifests are not supported"),
+        (["validate", "ftp://bucket/shards.json"], "ftp:// manifests are not supported"),
     ],
 )
 def test_bad_arguments_are_usage_errors(stdlib_manifest, args, needle):

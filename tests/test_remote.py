@@ -183,6 +183,7 @@ def test_a_shard_corrupted_on_the_server_is_refused_by_name(corpus, s3, tmp_path
 
     url = put_corpus(corpus, f"corrupt-{proof}")
     e = read_manifest(corpus).shards_of("train")[1]
+    assert e.file_sha256 is None  # a corpus published without file hashes: proven by the fallback
     key = f"{BUCKET}/corrupt-{proof}/shards/train/{Path(e.path).name}"
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     data = bytearray(fs.cat_file(key))
@@ -198,6 +199,105 @@ def test_a_shard_corrupted_on_the_server_is_refused_by_name(corpus, s3, tmp_path
     assert SECRET not in msg
     name = Path(e.path).name
     assert not [p for p in cache.rglob(name + "*") if not p.name.endswith(LOCK_SUFFIX)]  # nothing half-written
+
+
+def test_upload_records_file_hashes_and_a_download_that_differs_is_refused(corpus, s3, tmp_path):
+    import hashlib
+
+    import s3fs
+
+    from h5corpus.storage.publish import upload_corpus
+
+    rep = upload_corpus(corpus, f"s3://{BUCKET}/hashed")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    published = json.loads(fs.cat_file(rep.manifest_url[len("s3://") :]))
+    m = read_manifest(corpus)
+    for entry, local in zip(published["shards"], m.shards):  # the oracle: hashlib over the local file
+        assert entry["file_sha256"] == hashlib.sha256(Path(m.shard_path_str(local)).read_bytes()).hexdigest()
+    assert epoch_digests(open_corpus(rep.manifest_url, cache_dir=tmp_path / "ok")) == epoch_digests(open_corpus(corpus))
+    e = m.shards_of("train")[2]
+    key = f"{BUCKET}/hashed/shards/train/{Path(e.path).name}"
+    data = bytearray(fs.cat_file(key))
+    data[100] ^= 0x01  # one bit of the superblock's padding region: same size, other bytes
+    fs.pipe_file(key, bytes(data))
+    cache = tmp_path / "bad"
+    c = open_corpus(rep.manifest_url, cache_dir=cache)
+    with pytest.raises(RemoteError) as err:
+        c.tokens(int(c.shard_token_starts[2]), int(c.shard_token_starts[2]) + 10)
+    msg = str(err.value)
+    assert msg.startswith(f"s3://{key}: shard {e.path}: the downloaded bytes differ from the manifest (file_sha256")
+    assert "\n" not in msg and "refused" in msg and SECRET not in msg
+    assert not [p for p in cache.rglob(Path(e.path).name + "*") if not p.name.endswith(LOCK_SUFFIX)]
+
+
+def test_validate_and_inspect_take_a_manifest_url_through_the_cache(corpus, s3, tmp_path):
+    import s3fs
+
+    from h5corpus.storage.publish import upload_corpus
+
+    url = upload_corpus(corpus, f"s3://{BUCKET}/cli").manifest_url
+    env = dict(subprocess_env(), H5CORPUS_REMOTE_CACHE=str(tmp_path / "cache"))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "h5corpus", *args], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    m = read_manifest(corpus)
+    r = cli("validate", url, "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["manifest"], rep["shards"], rep["findings"]) == (url, len(m.shards), [])
+    local, remote = cli("inspect", str(corpus), "--json"), cli("inspect", url, "--json")
+    assert remote.returncode == 0, remote.stderr
+    want, got = json.loads(local.stdout), json.loads(remote.stdout)
+    assert got["splits"] == want["splits"] and got["splits"]  # the same figures from the cached copies
+    e = m.shards[3]
+    key = f"{BUCKET}/cli/shards/{e.path.split('shards/', 1)[1]}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    data = bytearray(fs.cat_file(key))
+    data[-1] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    env["H5CORPUS_REMOTE_CACHE"] = str(tmp_path / "cold")
+    r = cli("validate", url)
+    assert r.returncode == 1 and f"FAIL {e.path}: download: s3://{key}: shard {e.path}: " in r.stdout + r.stderr
+
+
+def test_a_file_written_out_of_order_is_hashed_again_not_refused(tmp_path):
+    """StreamHash reads a download front to back as it grows; a writer of ranged parts (holes
+    first) makes its digest differ, and the proof then hashes the finished file once."""
+    import hashlib
+    import threading
+
+    from h5corpus.storage.cache import StreamHash, prove_by_file_hash
+    from h5corpus.storage.format import ShardRecord
+
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    want = hashlib.sha256(data).hexdigest()
+    kw = dict(path="x.h5", split="train", tokens=0, documents=0, sha256="0" * 64, index_sha256="0" * 64)
+    entry = ShardRecord(**kw, bytes=len(data), file_sha256=want)
+    for order in ([0, 1, 2], [2, 0, 1]):  # in order; the last part first (a hole, then the rest)
+        part = tmp_path / f"x-{order[0]}.download"
+        part.touch()
+        hasher = StreamHash(str(part))
+        fd = os.open(part, os.O_WRONLY)
+
+        def write(fd=fd, order=order) -> None:
+            for k in order:
+                os.pwrite(fd, data[k << 20 : (k + 1) << 20], k << 20)
+                time.sleep(0.05)
+
+        t = threading.Thread(target=write)
+        t.start()
+        t.join()
+        os.close(fd)
+        streamed, n = hasher.finish()
+        assert n == len(data)
+        if order == [0, 1, 2]:  # (out of order, the digest depends on when the thread read the hole)
+            assert streamed == want
+        assert prove_by_file_hash(str(part), entry, streamed) == ""
+    bad = ShardRecord(**kw, bytes=len(data), file_sha256="f" * 64)
+    assert prove_by_file_hash(str(part), bad, want).startswith("file_sha256: file hash ")
 
 
 def test_a_download_killed_with_kill_9_resumes_cleanly(corpus, tmp_path):

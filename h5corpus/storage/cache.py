@@ -29,11 +29,12 @@ import fcntl
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .format import FormatError, ShardExpectation, ShardRecord
+from .format import FormatError, ShardExpectation, ShardRecord, file_sha256
 from .remote import RemoteError, RemoteOptions, filesystem, fs_path, join_url, redact, with_retries
 
 LOCK_SUFFIX = ".lock"
@@ -178,12 +179,73 @@ def _first_bad_chunk(ds: Any, n: int, chunk: int, table: Any) -> int:
 PROOFS = {"sha256": verify_shard, "checksums": prove_by_checksums}
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
+#: bytes the hashing thread of a download reads from its file at a time
+HASH_BLOCK = 4 << 20
+#: writes (s3fs: 64 KiB each) after which a download's hashing thread is woken
+POKES_PER_WAKE = 32
+
+
+class StreamHash:
+    """The sha256 of a file hashed *while* another thread writes it front to back (a download):
+    a thread reads each block once it has landed (from the page cache; hashlib releases the GIL)
+    so that the whole-file proof costs no pass after the download. The writer calls :meth:`poke`
+    after each write (the backend's progress callback); the thread wakes every
+    :data:`POKES_PER_WAKE` pokes (or 50 ms, for a backend that reports none). :meth:`finish`,
+    once the writer is done, returns (hex digest, bytes hashed). A writer that does not write in
+    order, sizes the file first (s3fs's concurrent ranged parts) or replaces it makes the digest differ:
+    :func:`prove_by_file_hash` then hashes the finished file once before it refuses anything."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._h, self._n, self._error, self._pokes, self._finished = hashlib.sha256(), 0, False, 0, False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="h5c-hash", daemon=True)
+        self._thread.start()
+
+    def poke(self, *_: Any) -> None:
+        self._pokes += 1
+        if self._pokes % POKES_PER_WAKE == 0:
+            with self._wake:
+                self._wake.notify()
+
+    def _run(self) -> None:
+        buf = bytearray(HASH_BLOCK)
+        view = memoryview(buf)
+        try:
+            while True:
+                finished = self._finished  # read once more after the writer is done
+                got = os.preadv(self._fd, [buf], self._n)
+                if got:
+                    self._h.update(view[:got])
+                    self._n += got
+                elif finished:
+                    return
+                else:
+                    with self._wake:
+                        if not self._finished:
+                            self._wake.wait(0.05)
+        except OSError:
+            self._error = True
+
+    def finish(self) -> tuple[str, int]:
+        with self._wake:
+            self._finished = True
+            self._wake.notify()
+        self._thread.join()
+        os.close(self._fd)
+        return ("" if self._error else self._h.hexdigest()), self._n
+
+
+def prove_by_file_hash(path: str, entry: ShardRecord, streamed: str) -> str:
+    """ "" when the file at ``path`` has the manifest's size and whole-file sha256
+    (``file_sha256``); ``streamed`` is the digest taken during the download (re-hashed from the
+    file once when it differs); else the problem."""
+    if _size(path) != entry.bytes:
+        return f"size: file is {_size(path):,} bytes, manifest says {entry.bytes:,}"
+    got = streamed if streamed == entry.file_sha256 else file_sha256(path)
+    if got != entry.file_sha256:
+        return f"file_sha256: file hash {got[:12]}... differs from the manifest's {str(entry.file_sha256)[:12]}..."
+    return ""
 
 
 class ShardCache:
@@ -354,12 +416,25 @@ class RemoteShards:
 
     def _fetch_verified(self, url: str, part: str, entry: ShardRecord, where: str) -> tuple[int | None, str]:
         """Download (or finish) ``part``; (a shared-locked fd on it, "") when it holds what the
-        manifest says (:func:`verify_shard`), else (None, the first problem) with ``part`` removed."""
+        manifest says, else (None, the first problem) with ``part`` removed. A manifest entry with
+        ``file_sha256`` is proven by the whole file's sha256, hashed while the bytes arrive
+        (:class:`StreamHash`); one without it by ``RemoteOptions.proof`` (:data:`PROOFS`)."""
         fs, path = self.fs(), fs_path(url)
-        with_retries(lambda: _transfer(fs, path, part, entry.bytes), self.options, where)
+        if _size(part) > entry.bytes:  # not a prefix of the shard: start afresh
+            os.unlink(part)
+        open(part, "ab").close()
+        streaming = StreamHash(part) if entry.file_sha256 else None
+        try:
+            poke = streaming.poke if streaming is not None else None
+            with_retries(lambda: _transfer(fs, path, part, entry.bytes, poke), self.options, where)
+        finally:
+            streamed = streaming.finish()[0] if streaming is not None else ""
         fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        problem = PROOFS[self.options.proof](part, entry, self.expect)
+        if entry.file_sha256:  # proven as it arrived; else by the fallback proofs
+            problem = prove_by_file_hash(part, entry, streamed)
+        else:
+            problem = PROOFS[self.options.proof](part, entry, self.expect)
         if not problem:
             return fd, ""
         os.close(fd)
@@ -432,15 +507,18 @@ def _touch(path: str) -> None:
         pass
 
 
-def _transfer(fs: Any, path: str, part: str, size: int) -> None:
+def _transfer(fs: Any, path: str, part: str, size: int, poke: Callable[..., None] | None = None) -> None:
     """Bring ``part`` to ``size`` bytes of the object: the backend's whole-object copy when
-    nothing is there yet, else ranged reads from where it stops (a resumed download)."""
+    nothing is there yet, else ranged reads from where it stops (a resumed download);
+    ``poke()`` after each write (:class:`StreamHash`)."""
+    from fsspec.callbacks import Callback
+
     have = _size(part)
     if have > size:
         os.unlink(part)
         have = 0
     if have == 0:
-        fs.get_file(path, part)
+        fs.get_file(path, part, callback=Callback(hooks={"hash": poke}) if poke is not None else Callback())
         return
     if have == size:
         return
@@ -449,6 +527,9 @@ def _transfer(fs: Any, path: str, part: str, size: int) -> None:
         src.seek(have)
         while block := src.read(RESUME_BLOCK):
             out.write(block)
+            out.flush()
+            if poke is not None:
+                poke()
 
 
 def default_cache_dir() -> Path:

@@ -184,6 +184,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "sha256": _HEX64,
                     "index_sha256": _HEX64,
                     "sums_sha256": _HEX64,
+                    "file_sha256": _HEX64,
                     "bytes": _COUNT,
                     "loss_sha256": _HEX64,
                     "loss_spans": _COUNT,
@@ -300,12 +301,17 @@ class ShardRecord:
     shard has no loss mask (every target trained on)."""
     loss_spans: int = 0
     """Ranges in ``/loss_spans`` (0 without a loss mask)."""
+    file_sha256: str | None = None
+    """Optional: hex sha256 of the whole shard file's bytes, recorded by ``h5corpus upload`` so a
+    download is proven as it arrives (docs/FORMAT.md); None when not recorded."""
 
     def to_json(self) -> dict[str, Any]:
         keys = SHARD_KEYS if self.sums_sha256 is None else SHARD_KEYS_V3
         d = {k: getattr(self, k) for k in keys}
         if self.loss_sha256 is not None:  # only fine-tuning shards carry the keys
             d["loss_sha256"], d["loss_spans"] = self.loss_sha256, int(self.loss_spans)
+        if self.file_sha256 is not None:
+            d["file_sha256"] = self.file_sha256
         return d
 
     @classmethod
@@ -325,6 +331,7 @@ class ShardRecord:
             sums_sha256=None if d.get("sums_sha256") is None else str(d["sums_sha256"]),
             loss_sha256=None if d.get("loss_sha256") is None else str(d["loss_sha256"]),
             loss_spans=int(d.get("loss_spans", 0)),
+            file_sha256=None if d.get("file_sha256") is None else str(d["file_sha256"]),
         )
 
     def with_path(self, path: str | os.PathLike[str]) -> ShardRecord:
@@ -909,6 +916,15 @@ def index_sha256(
         h.update(np.ascontiguousarray(checksums, dtype=CHECKSUM_DTYPE).tobytes())
     if offsets_checksums is not None:
         h.update(np.ascontiguousarray(offsets_checksums, dtype=CHECKSUM_DTYPE).tobytes())
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a shard file's bytes: a manifest entry's optional ``file_sha256``."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
     return h.hexdigest()
 
 

@@ -3,9 +3,11 @@ manifest last, so a reader never finds a manifest whose shards are missing (docs
 "Corpora on object storage").
 
 Every shard is proven against its manifest entry (size, sha256) before it leaves, so a corrupt
-local shard is never published. The upload resumes: a journal beside the manifest
-(``.<name>.upload.json``) records each shard once its upload has finished, and a rerun skips the
-shards it lists whose object is there with the right size. Object stores replace an object
+local shard is never published, and the published manifest records each shard's whole-file
+sha256 (``file_sha256``, docs/FORMAT.md) so that readers prove downloads as they arrive. The
+upload resumes: a journal beside the manifest (``.<name>.upload.json``) records each shard (and
+its file hash) once its upload has finished, and a rerun skips the shards it lists whose object
+is there with the right size. Object stores replace an object
 whole on each PUT, so a shard interrupted mid-upload is either absent or complete remotely.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache import verify_shard
-from .format import FormatError, ShardExpectation, ShardRecord
+from .format import FormatError, ShardExpectation, ShardRecord, file_sha256
 from .manifest import read_manifest, write_json_atomic
 from .remote import RemoteError, RemoteOptions, filesystem, fs_path, is_remote, redact, with_retries
 
@@ -40,12 +42,23 @@ def _journal_path(manifest: Path) -> Path:
     return manifest.with_name(f".{manifest.name}.upload.json")
 
 
-def _load_journal(path: Path, dest: str) -> dict[str, str]:
+def _load_journal(path: Path, dest: str) -> dict[str, list[str]]:
+    """url -> [tokens sha256, file sha256] of each shard whose upload to ``dest`` finished."""
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError):
         return {}
-    return dict(d.get("done", {})) if d.get("dest") == redact(dest) else {}
+    done = d.get("done", {}) if d.get("dest") == redact(dest) else {}
+    return {u: v for u, v in done.items() if isinstance(v, list) and len(v) == 2}
+
+
+def published_manifest(path: str | os.PathLike[str], file_hashes: dict[str, str]) -> bytes:
+    """The manifest at ``path`` as published: its JSON with each shard entry's ``file_sha256``
+    (``file_hashes``: entry path -> hex) added, written like a local manifest (sorted, indented)."""
+    d = json.loads(Path(path).read_text(encoding="utf-8"))
+    for s in d["shards"]:
+        s["file_sha256"] = file_hashes[s["path"]]
+    return (json.dumps(d, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
 def upload_corpus(
@@ -70,23 +83,26 @@ def upload_corpus(
     fs = filesystem(base, opts)
     journal = _journal_path(Path(manifest).absolute())
     done = _load_journal(journal, base)
+    files: dict[str, str] = {}  # entry path -> whole-file sha256, for the published manifest
     rep = UploadReport(base + "/" + Path(os.path.relpath(m.path, root)).as_posix(), len(m.shards), 0, 0, 0)  # type: ignore[arg-type]
     for e in m.shards:
         local = m.shard_path_str(e)
         url = base + "/" + Path(os.path.relpath(local, root)).as_posix()
         where = f"{redact(url)}: shard {e.path}"
-        if done.get(url) == e.sha256 and with_retries(lambda u=url: _remote_size(fs, u), opts, where) == e.bytes:
+        prior = done.get(url)
+        if prior and prior[0] == e.sha256 and with_retries(lambda u=url: _remote_size(fs, u), opts, where) == e.bytes:
+            files[e.path] = prior[1]
             rep.skipped += 1
             continue
-        _check_local(local, e, expect)
+        files[e.path] = _check_local(local, e, expect)
         with_retries(lambda p=local, u=url: fs.put_file(p, fs_path(u)), opts, where)
-        done[url] = e.sha256
+        done[url] = [e.sha256, files[e.path]]
         write_json_atomic(journal, {"dest": redact(base), "done": done})
         rep.uploaded += 1
         rep.bytes_uploaded += e.bytes
         if progress is not None:
             progress(f"uploaded {e.path} ({e.bytes:,} bytes)")
-    data = Path(m.path).read_bytes()  # type: ignore[arg-type]
+    data = published_manifest(m.path, files)  # type: ignore[arg-type]
     with_retries(lambda: fs.pipe_file(fs_path(rep.manifest_url), data), opts, f"{redact(rep.manifest_url)}: manifest")
     journal.unlink(missing_ok=True)
     return rep
@@ -99,11 +115,14 @@ def _remote_size(fs: Any, url: str) -> int | None:
         return None
 
 
-def _check_local(path: str, e: ShardRecord, expect: ShardExpectation) -> None:
-    """Refuse to publish a shard that is not what its manifest entry says."""
+def _check_local(path: str, e: ShardRecord, expect: ShardExpectation) -> str:
+    """Refuse to publish a shard that is not what its manifest entry says; returns the file's
+    sha256 (hashed first: the check then reads it from the page cache)."""
+    digest = file_sha256(path)
     problem = verify_shard(path, e, expect)
     if problem:
         raise FormatError(f"{path}: {problem}; not uploaded (run h5corpus validate)")
+    return digest
 
 
 __all__ = ["RemoteError", "UploadReport", "upload_corpus"]

@@ -282,6 +282,8 @@ def _check_shard(
     if st.st_size != entry.bytes:
         msg = f"file is {st.st_size:,} bytes, manifest says {entry.bytes:,} (truncated or replaced?)"
         out.append(Finding(name, "size", msg))
+    elif entry.file_sha256 is not None and fmt.file_sha256(path) != entry.file_sha256:  # optional key
+        out.append(Finding(name, "file_sha256", "the file's sha256 differs from the manifest's file_sha256"))
     try:
         f = h5py.File(path, "r")
     except OSError as e:
