@@ -154,13 +154,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--copies", type=int, default=24, help="variants of each stdlib source (corpus size)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--shard-tokens", type=int, default=4 << 20, help="tokens per shard (the build's default is 1 << 27: 256 MiB)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     try:
         texts = [f"{t}\n# variant {k}\n" for k in range(args.copies) for t in stdlib_texts(10_000)]
         manifest = write_corpus(
-            work / "corpus", texts, byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 16, shard_tokens=4 << 20
+            work / "corpus", texts, byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 16, shard_tokens=args.shard_tokens
         )
         with MotoS3.start(work / "moto") as s3:
             os.environ.update(s3.env())
