@@ -178,11 +178,22 @@ def validate_cli(
     deep: bool = typer.Option(
         False, "--deep", help="Also scan every token: ids < vocab_size, no EOS inside a document (about 20% more CPU)."
     ),
+    write_layout: bool = typer.Option(
+        False,
+        "--write-layout",
+        help="When every check passes, (re)write the layout file beside the manifest (<manifest>.layout) so that "
+        "readers' first touches skip HDF5 (a build writes it; this is for corpora built before, copied, or touched).",
+    ),
 ) -> None:
     """Recompute every shard's sha256 in parallel and check structure. Exit 1 naming each failing shard."""
 
     check_positive("--workers", workers)
     url = manifest_url(manifest)
+    if url is not None and write_layout:
+        raise fail(
+            "--write-layout needs a local manifest (a remote corpus's cached shards are checked as they land)",
+            EXIT_USAGE,
+        )
     if url is not None:  # through the node cache (docs/READING.md, "Corpora on object storage")
         from .storage.mirror import validate_remote
 
@@ -196,7 +207,12 @@ def validate_cli(
     if not manifest.exists():
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     report = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json, deep=deep)
-    raise typer.Exit(print_validation(report, as_json))
+    code = print_validation(report, as_json)
+    if write_layout and code == 0:
+        from .storage.reader import write_layout_file
+
+        typer.echo(f"wrote {write_layout_file(manifest)}", err=as_json)
+    raise typer.Exit(code)
 
 
 def _check_inspect_args(

@@ -240,3 +240,26 @@ def test_shards_opened_through_the_layout_file_hold_one_descriptor_each(tmp_path
     total, osum, open_now, fds = map(int, p.stdout.split())
     assert (total, osum) == (int(toks.astype(np.int64).sum()), int(offs.sum()))
     assert 128 < open_now <= 256 and fds == open_now  # more than the HDF5 path's 128, one descriptor each
+
+
+def test_validate_write_layout_writes_a_file_the_readers_use_and_only_after_every_check(laid_out):
+    mpath, toks, _ = laid_out
+    lay = fmt.layout_path(mpath)
+    lay.unlink()
+    run = [sys.executable, "-m", "h5corpus", "validate", str(mpath), "--write-layout"]
+    r = subprocess.run(run, capture_output=True, text=True, env=subprocess_env())
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {lay}" in r.stdout and lay.is_file()
+    c = open_corpus(mpath, "train")
+    assert _used(c) == [True] * 4
+    assert np.array_equal(c.tokens(0, c.num_tokens), toks)
+    lay.unlink()  # a corrupt shard: validate exits 1 and writes no layout file
+    shard = Path(c.paths[1])
+    _flip(shard, shard.stat().st_size // 2)
+    r = subprocess.run(run, capture_output=True, text=True, env=subprocess_env())
+    assert r.returncode == 1 and shard.name in r.stdout + r.stderr
+    assert not lay.exists()
+    r = subprocess.run(
+        [*run[:4], "s3://bucket/m.json", "--write-layout"], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert r.returncode == 2 and "--write-layout needs a local manifest" in r.stderr
