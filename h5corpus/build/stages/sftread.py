@@ -200,21 +200,21 @@ def _accept(run: Any, queue: _SFTQueue, batch: list[tuple[Any, Any, Any]]) -> No
             run.duplicates[s] += 1
         else:
             run.seen.add(doc_id)
-            _extras(run, rec[0], sig, info)
+            kept_extras(run.out, run.label, run.signature, rec[0], sig, info)
             queue.add(rec, doc_id, s)
 
 
-def _extras(run: Any, text: str, sig: Any, info: Any) -> None:
-    """What the decide stage needs of a kept document besides its row (the pretraining build's
-    ``_kept_extras``, without ``--explain-drops``)."""
-    out = run.out
-    if out.sigs is not None and run.signature is not None:
-        out.sigs.append(sig if sig is not None else run.signature(text))
+def kept_extras(out: Any, label: str, signature: Any, text: str, sig: Any, info: Any) -> None:
+    """What the decide stage needs of one kept document besides its row, appended to ``out`` (a
+    read's outputs): its near-dedup signature (``sig``, else computed from ``text``), its language
+    and its perplexity (from the filters' ``info``). Shared by the pretraining and fine-tuning reads."""
+    if out.sigs is not None and signature is not None:
+        out.sigs.append(sig if sig is not None else signature(text))
     if out.langs is not None:
         out.langs.append(info.get("lang") if info else None)
     if out.perplexities is not None:
         if not info or "perplexity" not in info:
-            raise BuildError(f"{run.label}: the filters gave no perplexity for a kept document")
+            raise BuildError(f"{label}: the filters gave no perplexity for a kept document")
         out.perplexities.append(float(info["perplexity"]))
 
 

@@ -51,7 +51,7 @@ from ..config import (
 from ..input.records import BadRecord, DocChunk, LocatingReader, TaskReader
 from .buildplan import StageContext
 from .explain import explain_line
-from .sftread import read_sft_records, sft_bos_id
+from .sftread import kept_extras, read_sft_records, sft_bos_id
 from .shards import (
     ShardSequence,
     Syncer,
@@ -452,15 +452,7 @@ class _TaskRead:
         out = self.out
         for j, i in enumerate(kept):
             info = b.infos[i] if b.infos else None
-            if out.sigs is not None and self.signature is not None:
-                sig = b.sigs[i] if b.sigs else None
-                out.sigs.append(sig if sig is not None else self.signature(b.texts[i]))
-            if out.langs is not None:
-                out.langs.append(info.get("lang") if info else None)
-            if out.perplexities is not None:
-                if not info or "perplexity" not in info:
-                    raise BuildError(f"{self.label}: the filters gave no perplexity for a kept document")
-                out.perplexities.append(float(info["perplexity"]))
+            kept_extras(out, self.label, self.signature, b.texts[i], b.sigs[i] if b.sigs else None, info)
             if self.explain:
                 lang = info.get("lang") if info else None
                 prob = None if lang is None else round(float(info["lang_prob"]), 4)  # type: ignore[index]
