@@ -562,7 +562,7 @@ def open_remote_manifest(
         tmp.write_bytes(data)
         os.replace(tmp, local)
     try:
-        m = read_manifest(local)
+        m = read_manifest(local, compact=True)
     except FormatError as e:  # name the URL, not the cache's copy
         raise FormatError(str(e).replace(str(local), shown)) from None
     split_bytes = sum(e.bytes for e in m.shards_of(split))

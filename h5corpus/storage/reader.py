@@ -39,6 +39,7 @@ import mmap
 import os
 import stat
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ from .readpaths import (
     read_checksums,
 )
 from .remote import RemoteOptions, is_remote, redact
+from .shardtable import RootedPaths, ShardTable
 
 if TYPE_CHECKING:
     import h5py
@@ -119,9 +121,10 @@ class Corpus:
         self.dtype = np.dtype(manifest.dtype)
         self.eos_id = manifest.tokenizer.eos_id
         self.chunk_tokens = manifest.chunk_tokens
-        self.entries = []
+        #: the split's manifest entries, in global order (a :class:`ShardTable` for version 3)
+        self.entries: Sequence[ShardRecord] = []
         #: absolute shard paths, in global order
-        self.paths: list[str] = []
+        self.paths: Sequence[str] = []
         #: per shard: False while it may still grow (a live ``.partial`` file)
         self._complete: list[bool] = []
         #: (shards + 1,) global token offset where each shard starts; last = num_tokens.
@@ -197,19 +200,18 @@ class Corpus:
         (each shard is checked when this process first touches it); versions 1-2 read and check
         every index now."""
         assert self.manifest is not None
-        if self.version >= 3:
-            for e in entries:
-                self.entries.append(e)
-                self.paths.append(self.manifest.shard_path_str(e))
-                self._complete.append(True)
-                self._file_ids.append(None)
-                self._chunk_sums.append(None)
-            counts = np.array([[e.tokens, e.documents] for e in entries], np.int64).reshape(-1, 2)
+        if self.version >= 3:  # columns, not records: ~170 bytes per shard in every process
+            table = ShardTable.of(entries)
+            self.entries = table if not self.entries else ShardTable.of(self.entries) + table
+            self.paths = RootedPaths(str(self.manifest.root), self.entries)
+            self._complete.extend([True] * len(table))
+            self._file_ids.extend([None] * len(table))
+            self._chunk_sums.extend([None] * len(table))
             self.shard_token_starts = np.concatenate(
-                [self.shard_token_starts, self.shard_token_starts[-1] + np.cumsum(counts[:, 0])]
+                [self.shard_token_starts, self.shard_token_starts[-1] + np.cumsum(table.column("tokens"))]
             )
             self.shard_doc_starts = np.concatenate(
-                [self.shard_doc_starts, self.shard_doc_starts[-1] + np.cumsum(counts[:, 1])]
+                [self.shard_doc_starts, self.shard_doc_starts[-1] + np.cumsum(table.column("documents"))]
             )
             self._doc_offsets = None
             self._doc_ids = self._doc_flags = None
@@ -460,7 +462,10 @@ class Corpus:
         if hit is not None and hit[0] == key:
             return hit[1]
         h = hashlib.sha256(self.split.encode())
-        if self.manifest is not None:
+        rows = self.entries.hex_rows("sha256") if isinstance(self.entries, ShardTable) else None
+        if rows is not None and not self.entries.has("loss_sha256"):
+            h.update(rows)  # = one update per shard's hex sha256
+        elif self.manifest is not None:
             for e in self.entries:
                 h.update(e.sha256.encode())
                 if e.loss_sha256 is not None:  # a fine-tuning mask is part of what a checkpoint trained on
@@ -545,7 +550,10 @@ class Corpus:
         larger than its cache (leased shards cannot be evicted)."""
         if self._remote is None:
             return MAX_OPEN_SHARDS
-        return self._remote.open_cap(MAX_OPEN_SHARDS, max((e.bytes for e in self.entries), default=1))
+        sizes = (
+            self.entries.column("bytes") if isinstance(self.entries, ShardTable) else [e.bytes for e in self.entries]
+        )
+        return self._remote.open_cap(MAX_OPEN_SHARDS, int(max(sizes, default=1)))
 
     def prefetch(self, shards: Any) -> None:
         """Start fetching these shards (indices) of a remote corpus into the cache in the background,
@@ -680,7 +688,7 @@ class Corpus:
         if not data:
             return None
         where = self._manifest_rows()
-        lay = fmt.decode_layout(data, where[shard], len(self.manifest.shards))
+        lay = fmt.decode_layout(data, int(where[shard]), len(self.manifest.shards))
         e, C = self.entries[shard], self.chunk_tokens
         if lay is None or (lay.size, lay.mtime_ns) != (now[2], now[3]):
             return None
@@ -705,12 +713,16 @@ class Corpus:
             return None
         return lay
 
-    def _manifest_rows(self) -> list[int]:
+    def _manifest_rows(self) -> Sequence[int]:
         """Each shard's position among the manifest's shards (the layout file's rows)."""
         hit = self.__dict__.get("_mrows")
         if hit is None or len(hit) != len(self.entries):
             assert self.manifest is not None
-            hit = [i for i, e in enumerate(self.manifest.shards) if e.split == self.split]
+            shards = self.manifest.shards
+            if isinstance(shards, ShardTable):
+                hit = np.flatnonzero(shards.split_mask(self.split))
+            else:
+                hit = [i for i, e in enumerate(shards) if e.split == self.split]
             self.__dict__["_mrows"] = hit
         return hit
 
@@ -874,7 +886,7 @@ class Corpus:
         if self.manifest is None:
             return self._refresh_live()
         assert self.manifest.path is not None
-        m = read_manifest(self.manifest.path)
+        m = read_manifest(self.manifest.path, compact=True)
         entries = m.shards_of(self.split)
         old = [(e.path, e.sha256) for e in self.entries]
         if [(e.path, e.sha256) for e in entries[: len(old)]] != old:
@@ -1141,7 +1153,11 @@ class Corpus:
         """True when the split's shards store a loss mask (``/loss_spans``)."""
         hit = self.__dict__.get("_has_loss")
         if hit is None or hit[0] != self.num_shards:
-            hit = (self.num_shards, any(e.loss_sha256 is not None for e in self.entries))
+            e = self.entries
+            hit = (
+                self.num_shards,
+                e.has("loss_sha256") if isinstance(e, ShardTable) else any(r.loss_sha256 for r in e),
+            )
             self.__dict__["_has_loss"] = hit
         return hit[1]
 
@@ -1272,7 +1288,7 @@ def write_layout_file(manifest: str | os.PathLike[str]) -> Path:
     first touch does) and write the layout file beside it (``<manifest>.layout``, atomically), so
     that readers' first touches of these files skip HDF5. Shards that fail a check get no row
     (they are checked, and refused, through HDF5). Returns the layout file's path."""
-    m = read_manifest(Path(manifest))
+    m = read_manifest(Path(manifest), compact=True)
     rows: list[fmt.ShardLayout | None] = [None] * len(m.shards)
     if m.version >= 3:
         for split in fmt.SPLITS:
@@ -1280,7 +1296,7 @@ def write_layout_file(manifest: str | os.PathLike[str]) -> Path:
             where = c._manifest_rows()
             for s in range(c.num_shards):
                 try:
-                    rows[where[s]] = c.shard_layout(s)
+                    rows[int(where[s])] = c.shard_layout(s)
                 except FormatError:
                     continue
     out = fmt.layout_path(manifest)
@@ -1368,7 +1384,7 @@ def open_corpus(
         c = Corpus(m, split, tokenizer=tokenizer, read_path=read_path, verify=verify)
         c._remote = shards
         return c
-    m = manifest if isinstance(manifest, Manifest) else read_manifest(Path(manifest))
+    m = manifest if isinstance(manifest, Manifest) else read_manifest(Path(manifest), compact=True)
     return Corpus(m, split, tokenizer=tokenizer, read_path=read_path, verify=verify)
 
 

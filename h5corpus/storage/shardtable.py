@@ -1,0 +1,240 @@
+"""A manifest's shard list held as columns: what every reading process keeps of ``shards.json``.
+
+A parsed manifest entry as Python objects (a :class:`~h5corpus.storage.format.ShardRecord`, its
+path and five hex strings) costs about 1 KB; at 10,000 shards that is 10 MB of anonymous memory
+in every DataLoader worker of every rank. :class:`ShardTable` keeps the same facts in numpy
+columns (paths in one byte string, counts as int64, each sha256 as 32 bytes: about 170 bytes per
+shard) and builds a :class:`ShardRecord` only when one is asked for. It is an immutable
+``Sequence[ShardRecord]``: code that iterates a manifest's shards reads it as it reads a list.
+"""
+
+from __future__ import annotations
+
+import binascii
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+from . import format as fmt
+from .format import FormatError, ShardRecord
+
+_FIELDS = {f.name for f in dataclasses.fields(ShardRecord)}
+_PROPS = fmt.MANIFEST_SCHEMA["properties"]["shards"]["items"]["properties"]
+#: integer fields of a shard entry (counts), stored as int64 columns
+INT_KEYS = tuple(k for k, r in _PROPS.items() if r.get("type") == "integer" and k in _FIELDS)
+#: sha256 fields of a shard entry (64 hex digits), stored as (n, 32) uint8 columns
+HEX_KEYS = tuple(k for k, r in _PROPS.items() if "pattern" in r and k in _FIELDS)
+_INT64_MAX = (1 << 63) - 1
+
+
+class ShardTable(Sequence[ShardRecord]):
+    """``n`` shard records as columns (see the module docstring). Indexing gives a
+    :class:`ShardRecord`; a slice or :meth:`take` gives another table."""
+
+    def __init__(
+        self,
+        paths: bytes,
+        ends: np.ndarray,
+        splits: np.ndarray,
+        ints: dict[str, np.ndarray],
+        hexes: dict[str, tuple[np.ndarray, np.ndarray | None]],
+        rows: np.ndarray | None = None,
+    ) -> None:
+        #: every path's UTF-8 bytes end to end; path i is ``paths[ends[i-1]:ends[i]]``
+        self._paths, self._ends = paths, ends
+        #: per shard: its split's index in :data:`~h5corpus.storage.format.SPLITS`
+        self._splits = splits
+        #: per integer key: (n,) int64, or absent when no entry has the key
+        self._ints = ints
+        #: per hash key: ((n, 32) uint8, (n,) bool "present" or None when all are)
+        self._hexes = hexes
+        #: a view's positions in those columns (None: all of them, in order)
+        self._rows = rows
+
+    @classmethod
+    def from_json(cls, entries: list[dict[str, Any]], where: str) -> ShardTable:
+        """Columns of schema-checked manifest entries (:func:`~h5corpus.storage.manifest.parse_manifest_text`);
+        :class:`FormatError` naming ``where`` and the shard when a required key lacks or a count
+        does not fit int64."""
+        for e in entries:
+            missing = [k for k in fmt.SHARD_KEYS if k not in e]
+            if missing:
+                raise FormatError(f"{where}: shard entry {e.get('path', '?')!r} lacks keys {missing}")
+        paths = [str(e["path"]).encode("utf-8", "surrogatepass") for e in entries]
+        ends = np.cumsum([len(p) for p in paths], dtype=np.int64) if paths else np.zeros(0, np.int64)
+        split_code = {s: i for i, s in enumerate(fmt.SPLITS)}
+        splits = np.array([split_code[e["split"]] for e in entries], np.uint8)
+        ints = {}
+        for k in INT_KEYS:
+            if any(k in e for e in entries):
+                vals = [e.get(k, 0) for e in entries]
+                big = next((i for i, v in enumerate(vals) if not 0 <= v <= _INT64_MAX), None)
+                if big is not None:
+                    raise FormatError(f"{where}: shard {entries[big]['path']!r}: {k} {vals[big]!r} is out of range")
+                ints[k] = np.array(vals, np.int64)
+        hexes = {k: col for k in HEX_KEYS if (col := _hex_column(entries, k)) is not None}
+        return cls(b"".join(paths), ends, splits, ints, hexes)
+
+    @classmethod
+    def of(cls, records: Sequence[ShardRecord]) -> ShardTable:
+        """A table of ``records`` (e.g. what a writer returned)."""
+        if isinstance(records, ShardTable):
+            return records
+        return cls.from_json([r.to_json() for r in records], "shard records")
+
+    # -- Sequence --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._splits.size if self._rows is None else self._rows.size)
+
+    def _at(self, i: int) -> int:
+        """Position in the columns of shard ``i`` (negative counts from the end)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"shard {i} of {n}")
+        i = int(i) % n
+        return i if self._rows is None else int(self._rows[i])
+
+    def _view(self, col: np.ndarray) -> np.ndarray:
+        return col if self._rows is None else col[self._rows]
+
+    @overload
+    def __getitem__(self, i: int) -> ShardRecord: ...
+    @overload
+    def __getitem__(self, i: slice) -> ShardTable: ...
+    def __getitem__(self, i: int | slice) -> ShardRecord | ShardTable:
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        i = self._at(i)
+        kw: dict[str, Any] = {"path": self._path(i), "split": fmt.SPLITS[self._splits[i]]}
+        for k, col in self._ints.items():
+            kw[k] = int(col[i])
+        for k, (col, present) in self._hexes.items():
+            if present is None or present[i]:
+                kw[k] = col[i].tobytes().hex()
+        return ShardRecord(**kw)
+
+    def __iter__(self) -> Iterator[ShardRecord]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-equal, like a list
+
+    def __repr__(self) -> str:
+        return f"ShardTable({len(self):,} shards)"
+
+    # -- columns ---------------------------------------------------------------------------------
+    def path(self, i: int) -> str:
+        """Shard ``i``'s path as the manifest writes it."""
+        return self._path(self._at(i))
+
+    def _path(self, i: int) -> str:
+        lo = int(self._ends[i - 1]) if i else 0
+        return self._paths[lo : int(self._ends[i])].decode("utf-8", "surrogatepass")
+
+    def column(self, key: str) -> np.ndarray:
+        """(n,) int64 of an integer key (``tokens``, ``documents``, ``bytes``, ...); zeros when no
+        entry has it."""
+        col = self._ints.get(key)
+        if col is None:
+            if key not in INT_KEYS:
+                raise KeyError(key)
+            return np.zeros(len(self), np.int64)
+        return self._view(col)
+
+    def has(self, key: str) -> bool:
+        """Whether any shard has the hash ``key`` (e.g. ``loss_sha256``: a fine-tuning corpus)."""
+        col = self._hexes.get(key)
+        return col is not None and (col[1] is None or bool(self._view(col[1]).any()))
+
+    def split_mask(self, split: str) -> np.ndarray:
+        """(n,) bool: which shards belong to ``split``."""
+        return self._view(self._splits) == fmt.SPLITS.index(split)
+
+    def hex_rows(self, key: str) -> bytes | None:
+        """Every shard's ``key`` hash in hex, end to end (64 ASCII bytes per shard), as a loop of
+        ``record.<key>.encode()`` would give them; None when some shard lacks it."""
+        col = self._hexes.get(key)
+        if col is None or (col[1] is not None and not self._view(col[1]).all()):
+            return None
+        return binascii.hexlify(self._view(col[0]).tobytes())
+
+    def take(self, idx: np.ndarray) -> ShardTable:
+        """The shards at positions ``idx`` (in that order), as a table sharing this one's columns."""
+        idx = np.asarray(idx, np.int64).reshape(-1)
+        if idx.size and not (-len(self) <= int(idx.min()) and int(idx.max()) < len(self)):
+            raise IndexError(f"shards {idx.min()}..{idx.max()} of {len(self)}")
+        idx = idx % max(len(self), 1)
+        rows = idx if self._rows is None else self._rows[idx]
+        return ShardTable(self._paths, self._ends, self._splits, self._ints, self._hexes, rows)
+
+    def _materialized(self) -> ShardTable:
+        """This table with columns of its own shards only."""
+        if self._rows is None:
+            return self
+        idx = self._rows
+        starts = np.concatenate([[0], self._ends[:-1]]) if self._ends.size else self._ends
+        parts = [self._paths[int(starts[i]) : int(self._ends[i])] for i in idx.tolist()]
+        ends = np.cumsum([len(p) for p in parts], dtype=np.int64) if parts else np.zeros(0, np.int64)
+        hexes = {k: (c[idx], None if p is None else p[idx]) for k, (c, p) in self._hexes.items()}
+        return ShardTable(b"".join(parts), ends, self._splits[idx], {k: c[idx] for k, c in self._ints.items()}, hexes)
+
+    def __add__(self, other: ShardTable) -> ShardTable:
+        """This table's shards, then ``other``'s."""
+        a, b = self._materialized(), other._materialized()
+        n, m = len(a), len(b)
+        ends = np.concatenate([a._ends, b._ends + (int(a._ends[-1]) if n else 0)])
+        ints = {k: np.concatenate([a.column(k), b.column(k)]) for k in {*a._ints, *b._ints}}
+        hexes = {}
+        for k in {*a._hexes, *b._hexes}:
+            (ca, pa), (cb, pb) = a._hex_or_absent(k, n), b._hex_or_absent(k, m)
+            present = np.concatenate([pa, pb])
+            hexes[k] = (np.concatenate([ca, cb]), None if present.all() else present)
+        return ShardTable(a._paths + b._paths, ends, np.concatenate([a._splits, b._splits]), ints, hexes)
+
+    def _hex_or_absent(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+        col = self._hexes.get(key)
+        if col is None:
+            return np.zeros((n, 32), np.uint8), np.zeros(n, bool)
+        return col[0], np.ones(n, bool) if col[1] is None else col[1]
+
+
+class RootedPaths(Sequence[str]):
+    """The absolute paths of a table's shards under ``root`` (the manifest's folder), each built
+    when asked for (``os.path.normpath(os.path.join(root, path))``)."""
+
+    def __init__(self, root: str, table: ShardTable) -> None:
+        self.root, self.table = root, table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(len(self))[i]]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"shard {i} of {n}")
+        return os.path.normpath(os.path.join(self.root, self.table.path(int(i) % n)))
+
+
+def _hex_column(entries: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(n, 32) bytes of the hash ``key`` of every entry and which entries have it (None: all do),
+    or None when none has it. The entries' values were checked as 64 lowercase hex digits."""
+    present = np.array([key in e and e[key] is not None for e in entries], bool)
+    if not present.any():
+        return None
+    zero = "0" * 64
+    raw = bytes.fromhex("".join(e[key] if ok else zero for e, ok in zip(entries, present.tolist())))
+    col = np.frombuffer(raw, np.uint8).reshape(len(entries), 32)
+    return col, None if present.all() else present
