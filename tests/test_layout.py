@@ -38,7 +38,7 @@ def laid_out(tmp_path) -> tuple[Path, np.ndarray, np.ndarray]:
 
 def _used(c) -> list[bool]:
     """Whether each shard's first touch in this process may use the layout file."""
-    return [c._mapped_layout(s, _file_id(c.paths[s])) is not None for s in range(c.num_shards)]
+    return [c._mapped_layout(s, _file_id(c.paths[s]), c.entries[s]) is not None for s in range(c.num_shards)]
 
 
 def _flip(path: Path, at: int) -> None:
@@ -105,6 +105,40 @@ def test_the_checksums_still_guard_a_first_touch_through_the_layout(laid_out):
         c.tokens(int(c.shard_token_starts[2]), int(c.shard_token_starts[2]) + 5)
     with pytest.raises(IndexChecksumError, match=rf"{path.name}: chunk 1 of /doc_offsets"):
         c.doc_offsets_range(int(c.shard_doc_starts[2]) + 1500, int(c.shard_doc_starts[2]) + 1501)
+
+
+def test_a_shard_closed_and_opened_again_keeps_what_this_process_verified(laid_out):
+    """Past the open-shard bound a shard is closed; opened again (the same file) its chunks
+    verified before are ready, the others are still checked: a byte flipped in one of them, the
+    file's mtime kept, is refused naming the shard. A shard whose bad last offset was never read
+    opens (its ends are checked before its first offset is served, not at open)."""
+    mpath, toks, _ = laid_out
+    lay = fmt.decode_layout(fmt.layout_path(mpath).read_bytes(), 1, 4)
+    c = open_corpus(mpath, "train")
+    t0 = int(c.shard_token_starts[1])
+    assert (c.tokens(t0, t0 + 10) == toks[t0 : t0 + 10]).all()
+    n_chunks = len(c._readers[1].ready)
+    assert n_chunks > 2 and list(c._readers[1].ready) == [1] + [0] * (n_chunks - 1)
+    c._close_oldest(len(c._readers))
+    assert not c._readers
+    path = Path(c.paths[1])
+    _flip(path, int(lay.tokens[1]) + 6)  # chunk 1, never read
+    assert list(c._reader(1).ready) == [1] + [0] * (n_chunks - 1)  # opened: chunk 0 needs no hash again
+    assert (c.tokens(t0 + 3, t0 + 8) == toks[t0 + 3 : t0 + 8]).all()
+    C = c.chunk_tokens
+    with pytest.raises(fmt.ChunkChecksumError, match=rf"{path.name}: chunk 1 of /tokens"):
+        c.tokens(t0 + C, t0 + C + 4)
+    fresh = open_corpus(mpath, "train")  # another corpus object verifies for itself
+    with pytest.raises(fmt.ChunkChecksumError, match=rf"{path.name}: chunk 1 of /tokens"):
+        fresh.tokens(t0 + C, t0 + C + 4)
+    last = Path(c.paths[3])
+    lay3 = fmt.decode_layout(fmt.layout_path(mpath).read_bytes(), 3, 4)
+    n_off = c.num_documents - int(c.shard_doc_starts[3]) + 1
+    _flip(last, int(lay3.offsets[-1]) + 8 * ((n_off - 1) % fmt.OFFSETS_CHUNK_V3))  # its last offset
+    t3 = int(c.shard_token_starts[3])
+    assert (c.tokens(t3, t3 + 7) == toks[t3 : t3 + 7]).all()
+    with pytest.raises(IndexChecksumError, match=rf"{last.name}: chunk"):
+        c.doc_offsets_range(int(c.shard_doc_starts[3]), int(c.shard_doc_starts[3]) + 1)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])

@@ -512,6 +512,7 @@ class Corpus:
     def _check_pid(self) -> None:
         if self._forks != FORKS[0]:  # forked: never touch the parent's handles
             self._readers, self._indexes, self._leases = {}, {}, {}
+            self.__dict__.pop("_vbits", None)  # and verify for itself
             self._pid, self._forks = os.getpid(), FORKS[0]
 
     def _reader(self, shard: int) -> MmapTokens | H5Tokens:
@@ -532,6 +533,7 @@ class Corpus:
                 fds += idx.fds
             else:
                 r = self._open_reader(shard)
+            self._recall_verified(shard, r)
             self._readers[shard] = r
             self.__dict__["_fdn"] = (self._readers, len(self._readers), fds + r.fds)
         return r
@@ -544,6 +546,9 @@ class Corpus:
             return
         self._leases[shard] = self._remote.acquire(self.entries[shard], self.paths[shard])
         self._file_ids[shard] = None  # a new download is a new file of the same proven bytes
+        bits = self.__dict__.get("_vbits")
+        if bits is not None:  # whose chunks are verified afresh
+            bits[1][bits[0][shard] : bits[0][shard + 1]] = 0
 
     def _open_cap(self) -> int:
         """Shards this process keeps open: :data:`MAX_OPEN_SHARDS`, fewer for a remote split
@@ -587,13 +592,44 @@ class Corpus:
         """Close the ``n`` shards opened first (dicts keep insertion order); their chunks are
         verified again if they are opened again."""
         for s in list(self._readers)[:n]:
-            self._readers.pop(s).close()
+            r = self._readers.pop(s)
+            self._remember_verified(s, r)
+            r.close()
             idx = self._indexes.pop(s, None)
             if idx is not None:
                 idx.close()
             lease = self._leases.pop(s, None)
             if lease is not None:
                 lease.release()
+
+    def _verified_bits(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(shards + 1,) first chunk of each shard and (chunks,) uint8 per chunk of the split: 1 once
+        this process verified it; kept when a shard is closed (version 3 corpora of a manifest)."""
+        if self.version < 3 or self.manifest is None or not self.verified:
+            return None
+        hit = self.__dict__.get("_vbits")
+        if hit is None or hit[0].size != self.num_shards + 1:
+            chunks = -(-np.diff(self.shard_token_starts) // self.chunk_tokens)
+            base = np.concatenate([[0], np.cumsum(chunks)])
+            old = hit[1] if hit is not None else np.zeros(0, np.uint8)
+            bits = np.zeros(int(base[-1]), np.uint8)
+            bits[: old.size] = old[: bits.size]  # shards are only ever appended
+            hit = self.__dict__["_vbits"] = (base, bits)
+        return hit
+
+    def _remember_verified(self, shard: int, r: MmapTokens | H5Tokens) -> None:
+        """Keep which chunks of ``shard`` this process verified, for when it opens the shard again."""
+        vb = self._verified_bits() if isinstance(r, MmapTokens) else None
+        if vb is not None and len(r.ready) == vb[0][shard + 1] - vb[0][shard]:
+            vb[1][vb[0][shard] : vb[0][shard + 1]] = np.frombuffer(r.ready, np.uint8)
+
+    def _recall_verified(self, shard: int, r: MmapTokens | H5Tokens) -> None:
+        """Mark the chunks of ``shard`` verified in this process before it was closed as ready:
+        the file is the one verified (:meth:`_check_unchanged` refuses another), so its bytes are
+        as proven as those of a shard kept open (whose pages the kernel may also re-read)."""
+        vb = self._verified_bits() if isinstance(r, MmapTokens) else None
+        if vb is not None and len(r.ready) == vb[0][shard + 1] - vb[0][shard]:
+            r.adopt(vb[1][vb[0][shard] : vb[0][shard + 1]])
 
     def _open_v3(self, shard: int) -> tuple[MmapTokens | H5Tokens, MappedOffsets]:
         """Open a finished version 3 shard the first time this process touches it, checking it at
@@ -611,9 +647,9 @@ class Corpus:
         if self._file_ids[shard] is None:
             self._file_ids[shard] = now
         self._check_unchanged(shard, None)
-        lay = self._mapped_layout(shard, now)
+        lay = self._mapped_layout(shard, now, e)
         if lay is not None:  # proven by the layout file: no HDF5 open
-            return self._open_mapped(shard, lay)
+            return self._open_mapped(shard, lay, e)
         sums, osums, tok_layout, off_layout, filtered, tail = self._checked_v3(path, e)
         verify, vocab = self.verified, self.tokenizer.vocab_size
         if tok_layout is not None:
@@ -625,17 +661,16 @@ class Corpus:
         idx = MappedOffsets(path, off_layout, e.documents + 1, osums if verify else None, e.tokens)
         try:
             self._check_unchanged(shard, idx.stat)  # the file mapped is the one checked
-            idx.check_ends()
         except FormatError:
             r.close()
             idx.close()
             raise
         return r, idx
 
-    def _open_mapped(self, shard: int, lay: fmt.ShardLayout) -> tuple[MmapTokens, MappedOffsets]:
+    def _open_mapped(self, shard: int, lay: fmt.ShardLayout, e: ShardRecord) -> tuple[MmapTokens, MappedOffsets]:
         """:meth:`_open_v3` of a shard whose layout file entry holds (:meth:`_mapped_layout`): one
-        memory map of the file, shared by its tokens and its offsets, no HDF5 call."""
-        path, e = self.paths[shard], self.entries[shard]
+        memory map of the file, shared by its tokens and its offsets, no HDF5 call (``e``: its entry)."""
+        path = self.paths[shard]
         verify = self.verified
         runs = fmt.stored_block_runs(lay.tail[0], e.tokens % self.chunk_tokens * self.dtype.itemsize, lay.tail_runs)
         r = MmapTokens(
@@ -654,7 +689,6 @@ class Corpus:
                 path, lay.offsets, e.documents + 1, lay.offsets_sums if verify else None, e.tokens, mapped=r.mapped
             )
             self._check_unchanged(shard, r.stat)  # the file mapped is the one checked
-            idx.check_ends()
         except FormatError:
             r.close()
             raise
@@ -675,7 +709,7 @@ class Corpus:
             raise FormatError(f"{path}: cannot open shard ({err}); run h5corpus validate") from None
         return sums, osums, tok_layout, off_layout, filtered, tail
 
-    def _mapped_layout(self, shard: int, now: FileId) -> fmt.ShardLayout | None:
+    def _mapped_layout(self, shard: int, now: FileId, e: ShardRecord) -> fmt.ShardLayout | None:
         """The layout file's entry for ``shard`` when it may replace the HDF5 checks (docs/FORMAT.md
         "The layout file"): the file is the one that was checked (size and mtime), its checksum
         tables hash to the manifest's ``sums_sha256``, its counts and addresses fit the manifest's
@@ -689,7 +723,7 @@ class Corpus:
             return None
         where = self._manifest_rows()
         lay = fmt.decode_layout(data, int(where[shard]), len(self.manifest.shards))
-        e, C = self.entries[shard], self.chunk_tokens
+        C = self.chunk_tokens
         if lay is None or (lay.size, lay.mtime_ns) != (now[2], now[3]):
             return None
         n_tok, n_off = -(-e.tokens // C), -(-(e.documents + 1) // fmt.OFFSETS_CHUNK_V3)
@@ -853,6 +887,7 @@ class Corpus:
         d.pop("_rtab", None)
         d.pop("_layout_map", None)  # mapped again, per process
         d.pop("_fdn", None)
+        d.pop("_vbits", None)  # verified per process
         d.pop("_loss_cache", None)  # re-read (and proven) in the process that asks
         d.pop("_loss_shards", None)
         if self.manifest is not None:  # re-readable from the immutable shards

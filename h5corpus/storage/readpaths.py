@@ -155,6 +155,15 @@ class MmapTokens:
             self.ready[-1] = 0
         self.pending = n_chunks - sum(self.ready)
 
+    def adopt(self, verified: np.ndarray) -> None:
+        """Mark the chunks flagged in ``verified`` ((chunks,) uint8, from an earlier map of this
+        same file in this process) ready, except a final chunk decoded into memory (decoded afresh)."""
+        v = np.frombuffer(self.ready, np.uint8) | (verified != 0)
+        if self._decoded:
+            v[-1] = self.ready[-1]
+        self.ready = bytearray(v.astype(np.uint8).tobytes())
+        self.pending = len(self.ready) - int(np.count_nonzero(v))
+
     def _map_raw(self, raw: np.ndarray) -> None:
         """Map the raw chunks at byte offsets ``raw``: :attr:`runs`, :attr:`chunk_run`, :attr:`chunk_pos`."""
         C = self.chunk_tokens
@@ -586,13 +595,24 @@ class MappedOffsets:
         self._base = np.asarray(byte_offsets, dtype=np.int64)
         self._sums = checksums
         self.ready = np.zeros(self._base.size, bool) if checksums is not None else np.ones(self._base.size, bool)
+        #: whether :meth:`check_ends` passed: run before the first entry is served, not at open (a
+        #: loader whose plan holds token positions may never read a shard's offsets)
+        self._ends_ok = False
 
     def _view(self, k: int) -> np.ndarray:
         n = min(self.chunk, self.n_entries - k * self.chunk)
         return np.frombuffer(self._mm, fmt.OFFSETS_DTYPE, count=n, offset=int(self._base[k]))
 
     def ensure(self, chunks: np.ndarray) -> None:
-        """Verify every chunk in ``chunks`` (int array) not verified yet in this process."""
+        """Verify every chunk in ``chunks`` (int array) not verified yet in this process (and, the
+        first time, :meth:`check_ends`)."""
+        if not self._ends_ok:
+            self._ends_ok = True  # first: check_ends reads through here
+            try:
+                self.check_ends()
+            except FormatError:
+                self._ends_ok = False
+                raise
         todo = chunks[~self.ready[chunks]]
         for k in sorted(set(todo.tolist())):
             v = self._view(k)
