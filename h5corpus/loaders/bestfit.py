@@ -25,7 +25,6 @@ import hashlib
 import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from operator import getitem
 from typing import Any, NamedTuple
 
@@ -383,5 +382,7 @@ def write_plans(
     jobs = [(corpus, os.fspath(plan_dir), e, settings, bool(rebuild)) for e in es]
     if n == 1 or len(jobs) < 2:
         return [_ensure_one(j) for j in jobs]
+    from concurrent.futures import ProcessPoolExecutor  # here: a reading process never needs it
+
     with ProcessPoolExecutor(min(n, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(_ensure_one, jobs))
