@@ -8,6 +8,8 @@ manifest, never half of one.
 
 from __future__ import annotations
 
+import binascii
+import hashlib
 import json
 import os
 import re
@@ -22,7 +24,7 @@ import numpy as np
 
 from . import format as fmt
 from .format import FormatError, ShardRecord, TokenizerIdentity
-from .shardtable import ShardTable
+from .shardtable import ShardColumns, ShardTable
 
 DEFAULT_MANIFEST = Path("manifests") / "shards.json"
 DEFAULT_SHARDS_DIR = Path("shards")
@@ -96,14 +98,11 @@ class Manifest:
             raise FormatError(
                 f"{where}: shards_dir {self.shards_dir!r} leaves the corpus folder {corpus} (the manifest folder's parent)"
             )
-        seen: dict[str, str] = {}
-        contents: dict[bytes, str] = {}
         folders: dict[str, str] = {}  # each shard folder resolved once (realpath costs a stat per component)
         links: dict[str, set[str] | None] = {}  # and listed once: which of its names are symbolic links
-        inside = str(root).rstrip(os.sep) + os.sep
-        base = str(self.root)
-        paths, tokens, contents_of = _path_columns(self.shards)  # columns: no tuple per shard
-        for i, path in enumerate(paths):
+        inside, base = str(root).rstrip(os.sep) + os.sep, str(self.root)
+
+        def real(path: str) -> str:
             if os.path.isabs(path) or "\0" in path:
                 raise FormatError(f"{where}: shard path {path!r} must be relative to the manifest's folder")
             p = os.path.normpath(os.path.join(base, path))
@@ -111,17 +110,23 @@ class Manifest:
                 raise FormatError(f"{where}: shard path {path!r} leaves the corpus's shards folder {root}")
             folder, name = os.path.split(p)
             if folder not in folders:
-                folders[folder] = os.path.realpath(folder)
-                links[folder] = _symlinks_in(folder)
+                folders[folder], links[folder] = os.path.realpath(folder), _symlinks_in(folder)
             linked = name in links[folder] if links[folder] is not None else os.path.islink(p)
-            real = os.path.realpath(p) if linked else os.path.join(folders[folder], name)
-            if real in seen:
-                raise FormatError(f"{where}: shard {path!r} is the file {seen[real]!r} already lists")
-            seen[real] = path
-            if tokens[i]:  # the build never writes two shards of the same documents (dedup is global)
-                same = contents.setdefault(contents_of(i), path)
-                if same != path:
-                    raise FormatError(f"{where}: shard {path!r} holds the same documents as {same!r}")
+            return os.path.realpath(p) if linked else os.path.join(folders[folder], name)
+
+        # one 8-byte digest per file, not a set of path strings: what a reading process keeps of a
+        # parse stays ~constant (the allocator keeps the pages of freed strings)
+        keys = np.array([_digest64(real(path)) for path in _shard_paths(self.shards)], np.uint64).reshape(-1, 1)
+        pair = _first_repeat(keys)
+        if pair is not None and real(self.shards[pair[0]].path) == real(self.shards[pair[1]].path):
+            first, again = self.shards[pair[0]].path, self.shards[pair[1]].path
+            raise FormatError(f"{where}: shard {again!r} is the file {first!r} already lists")
+        rows, tokens = _content_rows(self.shards)
+        live = np.flatnonzero(tokens > 0)  # the build never writes two shards of the same documents
+        pair = _first_repeat(rows[live])
+        if pair is not None:
+            first, again = self.shards[int(live[pair[0]])].path, self.shards[int(live[pair[1]])].path
+            raise FormatError(f"{where}: shard {again!r} holds the same documents as {first!r}")
 
     def check_claims(self, where: str) -> None:
         """Raise :class:`FormatError` naming ``where`` and the shard when an entry's counts are
@@ -171,9 +176,8 @@ class Manifest:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], where: str, *, compact: bool = False) -> Manifest:
-        """A checked manifest's object (:func:`parse_manifest_text`); ``compact``: its shards as a
-        read-only :class:`~h5corpus.storage.shardtable.ShardTable` (else a list of records)."""
+    def from_json(cls, d: Mapping[str, Any], where: str) -> Manifest:
+        """A checked manifest's object (:func:`parse_manifest_text`), its shards as a list of records."""
         if not isinstance(d, Mapping):
             raise FormatError(f"{where}: manifest is not a JSON object")
         if d.get("format") != fmt.FORMAT_NAME:
@@ -192,9 +196,7 @@ class Manifest:
             tokenizer=TokenizerIdentity.from_json(d["tokenizer"]),
             dtype=fmt.dtype_name(d["dtype"]),
             chunk_tokens=int(d["chunk_tokens"]),
-            shards=ShardTable.from_json(d["shards"], where)
-            if compact
-            else [ShardRecord.from_json(s, where) for s in d["shards"]],
+            shards=[ShardRecord.from_json(s, where) for s in d["shards"]],
             splits=dict(d.get("splits") or {}),
             extra={k: v for k, v in d.items() if k not in known},
             shards_dir=d.get("shards_dir"),
@@ -227,16 +229,41 @@ def _claim_suspects(
     return shards.take(np.flatnonzero(flag))
 
 
-def _path_columns(shards: Sequence[ShardRecord]) -> tuple[list[str], list[int], Any]:
-    """Every shard's path and token count, and a function giving shard i's sha256 ++ index_sha256,
-    from a table's columns without building its records."""
-    if not isinstance(shards, ShardTable):
-        recs = list(shards)
-        return [e.path for e in recs], [e.tokens for e in recs], lambda i: recs[i].sha256 + recs[i].index_sha256
-    sha, idx = shards.hex_rows("sha256"), shards.hex_rows("index_sha256")
-    assert sha is not None and idx is not None  # required keys
-    paths = [shards.path(i) for i in range(len(shards))]
-    return paths, shards.column("tokens").tolist(), lambda i: sha[64 * i : 64 * i + 64] + idx[64 * i : 64 * i + 64]
+def _shard_paths(shards: Sequence[ShardRecord]) -> Any:
+    """Every shard's path as written, one at a time (a table's without building its records)."""
+    if isinstance(shards, ShardTable):
+        return (shards.path(i) for i in range(len(shards)))
+    return (e.path for e in shards)
+
+
+def _content_rows(shards: Sequence[ShardRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 8) uint64: each shard's sha256 ++ index_sha256, and (n,) its token count."""
+    if isinstance(shards, ShardTable):
+        raw = b"".join(binascii.unhexlify(shards.hex_rows(k) or b"") for k in ("sha256", "index_sha256"))
+        n = len(shards)
+        both = np.frombuffer(raw, np.uint8).reshape(2, n, 32) if n else np.zeros((2, 0, 32), np.uint8)
+        return np.ascontiguousarray(np.concatenate([both[0], both[1]], axis=1)).view(np.uint64), shards.column("tokens")
+    raw = bytes.fromhex("".join(e.sha256 + e.index_sha256 for e in shards))
+    tokens = np.array([e.tokens for e in shards], np.int64)
+    return np.frombuffer(raw, np.uint8).reshape(-1, 64).copy().view(np.uint64), tokens
+
+
+def _digest64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def _first_repeat(rows: np.ndarray) -> tuple[int, int] | None:
+    """(i, j): the first row j equal to an earlier row i of the (n, k) array ``rows``, or None."""
+    if rows.shape[0] < 2:
+        return None
+    order = np.lexsort(rows.T[::-1])  # stable: equal rows keep their order
+    ranked = rows[order]
+    same = (ranked[1:] == ranked[:-1]).all(axis=1)
+    if not same.any():
+        return None
+    j = int(order[1:][same].min())
+    i = int(np.flatnonzero((rows == rows[j]).all(axis=1))[0])
+    return i, j
 
 
 #: Largest manifest read (a manifest lists ~250 bytes per shard: this is millions of shards).
@@ -373,8 +400,21 @@ def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
     """Decode, parse and schema-check manifest bytes; :class:`FormatError` naming ``where`` and the
     offending field for anything else than a well-formed manifest (invalid UTF-8, NaN/Infinity,
     numbers that overflow, nesting too deep, a value of the wrong type or range)."""
+    d = _decode_manifest(data, where, None)
+    for i, e in enumerate(d["shards"]):
+        bad = _shard_entry_problem(e)
+        if bad is not None:
+            field = f"shards[{i}]" + (f".{bad[0]}" if bad[0] else "")
+            raise FormatError(f"{where}: manifest field {field}: {bad[1]}")
+    return d
+
+
+def _decode_manifest(data: bytes, where: str, hook: Any) -> dict[str, Any]:
+    """The manifest's JSON object (``hook``: json's ``object_hook``), its format, version and
+    top-level schema checked (the shard entries are the caller's to check)."""
     try:
-        d = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+        text = data.decode("utf-8")
+        d = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, object_hook=hook)
     except UnicodeDecodeError as e:
         raise FormatError(f"{where}: manifest is not UTF-8 ({e.reason} at byte {e.start:,})") from None
     except RecursionError:
@@ -393,12 +433,41 @@ def parse_manifest_text(data: bytes, where: str) -> dict[str, Any]:
     if err is not None:
         field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path).lstrip(".")
         raise FormatError(f"{where}: manifest field {field or '(top level)'}: {err.message}")
-    for i, e in enumerate(d["shards"]):
-        bad = _shard_entry_problem(e)
-        if bad is not None:
-            field = f"shards[{i}]" + (f".{bad[0]}" if bad[0] else "")
-            raise FormatError(f"{where}: manifest field {field}: {bad[1]}")
     return d
+
+
+#: What the streaming parse leaves in ``shards`` for an entry it turned into columns, or refused.
+_TAKEN, _REFUSED = object(), object()
+
+
+def parse_manifest_columns(data: bytes, where: str) -> tuple[dict[str, Any], ShardTable]:
+    """:func:`parse_manifest_text` holding one shard entry at a time: each entry becomes a row of
+    a :class:`~h5corpus.storage.shardtable.ShardTable` as the parser completes it, so the peak and
+    the leftover memory of a parse do not grow with the shards (a parse tree is ~1 KB per shard,
+    and the allocator keeps part of it after it is freed). Returns the manifest object (its
+    ``shards`` emptied) and the table. A manifest with shard-like objects elsewhere than in
+    ``shards`` is parsed the plain way."""
+    cols, bad, required = ShardColumns(where), [], _SHARD_SCHEMA["required"]
+
+    def entry(obj: dict[str, Any]) -> Any:
+        if not all(k in obj for k in required):
+            return obj
+        problem = _shard_entry_problem(obj)
+        if problem is None:
+            cols.add(obj)
+            return _TAKEN
+        bad.append((len(cols) + len(bad), *problem))
+        return _REFUSED
+
+    d = _decode_manifest(data, where, entry)
+    shards = d["shards"]
+    if len(shards) != len(cols) + len(bad) or any(x is not _TAKEN and x is not _REFUSED for x in shards):
+        d = parse_manifest_text(data, where)  # shard-like objects elsewhere: the plain way names them
+        return dict(d, shards=[]), ShardTable.from_json(d["shards"], where)
+    if bad:
+        i, key, message = bad[0]
+        raise FormatError(f"{where}: manifest field shards[{i}]" + (f".{key}" if key else "") + f": {message}")
+    return dict(d, shards=[]), cols.table()
 
 
 def read_manifest(path: str | os.PathLike[str], *, compact: bool = False) -> Manifest:
@@ -431,7 +500,12 @@ def read_manifest(path: str | os.PathLike[str], *, compact: bool = False) -> Man
         data = p.read_bytes()
     except OSError as e:
         raise FormatError(f"{p}: cannot read the manifest ({e.strerror})") from None
-    m = Manifest.from_json(parse_manifest_text(data, str(p)), str(p), compact=compact)
+    if compact:
+        d, table = parse_manifest_columns(data, str(p))
+        m = Manifest.from_json(d, str(p))
+        m.shards = table
+    else:
+        m = Manifest.from_json(parse_manifest_text(data, str(p)), str(p))
     del data
     m.path = p.absolute()
     m.check_paths(str(p))

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import format as fmt
-from .cache import Lease, RemoteShards, open_remote_manifest
 from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
 from .manifest import Manifest, read_manifest
 from .readpaths import (
@@ -66,6 +65,8 @@ from .shardtable import RootedPaths, ShardTable
 
 if TYPE_CHECKING:
     import h5py
+
+    from .cache import Lease, RemoteShards
 
 #: Shards one corpus keeps open per process (each holds two descriptors, its memory maps): 10,000
 #: shards then read under the default ``ulimit -n`` of 1,024.
@@ -126,7 +127,7 @@ class Corpus:
         #: absolute shard paths, in global order
         self.paths: Sequence[str] = []
         #: per shard: False while it may still grow (a live ``.partial`` file)
-        self._complete: list[bool] = []
+        self._complete = bytearray()
         #: (shards + 1,) global token offset where each shard starts; last = num_tokens.
         self.shard_token_starts = np.zeros(1, dtype=np.int64)
         #: (shards + 1,) global document index where each shard starts; last = num_documents.
@@ -141,9 +142,9 @@ class Corpus:
         #: version 3, per open shard: its verified, memory-mapped ``/doc_offsets`` (this process)
         self._indexes: dict[int, MappedOffsets] = {}
         #: per finished shard: the identity of the file whose index this corpus holds
-        self._file_ids: list[FileId | None] = []
+        self._file_ids: dict[int, FileId] = {}
         #: per finished shard: its ``/chunk_xxh3`` when this corpus verifies (read with the index)
-        self._chunk_sums: list[np.ndarray | None] = []
+        self._chunk_sums: dict[int, np.ndarray] = {}
         self._pid, self._forks = os.getpid(), FORKS[0]
         #: a remote corpus's shard fetcher (None: local files), and this process's leases on them
         self._remote: RemoteShards | None = None
@@ -180,7 +181,7 @@ class Corpus:
         self.chunk_tokens = int(chunk_tokens)
         self.entries = []
         self.paths = [str(final)]
-        self._complete = [False]
+        self._complete = bytearray(1)
         self.shard_token_starts = np.zeros(2, dtype=np.int64)
         self.shard_doc_starts = np.zeros(2, dtype=np.int64)
         self._doc_offsets = np.zeros(1, dtype=np.int64)
@@ -188,8 +189,8 @@ class Corpus:
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
         self._indexes = {}
-        self._file_ids = [None]
-        self._chunk_sums = [None]
+        self._file_ids = {}
+        self._chunk_sums = {}
         self._pid, self._forks = os.getpid(), FORKS[0]
         self._remote, self._leases = None, {}
         self.refresh()
@@ -204,9 +205,7 @@ class Corpus:
             table = ShardTable.of(entries)
             self.entries = table if not self.entries else ShardTable.of(self.entries) + table
             self.paths = RootedPaths(str(self.manifest.root), self.entries)
-            self._complete.extend([True] * len(table))
-            self._file_ids.extend([None] * len(table))
-            self._chunk_sums.extend([None] * len(table))
+            self._complete.extend(b"\x01" * len(table))
             self.shard_token_starts = np.concatenate(
                 [self.shard_token_starts, self.shard_token_starts[-1] + np.cumsum(table.column("tokens"))]
             )
@@ -223,8 +222,9 @@ class Corpus:
         for e in entries:
             path = str(self.manifest.shard_path(e))
             o, i, fl, ident, sums = self._read_index(path, e)
-            self._file_ids.append(ident)
-            self._chunk_sums.append(sums)
+            self._file_ids[len(self.paths)] = ident
+            if sums is not None:
+                self._chunk_sums[len(self.paths)] = sums
             offs.append(o[1:] + t0)
             ids.append(i)
             flags.append(fl)
@@ -298,7 +298,7 @@ class Corpus:
     def _check_unchanged(self, shard: int, st: os.stat_result | None = None) -> None:
         """Refuse to read a finished shard that is no longer the file whose index this corpus
         holds (rebuilt or replaced since the corpus was opened, e.g. by ``build --overwrite``)."""
-        if not self._complete[shard] or shard >= len(self._file_ids) or self._file_ids[shard] is None:
+        if not self._complete[shard] or shard not in self._file_ids:
             return
         now = _file_id(self.paths[shard]) if st is None else _stat_id(st)
         if now != self._file_ids[shard]:
@@ -545,7 +545,7 @@ class Corpus:
         if self._remote is None or shard in self._leases:
             return
         self._leases[shard] = self._remote.acquire(self.entries[shard], self.paths[shard])
-        self._file_ids[shard] = None  # a new download is a new file of the same proven bytes
+        self._file_ids.pop(shard, None)  # a new download is a new file of the same proven bytes
         bits = self.__dict__.get("_vbits")
         if bits is not None:  # whose chunks are verified afresh
             bits[1][bits[0][shard] : bits[0][shard + 1]] = 0
@@ -644,8 +644,7 @@ class Corpus:
                 f"{path}: file is {now[2]:,} bytes, manifest says {e.bytes:,} (truncated or replaced?); "
                 "run h5corpus validate"
             )
-        if self._file_ids[shard] is None:
-            self._file_ids[shard] = now
+        self._file_ids.setdefault(shard, now)
         self._check_unchanged(shard, None)
         lay = self._mapped_layout(shard, now, e)
         if lay is not None:  # proven by the layout file: no HDF5 open
@@ -832,7 +831,7 @@ class Corpus:
                 tail = fmt.final_chunk_extent(ds, offsets)
                 sums = None
                 if verify and offsets is not None:  # read with the index, or (a live shard since finished) now
-                    sums = self._chunk_sums[shard]
+                    sums = self._chunk_sums.get(shard)
                     sums = read_checksums(f[fmt.CHUNK_CHECKSUMS]) if sums is None else sums
         except (OSError, KeyError, RuntimeError) as e:
             raise FormatError(f"{path}: cannot open shard ({e})") from None
@@ -849,7 +848,7 @@ class Corpus:
         vocab = self.tokenizer.vocab_size
         if live:
             return live_tokens(path, filtered, max(chunk_tokens, 1), self.dtype, verify, vocab)
-        sums = self._chunk_sums[shard] if shard < len(self._chunk_sums) else None  # proven at open (v2)
+        sums = self._chunk_sums.get(shard)  # proven at open (v2)
         return H5Tokens(
             path,
             filtered,
@@ -979,12 +978,13 @@ class Corpus:
         return self.num_documents - known
 
     # -- reads ------------------------------------------------------------------------------------
-    def _bounds(self) -> list[int]:
-        """:attr:`shard_token_starts` as a list (cached per array: appending shards replaces it)."""
+    def _bounds(self) -> memoryview:
+        """:attr:`shard_token_starts` as a memoryview of its int64s (indexing gives ints as fast as a
+        list's, with no copy; cached per array: appending shards replaces it)."""
         sts = self.shard_token_starts
         hit = self.__dict__.get("_sts_list")
         if hit is None or hit[0] is not sts:
-            hit = self.__dict__["_sts_list"] = (sts, sts.tolist())
+            hit = self.__dict__["_sts_list"] = (sts, memoryview(np.ascontiguousarray(sts, np.int64)))
         return hit[1]
 
     def _offsets_view(self) -> memoryview:
@@ -1411,6 +1411,8 @@ def open_corpus(
     """
     if not isinstance(manifest, Manifest) and is_remote(manifest):
         opts = remote if remote is not None else RemoteOptions()
+        from .cache import open_remote_manifest  # here: a local corpus never needs the cache
+
         m, shards = open_remote_manifest(str(manifest), split, cache_dir, cache_limit, opts)
         if m.version < 3:
             raise FormatError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import binascii
 import dataclasses
 import os
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -63,20 +64,10 @@ class ShardTable(Sequence[ShardRecord]):
             missing = [k for k in fmt.SHARD_KEYS if k not in e]
             if missing:
                 raise FormatError(f"{where}: shard entry {e.get('path', '?')!r} lacks keys {missing}")
-        paths = [str(e["path"]).encode("utf-8", "surrogatepass") for e in entries]
-        ends = np.cumsum([len(p) for p in paths], dtype=np.int64) if paths else np.zeros(0, np.int64)
-        split_code = {s: i for i, s in enumerate(fmt.SPLITS)}
-        splits = np.array([split_code[e["split"]] for e in entries], np.uint8)
-        ints = {}
-        for k in INT_KEYS:
-            if any(k in e for e in entries):
-                vals = [e.get(k, 0) for e in entries]
-                big = next((i for i, v in enumerate(vals) if not 0 <= v <= _INT64_MAX), None)
-                if big is not None:
-                    raise FormatError(f"{where}: shard {entries[big]['path']!r}: {k} {vals[big]!r} is out of range")
-                ints[k] = np.array(vals, np.int64)
-        hexes = {k: col for k in HEX_KEYS if (col := _hex_column(entries, k)) is not None}
-        return cls(b"".join(paths), ends, splits, ints, hexes)
+        cols = ShardColumns(where)
+        for e in entries:
+            cols.add(e)
+        return cols.table()
 
     @classmethod
     def of(cls, records: Sequence[ShardRecord]) -> ShardTable:
@@ -228,13 +219,51 @@ class RootedPaths(Sequence[str]):
         return os.path.normpath(os.path.join(self.root, self.table.path(int(i) % n)))
 
 
-def _hex_column(entries: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """(n, 32) bytes of the hash ``key`` of every entry and which entries have it (None: all do),
-    or None when none has it. The entries' values were checked as 64 lowercase hex digits."""
-    present = np.array([key in e and e[key] is not None for e in entries], bool)
-    if not present.any():
-        return None
-    zero = "0" * 64
-    raw = bytes.fromhex("".join(e[key] if ok else zero for e, ok in zip(entries, present.tolist())))
-    col = np.frombuffer(raw, np.uint8).reshape(len(entries), 32)
-    return col, None if present.all() else present
+class ShardColumns:
+    """Manifest entries added one at a time (:meth:`add`) into growing buffers, so that a parser
+    can drop each entry as soon as it is read (no object is kept per entry); :meth:`table` makes
+    the :class:`ShardTable`."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self._paths, self._ends, self._splits = bytearray(), array("q"), bytearray()
+        self._ints = {k: array("q") for k in INT_KEYS}
+        self._hex = {k: bytearray() for k in HEX_KEYS}
+        self._present = {k: bytearray() for k in HEX_KEYS}
+        self._seen: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._splits)
+
+    def add(self, e: dict[str, Any]) -> None:
+        """Append one schema-checked entry; :class:`FormatError` naming the shard when a count does
+        not fit int64."""
+        self._paths += str(e["path"]).encode("utf-8", "surrogatepass")
+        self._ends.append(len(self._paths))
+        self._splits.append(fmt.SPLITS.index(e["split"]))
+        for k, col in self._ints.items():
+            v = e.get(k)
+            if v is not None:
+                self._seen.add(k)
+            if not 0 <= (v or 0) <= _INT64_MAX:
+                raise FormatError(f"{self.where}: shard {e['path']!r}: {k} {v!r} is out of range")
+            col.append(v or 0)
+        for k, col in self._hex.items():
+            v = e.get(k)
+            col += _ZERO_HASH if v is None else bytes.fromhex(v)
+            self._present[k].append(v is not None)
+
+    def table(self) -> ShardTable:
+        n = len(self)
+        ints = {k: np.frombuffer(self._ints[k], np.int64).copy() for k in INT_KEYS if k in self._seen}
+        hexes = {}
+        for k in HEX_KEYS:
+            present = np.frombuffer(self._present[k], np.uint8).astype(bool)
+            if present.any():
+                col = np.frombuffer(bytes(self._hex[k]), np.uint8).reshape(n, 32)
+                hexes[k] = (col, None if present.all() else present)
+        ends = np.frombuffer(self._ends, np.int64).copy()
+        return ShardTable(bytes(self._paths), ends, np.frombuffer(bytes(self._splits), np.uint8), ints, hexes)
+
+
+_ZERO_HASH = bytes(32)
