@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -93,14 +94,37 @@ def read_built(manifest: Path) -> dict[str, list[tuple[bytes, np.ndarray, int]]]
     m = json.loads(manifest.read_text())
     out: dict[str, list] = {s: [] for s in fmt.SPLITS}
     for s in m["shards"]:
+        ids, flags = read_doc_meta(manifest.parent / s["path"])
         with h5py.File(manifest.parent / s["path"], "r") as f:
             toks = f["tokens"][:]
             offs = f["doc_offsets"][:]
-            ids = f["doc_ids"][:]
-            flags = f["doc_flags"][:]
         for i in range(offs.size - 1):
             out[s["split"]].append((ids[i].tobytes(), toks[offs[i] : offs[i + 1]], int(flags[i])))
     return out
+
+
+def read_sidecar(shard: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A format version 4 shard's sidecar (``<shard>.docs``) read with ``struct`` straight from
+    docs/FORMAT.md (independent of h5corpus): ids (n, 16), flags (n,) and the header's fields."""
+    data = Path(str(shard) + ".docs").read_bytes()
+    magic, version, id_bytes, docs, tokens = struct.unpack_from("<8sIIQQ", data, 0)
+    head = dict(magic=magic, version=version, id_bytes=id_bytes, documents=docs, tokens=tokens)
+    head.update(tokens_sha256=data[32:64].hex(), index_sha256=data[64:96].hex(), size=len(data))
+    head["sha256"] = hashlib.sha256(data).hexdigest()
+    ids = np.frombuffer(data, np.uint8, docs * id_bytes, 96).reshape(docs, id_bytes)
+    flags = np.frombuffer(data, np.uint8, docs, 96 + docs * id_bytes)
+    assert 96 + docs * (id_bytes + 1) == len(data), shard
+    return ids, flags, head
+
+
+def read_doc_meta(shard: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's document ids and flags read with h5py/struct alone: from the shard (versions 1-3)
+    or from its sidecar (version 4)."""
+    with h5py.File(shard, "r") as f:
+        if "doc_ids" in f:
+            return f["doc_ids"][:], f["doc_flags"][:]
+    ids, flags, _ = read_sidecar(shard)
+    return ids, flags
 
 
 def tree(root: Path) -> dict[str, str]:
