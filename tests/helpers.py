@@ -117,6 +117,20 @@ def read_sidecar(shard: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     return ids, flags, head
 
 
+def rebind_sidecar(shard: Path, entry: dict) -> None:
+    """What a writer that produced these (edited) shard bytes consistently would have written: the
+    version 4 sidecar of ``shard`` rebound to the manifest ``entry``'s (a dict) ``sha256`` and
+    ``index_sha256`` (header bytes 32-96, docs/FORMAT.md), and ``entry``'s ``docs_sha256`` updated.
+    Nothing for a shard without a sidecar."""
+    side = Path(str(shard) + ".docs")
+    if not side.exists():
+        return
+    data = bytearray(side.read_bytes())
+    data[32:96] = bytes.fromhex(entry["sha256"]) + bytes.fromhex(entry["index_sha256"])
+    side.write_bytes(bytes(data))
+    entry["docs_sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+
+
 def read_doc_meta(shard: Path) -> tuple[np.ndarray, np.ndarray]:
     """A shard's document ids and flags read with h5py/struct alone: from the shard (versions 1-3)
     or from its sidecar (version 4)."""
@@ -583,14 +597,15 @@ def reseal_chunk_checksums(shard: Path) -> None:
     exercise a content check (EOS placement, ids) use it so the chunk checksums don't stop the read
     first. Format version 3: the manifest (``manifests/shards.json`` of the shard's corpus folder)
     gets the matching ``sums_sha256``, ``index_sha256`` and ``bytes`` too, as that writer's build
-    would have recorded. The token ``sha256`` is left stale (``validate`` still catches the edit)."""
+    would have recorded (version 4: the index hash without ids and flags, and the sidecar rebound
+    to the shard, :func:`rebind_sidecar`). The token ``sha256`` is left stale (``validate`` still catches the edit)."""
     with h5py.File(shard, "r+") as f:
         t = f[fmt.TOKENS][:].astype(f[fmt.TOKENS].dtype.newbyteorder("<"))
         C = f[fmt.TOKENS].chunks[0]
         sums = np.array([xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)], "<u8")
         f[fmt.CHUNK_CHECKSUMS][:] = sums
         osums = f[fmt.OFFSETS_CHECKSUMS][:].astype("<u8").tobytes() if fmt.OFFSETS_CHECKSUMS in f else None
-        index = b"".join(f[k][:].tobytes() for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+        index = b"".join(f[k][:].tobytes() for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS) if k in f)
     manifest = Path(shard).resolve().parents[2] / "manifests" / "shards.json"
     if osums is None or not manifest.is_file():
         return
@@ -600,6 +615,7 @@ def reseal_chunk_checksums(shard: Path) -> None:
             e["sums_sha256"] = hashlib.sha256(sums.tobytes() + osums).hexdigest()
             e["index_sha256"] = hashlib.sha256(index + sums.tobytes() + osums).hexdigest()
             e["bytes"] = Path(shard).stat().st_size
+            rebind_sidecar(Path(shard), e)
     manifest.write_text(json.dumps(raw))
 
 
