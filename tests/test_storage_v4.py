@@ -183,9 +183,11 @@ def test_build_writes_sidecars_equal_to_sha256_of_each_text(tmp_path):
     candidates, reading their ids from the candidates' sidecars) writes version 4: every stored id
     is sha256(text)[:16] of the document at that position, each shard has its sidecar, validate
     passes, and nothing else lies in the shards folder."""
-    texts = [f"document number {i} " * (1 + i % 9) for i in range(120)]
-    dups = texts[::7]
-    texts += dups  # duplicates in later tasks: the first occurrence is kept
+    originals = [f"document number {i} " * (1 + i % 9) for i in range(120)]
+    dups = originals[:60:7]
+    texts = originals[:60]
+    for i in range(60, 120):  # a copy of document i - 60 after document i: later tasks mix kept and dropped
+        texts += [originals[i]] + ([originals[i - 60]] if originals[i - 60] in dups else [])
     src = write_jsonl(tmp_path / "in.jsonl", texts)
     cfg = BuildConfig(
         sources=[str(src)],
