@@ -100,7 +100,7 @@ def test_version_3_corpus_still_reads_and_validates(tmp_path):
     with h5py.File(m.shard_path(m.shards[1]), "r+") as f:
         f["doc_ids"][3, 0] ^= 1
     with pytest.raises(FormatError, match=r"train-00001\.h5: the index .* differs from the manifest's index_sha256"):
-        open_corpus(mpath, "train").doc_ids
+        _ = open_corpus(mpath, "train").doc_ids
     assert {f.code for f in validate_corpus(mpath, workers=1).findings} == {"index_sha256"}
 
 
@@ -116,7 +116,7 @@ def test_flipped_byte_in_a_sidecar_is_refused_naming_the_shard(tmp_path):
     c = open_corpus(mpath, "train")
     assert c.tokens(0, c.num_tokens).size == c.num_tokens and c.document(c.num_documents - 1).size > 0
     with pytest.raises(FormatError, match=r"train-00001\.h5: the sidecar's sha256 differs .*docs_sha256"):
-        c.doc_ids
+        _ = c.doc_ids
     np.testing.assert_array_equal(c.shard_doc_meta(0)[0], read_sidecar(m.shard_path(m.shards[0]))[0])
     rep = validate_corpus(mpath, workers=1)
     assert [(f.shard, f.code) for f in rep.findings] == [(m.shards[1].path, "docs")]
@@ -135,7 +135,7 @@ def test_missing_sidecar_is_one_clear_error(tmp_path):
     c = open_corpus(mpath, "train")
     assert c.tokens(0, 10).size == 10
     with pytest.raises(FormatError, match=r"train-00000\.h5: its document sidecar train-00000\.h5\.docs is missing"):
-        c.doc_flags
+        _ = c.doc_flags
     rep = validate_corpus(mpath, workers=1)
     assert [(f.shard, f.code) for f in rep.findings] == [(m.shards[0].path, "docs")]
     assert "train-00000.h5.docs is missing" in rep.findings[0].message
@@ -152,7 +152,7 @@ def test_sidecar_swapped_from_another_shard_is_refused(tmp_path):
     assert s0.stat().st_size == s1.stat().st_size
     s1.write_bytes(s0.read_bytes())
     with pytest.raises(FormatError, match=r"train-00001\.h5: the sidecar belongs to another shard"):
-        open_corpus(mpath, "train").doc_ids
+        _ = open_corpus(mpath, "train").doc_ids
     (s0.parent / "stray.h5.docs").write_bytes(s0.read_bytes())
     rep = validate_corpus(mpath, workers=1)
     assert {(f.shard, f.code) for f in rep.findings} == {
@@ -171,7 +171,7 @@ def test_live_v4_shard_serves_ids_once_finished(tmp_path):
     c = open_live(path)
     assert c.num_documents > 0
     with pytest.raises(FormatError, match="written when the shard is finished"):
-        c.doc_ids
+        _ = c.doc_ids
     w.close()
     c.refresh()
     assert c.num_documents == 20
