@@ -300,9 +300,9 @@ def test_version_1_corpora_open_unverified_and_read_the_same_tokens(tmp_path, st
 def test_an_unknown_format_version_is_refused(tmp_path, stdlib_corpus_texts):
     v1 = write_v1_corpus(tmp_path / "v", stdlib_corpus_texts[:5])
     raw = json.loads(v1.read_text())
-    raw["version"] = 4
+    raw["version"] = 5
     v1.write_text(json.dumps(raw))
-    with pytest.raises(FormatError, match="format version 4 is not supported"):
+    with pytest.raises(FormatError, match="format version 5 is not supported"):
         open_corpus(v1, "train")
 
 
