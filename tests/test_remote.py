@@ -262,7 +262,10 @@ def test_v4_ids_come_from_the_uploaded_sidecars_fetched_only_when_asked_for(corp
     with pytest.raises(RemoteError) as err:
         cold.shard_doc_meta(1)
     msg = str(err.value)
-    assert msg.startswith(f"s3://{key}: document sidecar of shard {e.path}: the downloaded bytes differ") and "\n" not in msg
+    assert (
+        msg.startswith(f"s3://{key}: document sidecar of shard {e.path}: the downloaded bytes differ")
+        and "\n" not in msg
+    )
     assert not list((tmp_path / "cold").rglob("*.docs"))  # nothing unproven kept
 
 
