@@ -102,7 +102,7 @@ def verify_shard(path: str, entry: ShardRecord, expect: ShardExpectation) -> str
     shard), else the first problem found."""
     from .validate import check_shard  # the validator's one-shard check; imported when needed
 
-    findings, _ = check_shard(path, entry, expect)
+    findings, _ = check_shard(path, entry, expect, sidecar=False)  # a sidecar is fetched (and proven) apart
     return "" if not findings else f"{findings[0].code}: {findings[0].message}"
 
 

@@ -9,6 +9,7 @@ Compressed shards, whose decoding holds h5py's global lock, are checked in spawn
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 import os
@@ -252,12 +253,22 @@ class _Scratch(threading.local):
 
 
 def check_shard(
-    path: str, entry: ShardRecord, expect: ShardExpectation, *, deep: bool = False, scratch: _Scratch | None = None
+    path: str,
+    entry: ShardRecord,
+    expect: ShardExpectation,
+    *,
+    deep: bool = False,
+    scratch: _Scratch | None = None,
+    sidecar: bool = True,
 ) -> tuple[list[Finding], int]:
     """Check one shard file against its manifest entry; return (findings, bytes hashed).
 
     ``deep`` adds the full-scan checks (every id below ``vocab_size``, no EOS inside a document);
-    see :func:`hash_shard_tokens`. ``scratch`` (internal) reuses index buffers across calls."""
+    see :func:`hash_shard_tokens`. ``scratch`` (internal) reuses index buffers across calls.
+    ``sidecar=False``: a version 4 shard's sidecar is not checked (nor, then, the end of each
+    document, which its flags say); for a shard file proven alone, e.g. one just downloaded."""
+    if not sidecar:
+        entry = dataclasses.replace(entry, docs_sha256=None)
     found = _check_shard(path, entry, expect, deep, scratch or _Scratch(), defer_filtered=False)
     assert found is not None
     return found
@@ -361,15 +372,15 @@ def _sidecar(path: str, entry: ShardRecord, docs: int, out: list[Finding]) -> tu
     """A version 4 shard's ids and flags from its sidecar (``<path>.docs``), proven against the
     manifest (:func:`~h5corpus.storage.format.docs_problems`); a missing, unreadable or unproven
     sidecar is one ``docs`` finding, and then zero ids and flags None (unknown)."""
-    side = fmt.docs_path(path)
+    side, unknown = fmt.docs_path(path), np.zeros((max(docs, 0), fmt.STORED_ID_BYTES_V3), np.uint8)
+    if entry.docs_sha256 is None:  # not checked (``check_shard(sidecar=False)``; a manifest requires it)
+        return unknown, None
     try:
-        data = side.read_bytes() if entry.docs_sha256 is not None else None
+        data = side.read_bytes()
     except FileNotFoundError:
         data, msg = None, f"its document sidecar {side.name} is missing"
     except OSError as e:
         data, msg = None, f"cannot read its document sidecar {side.name} ({e.strerror or e})"
-    else:
-        msg = "the manifest entry has no docs_sha256 (a version 4 entry needs it)" if data is None else ""
     if data is not None:
         bad = fmt.docs_problems(data, entry)
         if not bad:
@@ -377,7 +388,7 @@ def _sidecar(path: str, entry: ShardRecord, docs: int, out: list[Finding]) -> tu
             return ids, flags
         msg = f"{side.name}: {bad[0].message}"
     out.append(Finding(entry.path, "docs", msg))
-    return np.zeros((max(docs, 0), fmt.STORED_ID_BYTES_V3), np.uint8), None
+    return unknown, None
 
 
 def _check_index(
