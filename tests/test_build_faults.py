@@ -167,6 +167,10 @@ DECOYS = [
     "train/train-00002-000.h5.partial.keep",
     "validation/validation-00000-000.h5.orig",
     "validation/train-00000-000.h5",
+    "train/train-0000-000.h5.docs",  # format version 4 sidecar names of shards the build would not write
+    "train/train-00000-000.docs",
+    "train/train-00000-000.h5.docs.bak",
+    "validation/train-00000-000.h5.docs",
 ]
 
 
