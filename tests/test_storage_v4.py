@@ -124,6 +124,14 @@ def test_flipped_byte_in_a_sidecar_is_refused_naming_the_shard(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     fails = [ln for ln in r.stdout.splitlines() + r.stderr.splitlines() if "FAIL" in ln]
     assert len(fails) == 1 and "train-00001.h5" in fails[0] and "docs" in fails[0], r.stdout + r.stderr
+    r = subprocess.run(  # inspect reads every shard's flags (truncated documents): refused by name
+        [sys.executable, "-m", "h5corpus", "inspect", str(mpath), "--seq-len", "64"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout and "train-00001.h5" in r.stderr, r.stderr
 
 
 def test_missing_sidecar_is_one_clear_error(tmp_path):
