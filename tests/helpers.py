@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -93,14 +94,51 @@ def read_built(manifest: Path) -> dict[str, list[tuple[bytes, np.ndarray, int]]]
     m = json.loads(manifest.read_text())
     out: dict[str, list] = {s: [] for s in fmt.SPLITS}
     for s in m["shards"]:
+        ids, flags = read_doc_meta(manifest.parent / s["path"])
         with h5py.File(manifest.parent / s["path"], "r") as f:
             toks = f["tokens"][:]
             offs = f["doc_offsets"][:]
-            ids = f["doc_ids"][:]
-            flags = f["doc_flags"][:]
         for i in range(offs.size - 1):
             out[s["split"]].append((ids[i].tobytes(), toks[offs[i] : offs[i + 1]], int(flags[i])))
     return out
+
+
+def read_sidecar(shard: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A format version 4 shard's sidecar (``<shard>.docs``) read with ``struct`` straight from
+    docs/FORMAT.md (independent of h5corpus): ids (n, 16), flags (n,) and the header's fields."""
+    data = Path(str(shard) + ".docs").read_bytes()
+    magic, version, id_bytes, docs, tokens = struct.unpack_from("<8sIIQQ", data, 0)
+    head = dict(magic=magic, version=version, id_bytes=id_bytes, documents=docs, tokens=tokens)
+    head.update(tokens_sha256=data[32:64].hex(), index_sha256=data[64:96].hex(), size=len(data))
+    head["sha256"] = hashlib.sha256(data).hexdigest()
+    ids = np.frombuffer(data, np.uint8, docs * id_bytes, 96).reshape(docs, id_bytes)
+    flags = np.frombuffer(data, np.uint8, docs, 96 + docs * id_bytes)
+    assert 96 + docs * (id_bytes + 1) == len(data), shard
+    return ids, flags, head
+
+
+def rebind_sidecar(shard: Path, entry: dict) -> None:
+    """What a writer that produced these (edited) shard bytes consistently would have written: the
+    version 4 sidecar of ``shard`` rebound to the manifest ``entry``'s (a dict) ``sha256`` and
+    ``index_sha256`` (header bytes 32-96, docs/FORMAT.md), and ``entry``'s ``docs_sha256`` updated.
+    Nothing for a shard without a sidecar."""
+    side = Path(str(shard) + ".docs")
+    if not side.exists():
+        return
+    data = bytearray(side.read_bytes())
+    data[32:96] = bytes.fromhex(entry["sha256"]) + bytes.fromhex(entry["index_sha256"])
+    side.write_bytes(bytes(data))
+    entry["docs_sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+
+
+def read_doc_meta(shard: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's document ids and flags read with h5py/struct alone: from the shard (versions 1-3)
+    or from its sidecar (version 4)."""
+    with h5py.File(shard, "r") as f:
+        if "doc_ids" in f:
+            return f["doc_ids"][:], f["doc_flags"][:]
+    ids, flags, _ = read_sidecar(shard)
+    return ids, flags
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -559,14 +597,15 @@ def reseal_chunk_checksums(shard: Path) -> None:
     exercise a content check (EOS placement, ids) use it so the chunk checksums don't stop the read
     first. Format version 3: the manifest (``manifests/shards.json`` of the shard's corpus folder)
     gets the matching ``sums_sha256``, ``index_sha256`` and ``bytes`` too, as that writer's build
-    would have recorded. The token ``sha256`` is left stale (``validate`` still catches the edit)."""
+    would have recorded (version 4: the index hash without ids and flags, and the sidecar rebound
+    to the shard, :func:`rebind_sidecar`). The token ``sha256`` is left stale (``validate`` still catches the edit)."""
     with h5py.File(shard, "r+") as f:
         t = f[fmt.TOKENS][:].astype(f[fmt.TOKENS].dtype.newbyteorder("<"))
         C = f[fmt.TOKENS].chunks[0]
         sums = np.array([xxhash.xxh3_64_intdigest(t[k : k + C].tobytes()) for k in range(0, t.size, C)], "<u8")
         f[fmt.CHUNK_CHECKSUMS][:] = sums
         osums = f[fmt.OFFSETS_CHECKSUMS][:].astype("<u8").tobytes() if fmt.OFFSETS_CHECKSUMS in f else None
-        index = b"".join(f[k][:].tobytes() for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+        index = b"".join(f[k][:].tobytes() for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS) if k in f)
     manifest = Path(shard).resolve().parents[2] / "manifests" / "shards.json"
     if osums is None or not manifest.is_file():
         return
@@ -576,6 +615,7 @@ def reseal_chunk_checksums(shard: Path) -> None:
             e["sums_sha256"] = hashlib.sha256(sums.tobytes() + osums).hexdigest()
             e["index_sha256"] = hashlib.sha256(index + sums.tobytes() + osums).hexdigest()
             e["bytes"] = Path(shard).stat().st_size
+            rebind_sidecar(Path(shard), e)
     manifest.write_text(json.dumps(raw))
 
 

@@ -167,6 +167,10 @@ DECOYS = [
     "train/train-00002-000.h5.partial.keep",
     "validation/validation-00000-000.h5.orig",
     "validation/train-00000-000.h5",
+    "train/train-0000-000.h5.docs",  # format version 4 sidecar names of shards the build would not write
+    "train/train-00000-000.docs",
+    "train/train-00000-000.h5.docs.bak",
+    "validation/train-00000-000.h5.docs",
 ]
 
 
@@ -288,6 +292,7 @@ def test_shards_a_resumed_build_no_longer_lists_are_deleted_only_when_recorded(t
     assert rep.resumed and rep.tasks_read == 3
     m = read_manifest(root / "manifests" / "shards.json")
     listed = {m.shard_path(e).name for e in m.shards if e.split == "train"}
+    listed |= {name + ".docs" for name in listed}  # format version 4: each shard's sidecar
     on_disk = {p.name for p in (root / "shards" / "train").iterdir()}
     assert on_disk == listed | {Path(d).name for d in DECOYS if d.startswith("train/")} | {unrecorded.name}
     assert not any(n.startswith("train-00003-") for n in listed)

@@ -95,17 +95,21 @@ def test_reader_refuses_a_broken_document_index(stdlib_manifest, tmp_path, mutat
     offsets of another dtype: open_corpus refuses naming the shard, and inspect exits 1 with it."""
     _, shard = _first_shard(stdlib_manifest)
     with h5py.File(shard, "r") as f:
-        offs, ids, flags = f["doc_offsets"][:], f["doc_ids"][:], f["doc_flags"][:]
+        offs = f["doc_offsets"][:]
+    side = Path(str(shard) + ".docs")  # format version 4: ids and flags in the sidecar
+    ids_bytes = side.read_bytes()
+    n = (len(ids_bytes) - 96) // 17
     if mutation == "decreasing":
         offs[3], offs[4] = offs[4], offs[3]
         _replace_dataset(shard, "doc_offsets", offs)
     elif mutation == "past_the_end":
         offs[-1] += 100
         _replace_dataset(shard, "doc_offsets", offs)
-    elif mutation == "ids_short":
-        _replace_dataset(shard, "doc_ids", ids[:-1])
+    elif mutation == "ids_short":  # one id row short: the header's count and the bytes say n - 1
+        head = ids_bytes[:16] + (n - 1).to_bytes(8, "little") + ids_bytes[24:96]
+        side.write_bytes(head + ids_bytes[96 : 96 + 16 * (n - 1)] + ids_bytes[96 + 16 * n :][:-1])
     elif mutation == "flags_long":
-        _replace_dataset(shard, "doc_flags", np.append(flags, 0).astype(np.uint8))
+        side.write_bytes(ids_bytes + b"\x00")
     else:
         _replace_dataset(shard, "doc_offsets", offs.astype("<i4"))
     _relist_size(stdlib_manifest, shard)
@@ -119,9 +123,9 @@ def test_reader_refuses_a_broken_document_index(stdlib_manifest, tmp_path, mutat
 def test_reader_refuses_a_missing_dataset_naming_the_shard(stdlib_manifest):
     _, shard = _first_shard(stdlib_manifest)
     with h5py.File(shard, "r+") as f:
-        del f["doc_flags"]
+        del f["chunk_xxh3"]
     _relist_size(stdlib_manifest, shard)
-    with pytest.raises(FormatError, match=rf"{shard.name}: dataset /doc_flags is missing"):
+    with pytest.raises(FormatError, match=rf"{shard.name}: dataset /chunk_xxh3 is missing"):
         _open_and_touch(stdlib_manifest, "train")
 
 
@@ -212,7 +216,9 @@ def test_removed_entries_do_not_hide_their_files(stdlib_manifest):
     assert {Path(p).name for p in val} <= {Path(p).name for p in unlisted}
     _edit(stdlib_manifest, lambda r: r.update(shards=[], splits={}))
     rep = validate_corpus(stdlib_manifest, workers=1)
-    assert not rep.ok and len({f.shard for f in rep.findings if f.code == "unlisted"}) == len(raw["shards"])
+    unlisted = {f.shard for f in rep.findings if f.code == "unlisted"}
+    assert not rep.ok and len({p for p in unlisted if p.endswith(".h5")}) == len(raw["shards"])
+    assert {p + ".docs" for p in unlisted if p.endswith(".h5")} == {p for p in unlisted if p.endswith(".docs")}
 
 
 def test_one_file_listed_twice_under_two_spellings_or_as_a_copy_is_refused(stdlib_manifest):

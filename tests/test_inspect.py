@@ -20,7 +20,15 @@ from h5corpus.loaders import chunking
 from h5corpus.storage import format as fmt
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, reseal_chunk_checksums, stdlib_texts, write_corpus
+from tests.helpers import (
+    BYTE_IDENTITY,
+    byte_encode,
+    doc_id,
+    rebind_sidecar,
+    reseal_chunk_checksums,
+    stdlib_texts,
+    write_corpus,
+)
 
 
 def naive_best_fit(lengths: list[int], capacity: int, buffer: int) -> list[int]:
@@ -177,8 +185,11 @@ def reseal(manifest: Path, shard) -> None:
     with h5py.File(path, "r") as f:
         sums = (f[fmt.CHUNK_CHECKSUMS][:], f[fmt.OFFSETS_CHECKSUMS][:])
         proof = fmt.sums_sha256(*sums)
-        index = fmt.index_sha256(f[fmt.DOC_OFFSETS][:], f[fmt.DOC_IDS][:], f[fmt.DOC_FLAGS][:], *sums)
+        index = fmt.index_sha256_v4(f[fmt.DOC_OFFSETS][:], *sums)
     edit = {"sums_sha256": proof, "index_sha256": index}
+    raw = {"sha256": shard.sha256, "index_sha256": index}
+    rebind_sidecar(path, raw)  # the sidecar names the shard's index hash: the writer would have written it so
+    edit["docs_sha256"] = raw["docs_sha256"]
     m.shards = [dataclasses.replace(e, **edit) if e.path == shard.path else e for e in m.shards]
     write_manifest(manifest, m)
 

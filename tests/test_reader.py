@@ -18,7 +18,7 @@ from h5corpus.storage.format import FormatError, TokenizerIdentity
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.reader import open_corpus, open_live
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, oracle_stream, stdlib_texts
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, oracle_stream, read_doc_meta, stdlib_texts
 
 
 def random_ranges(
@@ -44,7 +44,8 @@ def recompress(manifest: Path, root: Path, compression: str) -> Path:
     mpath = root / "manifests" / "shards.json"
     for s in m.shards:
         with h5py.File(m.shard_path(s), "r") as f:
-            toks, offs, ids, flags = f["tokens"][:], f["doc_offsets"][:], f["doc_ids"][:], f["doc_flags"][:]
+            toks, offs = f["tokens"][:], f["doc_offsets"][:]
+        ids, flags = read_doc_meta(m.shard_path(s))
         with ShardWriter(
             root / "shards" / s.path.split("/", 2)[-1],
             split=s.split,
@@ -292,7 +293,6 @@ def poll_live_shard(final: Path, source: Path, *, max_docs: int, chunk_tokens: i
             d = c.document(i)
             assert d[-1] == c.eos_id and np.count_nonzero(d == c.eos_id) == 1, f"torn document {i}"
             np.testing.assert_array_equal(d, src.document(i))
-            assert c.doc_id(i) == src.doc_id(i)
             if i < twin.num_documents:
                 np.testing.assert_array_equal(twin.document(i), d)
         if new and not c.complete:
@@ -306,6 +306,8 @@ def poll_live_shard(final: Path, source: Path, *, max_docs: int, chunk_tokens: i
     final_c = open_live(final)
     assert final_c.complete and final_c.num_documents == c.num_documents == min(max_docs, src.num_documents)
     np.testing.assert_array_equal(final_c.doc_offsets, c.doc_offsets)
+    # format version 4: ids and flags arrive with the finished shard's sidecar
+    assert [c.doc_id(i) for i in range(c.num_documents)] == [src.doc_id(i) for i in range(c.num_documents)]
     assert c.read_paths() == ["mmap"]  # finished: switched to the fast path
     return growing_polls, c.num_documents
 

@@ -105,6 +105,7 @@ def test_same_batches_from_s3_http_and_local_path(corpus, s3, nginx, tmp_path):
     cached = [p.name for p in cached_shards(tmp_path / "c-s3-window")]
     assert sorted(cached) == sorted(shards)  # the train split's shards, nothing else
     assert not list((tmp_path / "c-s3-window").rglob("*" + DOWNLOAD_SUFFIX))
+    assert not list((tmp_path / "c-s3-window").rglob("*.docs"))  # sidecars only when ids are asked for
 
 
 def test_two_ranks_two_workers_share_one_cache_and_download_each_shard_once(corpus, s3, tmp_path):
@@ -228,6 +229,44 @@ def test_upload_records_file_hashes_and_a_download_that_differs_is_refused(corpu
     assert msg.startswith(f"s3://{key}: shard {e.path}: the downloaded bytes differ from the manifest (file_sha256")
     assert "\n" not in msg and "refused" in msg and SECRET not in msg
     assert not [p for p in cache.rglob(Path(e.path).name + "*") if not p.name.endswith(LOCK_SUFFIX)]
+
+
+def test_v4_ids_come_from_the_uploaded_sidecars_fetched_only_when_asked_for(corpus, s3, tmp_path):
+    """An uploaded format version 4 corpus: every sidecar is published (before the manifest);
+    reading tokens fetches no sidecar; ``Corpus.doc_ids`` fetches them into the cache, proven, and
+    equals the local ids; a sidecar changed on the server is refused, naming its URL and shard."""
+    import s3fs
+
+    from h5corpus.storage.publish import upload_corpus
+
+    rep = upload_corpus(corpus, f"s3://{BUCKET}/v4ids")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    m = read_manifest(corpus)
+    assert m.version == 4
+    for e in m.shards:  # oracle: the local sidecar's bytes
+        key = f"{BUCKET}/v4ids/shards/{e.path.split('shards/', 1)[1]}.docs"
+        assert fs.cat_file(key) == Path(m.shard_path_str(e) + ".docs").read_bytes()
+    local = open_corpus(corpus, "train")
+    c = open_corpus(rep.manifest_url, "train", cache_dir=tmp_path / "c")
+    np.testing.assert_array_equal(c.tokens(0, 1000), local.tokens(0, 1000))
+    assert not list((tmp_path / "c").rglob("*.docs"))
+    np.testing.assert_array_equal(c.doc_ids, local.doc_ids)
+    np.testing.assert_array_equal(c.doc_flags, local.doc_flags)
+    assert len(list((tmp_path / "c").rglob("*.h5.docs"))) == len(m.shards_of("train"))
+    e = m.shards_of("train")[1]
+    key = f"{BUCKET}/v4ids/shards/{e.path.split('shards/', 1)[1]}.docs"
+    data = bytearray(fs.cat_file(key))
+    data[-1] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    cold = open_corpus(rep.manifest_url, "train", cache_dir=tmp_path / "cold")
+    with pytest.raises(RemoteError) as err:
+        cold.shard_doc_meta(1)
+    msg = str(err.value)
+    assert (
+        msg.startswith(f"s3://{key}: document sidecar of shard {e.path}: the downloaded bytes differ")
+        and "\n" not in msg
+    )
+    assert not list((tmp_path / "cold").rglob("*.docs"))  # nothing unproven kept
 
 
 def test_validate_and_inspect_take_a_manifest_url_through_the_cache(corpus, s3, tmp_path):
@@ -406,7 +445,7 @@ def test_upload_publishes_shards_before_the_manifest_and_resumes(corpus, s3, tmp
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and str(bad) in r.stderr, r.stderr
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     assert not fs.exists(f"{BUCKET}/up/manifests/shards.json")  # never a manifest whose shards are missing
-    assert len(fs.find(f"{BUCKET}/up/shards")) == 5
+    assert len(fs.find(f"{BUCKET}/up/shards")) == 2 * 5  # five shards, each after its sidecar
     bad.write_bytes(good)
     r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

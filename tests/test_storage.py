@@ -24,17 +24,19 @@ from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.reader import open_corpus
 from h5corpus.storage.validate import validate_corpus
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, read_doc_meta, read_sidecar, stdlib_texts
 
 
 def independent_hashes(path: Path) -> tuple[str, str, str]:
-    """Recompute the three manifest hashes straight from the contract in docs/FORMAT.md (version 3:
-    the index hash ends with the chunk checksums, each the xxh3-64 of one chunk's real tokens, then
-    the offsets checksums, each the xxh3-64 of 1,024 offsets' little-endian bytes, which must equal
-    the ones recomputed here; sums_sha256 covers both checksum tables)."""
+    """Recompute the three manifest hashes straight from the contract in docs/FORMAT.md (version 4:
+    the index hash is the offsets' little-endian bytes, then the chunk checksums, each the xxh3-64
+    of one chunk's real tokens, then the offsets checksums, each the xxh3-64 of 1,024 offsets'
+    little-endian bytes, which must equal the ones recomputed here; sums_sha256 covers both
+    checksum tables; ids and flags are the sidecar's, not the shard's)."""
     with h5py.File(path, "r") as f:
         toks = f["tokens"][:]
-        offs, ids, flags = f["doc_offsets"][:], f["doc_ids"][:], f["doc_flags"][:]
+        assert "doc_ids" not in f and "doc_flags" not in f, path
+        offs = f["doc_offsets"][:]
         sums, C = f["chunk_xxh3"][:], f["tokens"].chunks[0]
         osums = f["offsets_xxh3"][:]
     le = toks.astype(toks.dtype.newbyteorder("<"))
@@ -44,7 +46,7 @@ def independent_hashes(path: Path) -> tuple[str, str, str]:
     want = [xxhash.xxh3_64_intdigest(ole[k : k + 1024].tobytes()) for k in range(0, ole.size, 1024)]
     assert osums.dtype == np.dtype("<u8") and osums.tolist() == want, path
     h = hashlib.sha256(le.tobytes()).hexdigest()
-    ih = hashlib.sha256(ole.tobytes() + ids.tobytes() + flags.tobytes() + sums.tobytes() + osums.tobytes()).hexdigest()
+    ih = hashlib.sha256(ole.tobytes() + sums.tobytes() + osums.tobytes()).hexdigest()
     return h, ih, hashlib.sha256(sums.tobytes() + osums.tobytes()).hexdigest()
 
 
@@ -78,6 +80,11 @@ def test_hashes_reproducible_from_contract(dev_manifest):
         h, ih, sh = independent_hashes(m.shard_path(s))
         assert (h, ih, sh) == (s.sha256, s.index_sha256, s.sums_sha256), s.path
         assert m.shard_path(s).stat().st_size == s.bytes
+        ids, flags, head = read_sidecar(m.shard_path(s))  # the sidecar, bound to its shard
+        assert (head["sha256"], head["size"]) == (s.docs_sha256, s.docs_bytes), s.path
+        assert (head["magic"], head["version"], head["id_bytes"]) == (b"H5CDOCS1", 4, 16)
+        assert (head["documents"], head["tokens"]) == (s.documents, s.tokens)
+        assert (head["tokens_sha256"], head["index_sha256"]) == (h, ih)
 
 
 def test_layout_matches_contract(stdlib_manifest):
@@ -95,6 +102,8 @@ def test_layout_matches_contract(stdlib_manifest):
         "index_sha256",
         "bytes",
         "sums_sha256",
+        "docs_sha256",
+        "docs_bytes",
     }
     for s in m.shards:
         assert s.path.startswith(f"../shards/{s.split}/")
@@ -103,11 +112,13 @@ def test_layout_matches_contract(stdlib_manifest):
             assert t.dtype == np.uint16 and t.chunks == (4096,) and t.maxshape == (None,)
             o = f["doc_offsets"][:]
             assert o.dtype == np.int64 and o[0] == 0 and o[-1] == t.shape[0] and (np.diff(o) > 0).all()
-            assert f["doc_ids"].shape == (o.size - 1, 16) and f["doc_ids"].dtype == np.uint8
+            assert "doc_ids" not in f and "doc_flags" not in f  # version 4: in the sidecar
+            ids, flags, _ = read_sidecar(m.shard_path(s))
+            assert ids.shape == (o.size - 1, 16) and flags.shape == (o.size - 1,)
             assert f["doc_offsets"].chunks == (1024,) and f["doc_offsets"].compression is None
             a = fmt.check_attrs(f.attrs, "x")
             assert a["split"] == s.split and a["eos_id"] == 256 and a["chunk_tokens"] == 4096
-            assert a["version"] == 3 and raw["version"] == 3
+            assert a["version"] == 4 and raw["version"] == 4
             sums = f["chunk_xxh3"]
             assert sums.dtype == np.dtype("<u8") and sums.shape == (-(-t.shape[0] // 4096),)
 
@@ -152,8 +163,7 @@ def test_writer_refuses_eos_inside_document_and_missing_eos(tmp_path):
     w.add_document([1, 2], b"d" * 32, truncated=True)  # a cut is not an end: no EOS, flagged
     info = w.close()
     assert info.documents == 1 and info.tokens == 2
-    with h5py.File(info.path, "r") as f:
-        assert f["doc_flags"][0] == fmt.FLAG_TRUNCATED
+    assert read_doc_meta(Path(info.path))[1][0] == fmt.FLAG_TRUNCATED
 
 
 def test_writer_appends_exactly_one_chunk_at_a_time(tmp_path):
@@ -181,12 +191,12 @@ def test_reader_refuses_other_format_versions(stdlib_manifest):
     m = read_manifest(stdlib_manifest)
     p = m.shard_path(m.shards[0])
     with h5py.File(p, "r+") as f:
-        f.attrs["version"] = 4
+        f.attrs["version"] = 5
     raw = json.loads(stdlib_manifest.read_text())
     raw["shards"][0]["bytes"] = p.stat().st_size  # as a newer h5corpus would list it
     stdlib_manifest.write_text(json.dumps(raw))
-    c = open_corpus(stdlib_manifest, m.shards[0].split)  # version 3: the shard is checked when first read
-    with pytest.raises(FormatError, match="version 4 is not supported"):
+    c = open_corpus(stdlib_manifest, m.shards[0].split)  # version 4: the shard is checked when first read
+    with pytest.raises(FormatError, match="version 5 is not supported"):
         c.tokens(0, 1)
     raw["version"] = 99
     stdlib_manifest.write_text(json.dumps(raw))

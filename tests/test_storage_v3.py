@@ -25,7 +25,7 @@ from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.reader import open_corpus
 from h5corpus.storage.validate import validate_corpus
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY, subprocess_env, write_v1_corpus
+from tests.helpers import BYTE_IDENTITY, rebind_sidecar, subprocess_env, write_v1_corpus
 
 C = 512  # tokens per chunk: documents span chunks
 
@@ -179,11 +179,12 @@ def test_an_id_at_or_above_vocab_is_refused_when_its_chunk_is_verified(big_index
         sums = np.array([xxhash.xxh3_64_intdigest(t[a : a + C].tobytes()) for a in range(0, t.size, C)], "<u8")
         f["chunk_xxh3"][:] = sums
         osums = f["offsets_xxh3"][:].astype("<u8").tobytes()
-        index = b"".join(f[k][:].tobytes() for k in ("doc_offsets", "doc_ids", "doc_flags")) + sums.tobytes() + osums
+        index = f["doc_offsets"][:].tobytes() + sums.tobytes() + osums  # version 4: ids are the sidecar's
     raw = json.loads(mpath.read_text())
     e = raw["shards"][0]
     e.update(sha256=hashlib.sha256(t.tobytes()).hexdigest(), index_sha256=hashlib.sha256(index).hexdigest())
     e.update(sums_sha256=hashlib.sha256(sums.tobytes() + osums).hexdigest(), bytes=shard.stat().st_size)
+    rebind_sidecar(shard, e)
     mpath.write_text(json.dumps(raw))
     for read_path in ("auto", "h5py"):
         c = open_corpus(mpath, "train", read_path=read_path)
@@ -205,7 +206,7 @@ def test_version_2_corpus_still_reads_with_its_index_proven_at_open(tmp_path, st
     c = open_corpus(v2, "train")
     assert c.verified and c.version == 2 and c.num_shards >= 2
     v3, toks, offs = synthetic(tmp_path / "v3", 1, 10)  # control that the reader differs by version only
-    assert open_corpus(v3, "train").version == 3
+    assert open_corpus(v3, "train").version == 4
     want = np.concatenate(
         [h5py.File(p, "r")["tokens"][:] for p in sorted((tmp_path / "v2" / "shards" / "train").glob("*.h5"))]
     )

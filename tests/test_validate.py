@@ -16,7 +16,7 @@ import xxhash
 from h5corpus.storage.manifest import Manifest, read_manifest, write_manifest
 from h5corpus.storage.validate import validate_corpus
 from h5corpus.storage.writer import ShardWriter
-from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, stdlib_texts
+from tests.helpers import BYTE_IDENTITY, byte_encode, doc_id, rebind_sidecar, stdlib_texts
 
 
 def _edit_tokens_and_rehash(manifest: Path, k: int, edits: dict[int, int]) -> str:
@@ -31,12 +31,13 @@ def _edit_tokens_and_rehash(manifest: Path, k: int, edits: dict[int, int]) -> st
         sums = np.array([xxhash.xxh3_64_intdigest(toks[a : a + C].tobytes()) for a in range(0, toks.size, C)], "<u8")
         f["chunk_xxh3"][:] = sums  # the buggy writer checksums what it wrote
         osums = f["offsets_xxh3"][:].astype("<u8").tobytes()  # offsets unchanged: their checksums hold
-        index = b"".join(f[n][:].tobytes() for n in ("doc_offsets", "doc_ids", "doc_flags")) + sums.tobytes() + osums
+        index = f["doc_offsets"][:].tobytes() + sums.tobytes() + osums  # version 4: ids are the sidecar's
     raw = json.loads(manifest.read_text())
     raw["shards"][k]["sha256"] = hashlib.sha256(toks.tobytes()).hexdigest()
     raw["shards"][k]["index_sha256"] = hashlib.sha256(index).hexdigest()
     raw["shards"][k]["sums_sha256"] = hashlib.sha256(sums.tobytes() + osums).hexdigest()
     raw["shards"][k]["bytes"] = p.stat().st_size
+    rebind_sidecar(p, raw["shards"][k])  # and its sidecar names the shard it wrote
     manifest.write_text(json.dumps(raw))
     return m.shards[k].path
 

@@ -300,9 +300,9 @@ def test_version_1_corpora_open_unverified_and_read_the_same_tokens(tmp_path, st
 def test_an_unknown_format_version_is_refused(tmp_path, stdlib_corpus_texts):
     v1 = write_v1_corpus(tmp_path / "v", stdlib_corpus_texts[:5])
     raw = json.loads(v1.read_text())
-    raw["version"] = 4
+    raw["version"] = 5
     v1.write_text(json.dumps(raw))
-    with pytest.raises(FormatError, match="format version 4 is not supported"):
+    with pytest.raises(FormatError, match="format version 5 is not supported"):
         open_corpus(v1, "train")
 
 
@@ -327,14 +327,15 @@ def _build(cwd: Path, sources: list[Path], workers: int, crash_at: str | None = 
 def _shard_bytes(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted((root / "shards").rglob("*.h5"))
+        for pattern in ("*.h5", "*.h5.docs")  # format version 4: each shard and its sidecar
+        for p in sorted((root / "shards").rglob(pattern))
     }
 
 
 def test_build_writes_identical_shards_for_any_worker_count_and_after_kill_9(tmp_path, stdlib_corpus_texts):
     """``h5corpus build`` with 1 and 2 workers, and a 2-worker build SIGKILLed (the crash-point
-    hook) while finishing and then resumed, write byte-identical v2 shards that validate and carry
-    one checksum per chunk."""
+    hook) while finishing and then resumed, write byte-identical v4 shards and sidecars that
+    validate and carry one checksum per chunk."""
     src = [tmp_path / f"in-{i}.jsonl" for i in range(4)]  # a task (or more) per file
     for i, p in enumerate(src):
         p.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_corpus_texts[i::4]), encoding="utf-8")
@@ -355,10 +356,10 @@ def test_build_writes_identical_shards_for_any_worker_count_and_after_kill_9(tmp
     manifest = roots["killed"] / "manifests" / "shards.json"
     assert validate_corpus(manifest).ok
     m = read_manifest(manifest)
-    assert m.version == 3
+    assert m.version == 4 and sum(k.endswith(".docs") for k in ref) == len(m.shards)
     for s in m.shards:
         with h5py.File(m.shard_path(s), "r") as f:
-            assert f.attrs["version"] == 3 and f["chunk_xxh3"].shape == (-(-s.tokens // m.chunk_tokens),)
+            assert f.attrs["version"] == 4 and f["chunk_xxh3"].shape == (-(-s.tokens // m.chunk_tokens),)
             assert f["offsets_xxh3"].shape == (-(-(s.documents + 1) // 1024),) and s.sums_sha256
     assert not list(tmp_path.rglob("*.partial")) and not os.path.exists(roots["killed"] / "shards" / ".build")
     assert list(itertools.islice(iter(SlidingWindowDataset(open_corpus(manifest, "train"), 64, seed=0)), 2))

@@ -27,12 +27,15 @@ def _write(path, texts, monkeypatch, **kw) -> tuple[object, int]:
 
 def test_fsync_false_writes_the_same_bytes_without_fsync(tmp_path, monkeypatch, stdlib_corpus_texts):
     """Only durability changes: file bytes and ShardRecord hashes are identical, the file appears
-    under its name only at close, and no fsync is issued (the default issues two: file, folder)."""
+    under its name only at close, and no fsync is issued (the default issues three: the shard,
+    its sidecar (format version 4), the folder once after both renames)."""
     texts = stdlib_corpus_texts[:40]
     a, n_default = _write(tmp_path / "a" / "train-00000.h5", texts, monkeypatch)
     b, n_off = _write(tmp_path / "b" / "train-00000.h5", texts, monkeypatch, fsync=False)
-    assert n_default == 2 and n_off == 0
+    assert n_default == 3 and n_off == 0
     assert (Path(a.path).read_bytes() == Path(b.path).read_bytes()) and a.tokens > 100_000
+    assert Path(a.path + ".docs").read_bytes() == Path(b.path + ".docs").read_bytes()
+    assert (a.docs_sha256, a.docs_bytes) == (b.docs_sha256, b.docs_bytes)
     assert (a.sha256, a.index_sha256, a.bytes, a.documents) == (b.sha256, b.index_sha256, b.bytes, b.documents)
     assert not list(tmp_path.rglob("*" + PARTIAL_SUFFIX))
 

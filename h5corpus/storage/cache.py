@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .format import FormatError, ShardExpectation, ShardRecord, file_sha256
+from .format import FormatError, ShardExpectation, ShardRecord, docs_problems, file_sha256
 from .remote import RemoteError, RemoteOptions, filesystem, fs_path, join_url, redact, with_retries
 
 LOCK_SUFFIX = ".lock"
@@ -102,7 +102,7 @@ def verify_shard(path: str, entry: ShardRecord, expect: ShardExpectation) -> str
     shard), else the first problem found."""
     from .validate import check_shard  # the validator's one-shard check; imported when needed
 
-    findings, _ = check_shard(path, entry, expect)
+    findings, _ = check_shard(path, entry, expect, sidecar=False)  # a sidecar is fetched (and proven) apart
     return "" if not findings else f"{findings[0].code}: {findings[0].message}"
 
 
@@ -118,7 +118,7 @@ def prove_by_checksums(path: str, entry: ShardRecord, expect: ShardExpectation) 
         return f"size: file is {_size(path):,} bytes, manifest says {entry.bytes:,}"
     try:
         with h5open(path) as f:
-            ds = {k: f.get(k) for k in fmt.DATASETS}
+            ds = {k: f.get(k) for k in fmt.datasets_of(expect.version)}
             problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), entry.split)
             problems += fmt.dataset_problems(ds, expect)
             if not problems and ds[fmt.TOKENS].shape[0] != entry.tokens:
@@ -440,6 +440,33 @@ class RemoteShards:
         os.close(fd)
         os.unlink(part)
         return None, problem
+
+    def acquire_docs(self, entry: ShardRecord, local: str) -> None:
+        """Bring a version 4 shard's sidecar (``<shard>.docs``: its ids and flags) into the cache at
+        ``local`` unless it is there: downloaded under its own lock into ``<local>.download``,
+        proven against the manifest (``docs_sha256``, its binding to the shard) and only then
+        renamed into place. Fetched only when ids or flags are asked for, never to serve tokens;
+        a few hundredths of its shard's size, it is evicted like a shard. :class:`RemoteError`
+        naming the URL and the shard when it cannot be fetched or is not what the manifest proves."""
+        if entry.docs_path is None or os.path.exists(local):
+            return
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        gate = _locked(local + LOCK_SUFFIX)
+        try:
+            if os.path.exists(local):
+                return
+            part, url = local + DOWNLOAD_SUFFIX, join_url(self.url, entry.docs_path)
+            where = f"{redact(url)}: document sidecar of shard {entry.path}"
+            _unlink(part)
+            with_retries(lambda: _transfer(self.fs(), fs_path(url), part, entry.docs_bytes), self.options, where)
+            with open(part, "rb") as fh:
+                bad = docs_problems(fh.read(entry.docs_bytes + 1), entry)
+            if bad:
+                _unlink(part)
+                raise RemoteError(f"{where}: the downloaded bytes differ from the manifest ({bad[0].message}); refused")
+            os.replace(part, local)
+        finally:
+            os.close(gate)
 
     def prefetch(self, items: list[tuple[ShardRecord, str]]) -> None:
         """Start downloading the shards not cached yet in the background (at most

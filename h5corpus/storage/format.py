@@ -1,4 +1,4 @@
-"""The on-disk contract of an h5corpus corpus (shard format v3, reading v1 and v2 too; manifest v1). See ``docs/FORMAT.md``.
+"""The on-disk contract of an h5corpus corpus (shard format v4, reading v1-v3 too; manifest v1). See ``docs/FORMAT.md``.
 
 Every fact of the layout that the writer, the reader, the validator and the build's resume rely
 on is defined here once, so that they cannot drift apart: dataset names and dtypes, the HDF5
@@ -32,9 +32,13 @@ FORMAT_NAME = "h5corpus"
 #: 3: a lazily consulted, verified index: ``/doc_offsets`` in raw chunks that a reader maps,
 #: ``/offsets_xxh3`` (one checksum per offsets chunk), 128-bit stored ids, and the manifest's
 #: ``sums_sha256`` proving both checksum tables.
-FORMAT_VERSION = 3
+#: 4: document ids and flags out of the shard, in a sidecar file beside it (``<shard>.docs``,
+#: :data:`DOCS_SUFFIX`) that the manifest proves (``docs_sha256``); readers never open it to serve tokens.
+FORMAT_VERSION = 4
 #: Versions this h5corpus reads (version 1 shards carry no checksums: reads are unverified).
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
+#: Versions :class:`~h5corpus.storage.writer.ShardWriter` writes (3: ids and flags in the shard).
+WRITABLE_VERSIONS = (3, 4)
 #: Version of the manifest's layout (``manifest_version`` key); manifests written before the key
 #: existed are version 1.
 MANIFEST_VERSION = 1
@@ -63,12 +67,21 @@ DATASETS_V1 = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS)
 #: Every dataset of a version 2 shard, in the order the index hash covers the index ones.
 DATASETS_V2 = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS)
 #: Every dataset of a version 3 shard, in the order the index hash covers the index ones.
-DATASETS = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS, OFFSETS_CHECKSUMS)
+DATASETS_V3 = (TOKENS, DOC_OFFSETS, DOC_IDS, DOC_FLAGS, CHUNK_CHECKSUMS, OFFSETS_CHECKSUMS)
+#: Every dataset of a version 4 shard, in the order the index hash covers the index ones (ids and
+#: flags live in the shard's sidecar, :data:`DOCS_SUFFIX`).
+DATASETS = (TOKENS, DOC_OFFSETS, CHUNK_CHECKSUMS, OFFSETS_CHECKSUMS)
 
 
 def datasets_of(version: int) -> tuple[str, ...]:
     """The datasets a shard of format ``version`` holds."""
-    return {1: DATASETS_V1, 2: DATASETS_V2}.get(version, DATASETS)
+    return {1: DATASETS_V1, 2: DATASETS_V2, 3: DATASETS_V3}.get(version, DATASETS)
+
+
+def ids_in_shard(version: int) -> bool:
+    """True when a shard of format ``version`` stores ``/doc_ids`` and ``/doc_flags`` itself
+    (versions 1-3); version 4 keeps them in its sidecar (:func:`docs_path`)."""
+    return version < 4
 
 
 #: Stored dtypes of the index datasets (little-endian where it matters).
@@ -144,6 +157,8 @@ PARTIAL_SUFFIX = ".partial"
 SHARD_KEYS = ("path", "split", "tokens", "documents", "sha256", "index_sha256", "bytes")
 #: Keys of a version 3 shard record: also ``sums_sha256`` (the checksum tables' hash).
 SHARD_KEYS_V3 = (*SHARD_KEYS, "sums_sha256")
+#: Keys of a version 4 shard record: also the sidecar's ``docs_sha256`` and ``docs_bytes``.
+SHARD_KEYS_V4 = (*SHARD_KEYS_V3, "docs_sha256", "docs_bytes")
 _HEX64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 _COUNT = {"type": "integer", "minimum": 0}
 
@@ -188,6 +203,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                     "bytes": _COUNT,
                     "loss_sha256": _HEX64,
                     "loss_spans": _COUNT,
+                    "docs_sha256": _HEX64,
+                    "docs_bytes": _COUNT,
                 },
             },
         },
@@ -304,9 +321,20 @@ class ShardRecord:
     file_sha256: str | None = None
     """Optional: hex sha256 of the whole shard file's bytes, recorded by ``h5corpus upload`` so a
     download is proven as it arrives (docs/FORMAT.md); None when not recorded."""
+    docs_sha256: str | None = None
+    """Version 4: hex sha256 of the whole sidecar file (:func:`docs_path`: the shard's document ids
+    and flags); None for older versions."""
+    docs_bytes: int = 0
+    """Version 4: the sidecar file's size in bytes (0 for older versions)."""
+
+    @property
+    def docs_path(self) -> str | None:
+        """Version 4: the path of this shard's sidecar (:func:`docs_path`, same spelling as
+        :attr:`path`); None for a shard that keeps its ids itself."""
+        return None if self.docs_sha256 is None else self.path + DOCS_SUFFIX
 
     def to_json(self) -> dict[str, Any]:
-        keys = SHARD_KEYS if self.sums_sha256 is None else SHARD_KEYS_V3
+        keys = SHARD_KEYS if self.sums_sha256 is None else SHARD_KEYS_V3 if self.docs_sha256 is None else SHARD_KEYS_V4
         d = {k: getattr(self, k) for k in keys}
         if self.loss_sha256 is not None:  # only fine-tuning shards carry the keys
             d["loss_sha256"], d["loss_spans"] = self.loss_sha256, int(self.loss_spans)
@@ -332,6 +360,8 @@ class ShardRecord:
             loss_sha256=None if d.get("loss_sha256") is None else str(d["loss_sha256"]),
             loss_spans=int(d.get("loss_spans", 0)),
             file_sha256=None if d.get("file_sha256") is None else str(d["file_sha256"]),
+            docs_sha256=None if d.get("docs_sha256") is None else str(d["docs_sha256"]),
+            docs_bytes=int(d.get("docs_bytes", 0)),
         )
 
     def with_path(self, path: str | os.PathLike[str]) -> ShardRecord:
@@ -343,13 +373,15 @@ class ShardRecord:
         return self.with_path(os.path.relpath(Path(self.path).absolute(), Path(folder).absolute()))
 
 
-def shard_attrs(*, split: str, dtype: np.dtype, chunk_tokens: int, tokenizer: TokenizerIdentity) -> dict[str, Any]:
-    """Root attributes of a shard of the current version, in the order they are written."""
+def shard_attrs(
+    *, split: str, dtype: np.dtype, chunk_tokens: int, tokenizer: TokenizerIdentity, version: int = FORMAT_VERSION
+) -> dict[str, Any]:
+    """Root attributes of a shard of format ``version`` (default: the current one), in the order they are written."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     return {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": int(version),
         "split": split,
         "dtype": dtype_name(dtype),
         "eos_id": int(tokenizer.eos_id),
@@ -1012,3 +1044,102 @@ def loss_span_problems(spans: np.ndarray, doc_offsets: np.ndarray) -> list[Probl
             )
         ]
     return []
+
+
+# -- version 4: document ids and flags in a sidecar file beside the shard -------------------------
+#: Suffix of a version 4 shard's sidecar: ``train-00000-000.h5`` -> ``train-00000-000.h5.docs``
+#: (appended, so that no ``*.h5`` pattern matches a sidecar and any shard name has one).
+DOCS_SUFFIX = ".docs"
+#: First 8 bytes of a sidecar file.
+DOCS_MAGIC = b"H5CDOCS1"
+#: Bytes of a sidecar's header: magic (8), format version (u32), id bytes (u32), documents (u64),
+#: the shard's token count (u64), its token ``sha256`` and its ``index_sha256`` (32 raw bytes each),
+#: little-endian. Then ``documents`` ids of ``id bytes`` each (row-major), then one flag byte each.
+DOCS_HEADER_BYTES = 96
+
+
+def docs_path(shard_path: str | os.PathLike[str]) -> Path:
+    """The sidecar of the version 4 shard at ``shard_path`` (:data:`DOCS_SUFFIX` appended)."""
+    p = Path(shard_path)
+    return p.with_name(p.name + DOCS_SUFFIX)
+
+
+def index_sha256_v4(doc_offsets: np.ndarray, checksums: np.ndarray, offsets_checksums: np.ndarray) -> str:
+    """Version 4's ``index_sha256``: hex sha256 of ``doc_offsets`` (int64 LE) ++ ``/chunk_xxh3`` ++
+    ``/offsets_xxh3`` (uint64 LE): what the shard itself holds (ids and flags are the sidecar's,
+    proven by ``docs_sha256``). :func:`index_sha256` with no ids and no flags."""
+    empty = np.zeros((0, STORED_ID_BYTES_V3), DOC_ID_DTYPE)
+    return index_sha256(doc_offsets, empty, np.zeros(0, FLAGS_DTYPE), checksums, offsets_checksums)
+
+
+def encode_docs(ids: np.ndarray, flags: np.ndarray, *, tokens: int, tokens_sha256: str, index_sha: str) -> bytes:
+    """A version 4 sidecar's bytes: the header (:data:`DOCS_HEADER_BYTES`, binding it to its shard
+    by token count, token ``sha256`` and ``index_sha256``), the ids (n, 16) and the flags (n,)."""
+    ids = np.ascontiguousarray(ids, DOC_ID_DTYPE).reshape(-1, STORED_ID_BYTES_V3)
+    flags = np.ascontiguousarray(flags, FLAGS_DTYPE).reshape(-1)
+    if ids.shape[0] != flags.size:
+        raise ValueError(f"{ids.shape[0]} ids but {flags.size} flags")
+    head = np.array([FORMAT_VERSION, STORED_ID_BYTES_V3], "<u4").tobytes()
+    head += np.array([flags.size, tokens], "<u8").tobytes()
+    head += bytes.fromhex(tokens_sha256) + bytes.fromhex(index_sha)
+    return DOCS_MAGIC + head + ids.tobytes() + flags.tobytes()
+
+
+def docs_problems(data: bytes, entry: ShardRecord) -> list[Problem]:
+    """A sidecar's bytes ``data`` against its shard's manifest ``entry``: its size and sha256
+    (``docs_bytes``, ``docs_sha256``), the header (magic, version, 16-byte ids) and its binding to
+    this shard (document and token counts, the token ``sha256`` and ``index_sha256`` it was
+    written with: a sidecar of another shard names another). Empty = what the manifest proves."""
+    n = len(data)
+    if n < DOCS_HEADER_BYTES or data[:8] != DOCS_MAGIC:
+        return [
+            Problem("docs", f"the sidecar is not an h5corpus document file ({n:,} bytes, no {DOCS_MAGIC!r} header)")
+        ]
+    version, id_bytes = np.frombuffer(data, "<u4", 2, 8).tolist()
+    docs, tokens = np.frombuffer(data, "<u8", 2, 16).tolist()
+    bound = (data[32:64].hex(), data[64:96].hex())
+    if version != 4 or id_bytes != STORED_ID_BYTES_V3:
+        return [Problem("docs", f"the sidecar's header says version {version}, {id_bytes}-byte ids; expected 4, 16")]
+    if bound != (entry.sha256, entry.index_sha256) or tokens != entry.tokens:
+        return [
+            Problem(
+                "docs",
+                f"the sidecar belongs to another shard (its header names tokens sha256 {bound[0][:16]}..., "
+                f"{tokens:,} tokens; this shard's is {entry.sha256[:16]}..., {entry.tokens:,} tokens)",
+            )
+        ]
+    if docs != entry.documents or n != DOCS_HEADER_BYTES + docs * (id_bytes + 1):
+        msg = f"the sidecar holds {docs:,} documents in {n:,} bytes; the shard has {entry.documents:,}"
+        return [Problem("docs", msg)]
+    if n != entry.docs_bytes:
+        return [Problem("docs", f"the sidecar is {n:,} bytes, manifest says {entry.docs_bytes:,}")]
+    if hashlib.sha256(data).hexdigest() != entry.docs_sha256:
+        return [Problem("docs", "the sidecar's sha256 differs from the manifest's docs_sha256 (corrupt)")]
+    return []
+
+
+def decode_docs(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The ids (n, 16) and flags (n,) of a sidecar's bytes (checked first with :func:`docs_problems`)."""
+    n = int(np.frombuffer(data, "<u8", 1, 16)[0])
+    ids = np.frombuffer(data, DOC_ID_DTYPE, n * STORED_ID_BYTES_V3, DOCS_HEADER_BYTES).reshape(n, STORED_ID_BYTES_V3)
+    flags = np.frombuffer(data, FLAGS_DTYPE, n, DOCS_HEADER_BYTES + n * STORED_ID_BYTES_V3)
+    return ids, flags
+
+
+def read_docs(path: str | os.PathLike[str], entry: ShardRecord, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The ids and flags of the sidecar at ``path`` of the shard of ``entry``, proven against the
+    manifest first; :class:`FormatError` naming ``where`` (the shard) when it is missing, unreadable
+    or not what the manifest proves."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max(entry.docs_bytes, DOCS_HEADER_BYTES) + 1)  # a longer file is refused by size
+    except FileNotFoundError:
+        raise FormatError(
+            f"{where}: its document sidecar {Path(path).name} is missing; run h5corpus validate"
+        ) from None
+    except OSError as e:
+        raise FormatError(f"{where}: cannot read its document sidecar {path} ({e.strerror or e})") from None
+    bad = docs_problems(data, entry)
+    if bad:
+        raise FormatError(f"{where}: {bad[0].message}; run h5corpus validate")
+    return decode_docs(data)

@@ -131,11 +131,14 @@ class Manifest:
     def check_claims(self, where: str) -> None:
         """Raise :class:`FormatError` naming ``where`` and the shard when an entry's counts are
         ones no real file could hold (:func:`~h5corpus.storage.format.claim_problems`), or when a
-        version 3 entry lacks ``sums_sha256`` (the link from the manifest to its checksums)."""
+        version 3 entry lacks ``sums_sha256`` (the link from the manifest to its checksums), or a
+        version 4 entry ``docs_sha256`` (its sidecar's)."""
         itemsize = fmt.token_dtype(self.tokenizer.vocab_size).itemsize
         for e in _claim_suspects(self.shards, itemsize, self.chunk_tokens, self.version >= 3):
             if self.version >= 3 and e.sums_sha256 is None:
                 raise FormatError(f"{where}: shard {e.path!r}: a version {self.version} entry needs sums_sha256")
+            if not fmt.ids_in_shard(self.version) and e.docs_sha256 is None:
+                raise FormatError(f"{where}: shard {e.path!r}: a version {self.version} entry needs docs_sha256")
             bad = fmt.claim_problems(e, itemsize, self.chunk_tokens)
             if bad:
                 raise FormatError(f"{where}: shard {e.path!r} {bad[0].message}")

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from .cache import open_remote_manifest
+from .format import docs_path
 from .remote import RemoteError, RemoteOptions, redact
 from .validate import Finding, ValidationReport, validate_corpus
 
@@ -22,7 +23,7 @@ from .validate import Finding, ValidationReport, validate_corpus
 def mirror_corpus(
     url: str, cache_dir: str | os.PathLike[str] | None = None, options: RemoteOptions | None = None
 ) -> tuple[Path, dict[str, str]]:
-    """Fetch the manifest at ``url`` and every shard it lists into the cache; returns the path of
+    """Fetch the manifest at ``url`` and every shard it lists (and, version 4, its sidecar) into the cache; returns the path of
     the manifest's cached copy (its shard paths resolve into the cache) and, per shard that could
     not be fetched or was refused, its manifest path -> the one-line reason. Raises
     :class:`RemoteError` / :class:`~h5corpus.storage.format.FormatError` for the manifest itself."""
@@ -36,6 +37,12 @@ def mirror_corpus(
                 f.result().release()
             except RemoteError as e:
                 failures[futs[f].path] = str(e)
+        sides = {pool.submit(shards.acquire_docs, e, str(docs_path(m.shard_path_str(e)))): e for e in m.shards}
+        for f in as_completed(sides):  # version 4: each shard's ids and flags (validate checks them)
+            try:
+                f.result()
+            except RemoteError as e:
+                failures.setdefault(sides[f].path, str(e))
     assert m.path is not None
     return Path(m.path), failures
 

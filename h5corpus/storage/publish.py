@@ -9,6 +9,8 @@ upload resumes: a journal beside the manifest (``.<name>.upload.json``) records 
 its file hash) once its upload has finished, and a rerun skips the shards it lists whose object
 is there with the right size. Object stores replace an object
 whole on each PUT, so a shard interrupted mid-upload is either absent or complete remotely.
+A version 4 shard's sidecar (its document ids and flags, ``<shard>.docs``) is proven against the
+manifest's ``docs_sha256`` and uploaded just before its shard, so it too precedes the manifest.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache import verify_shard
-from .format import FormatError, ShardExpectation, ShardRecord, file_sha256
+from .format import FormatError, ShardExpectation, ShardRecord, docs_path, docs_problems, file_sha256
 from .manifest import read_manifest, write_json_atomic
 from .remote import RemoteError, RemoteOptions, filesystem, fs_path, is_remote, redact, with_retries
 
@@ -68,7 +70,7 @@ def upload_corpus(
     options: RemoteOptions | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> UploadReport:
-    """Upload the corpus of ``manifest`` (format version 3) under the URL ``dest`` (its folder:
+    """Upload the corpus of ``manifest`` (format version 3 or 4) under the URL ``dest`` (its folder:
     paths below it are the corpus folder's, e.g. ``<dest>/manifests/shards.json``); returns what
     was done. Raises :class:`~h5corpus.storage.remote.RemoteError` (one line: URL and shard) when
     storage refuses, :class:`FormatError` when a local shard differs from its entry."""
@@ -77,7 +79,7 @@ def upload_corpus(
         raise ValueError(f"upload destination must be an object-storage URL (s3://, gs://, az://, hf://), got {dest!r}")
     m = read_manifest(manifest)
     if m.version < 3:
-        raise FormatError(f"{manifest}: only format version 3 corpora are read from object storage; rebuild it")
+        raise FormatError(f"{manifest}: only format version 3 and 4 corpora are read from object storage; rebuild it")
     root, base = m.corpus_root, dest.rstrip("/")
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     fs = filesystem(base, opts)
@@ -90,11 +92,16 @@ def upload_corpus(
         url = base + "/" + Path(os.path.relpath(local, root)).as_posix()
         where = f"{redact(url)}: shard {e.path}"
         prior = done.get(url)
-        if prior and prior[0] == e.sha256 and with_retries(lambda u=url: _remote_size(fs, u), opts, where) == e.bytes:
+        if prior and prior[0] == e.sha256 and _uploaded(fs, url, e, opts, where):
             files[e.path] = prior[1]
             rep.skipped += 1
             continue
         files[e.path] = _check_local(local, e, expect)
+        if e.docs_path is not None:  # the sidecar first: a shard is never published without it
+            side, side_url = str(docs_path(local)), url + (e.docs_path[len(e.path) :])
+            _check_docs(side, e)
+            with_retries(lambda p=side, u=side_url: fs.put_file(p, fs_path(u)), opts, f"{where} (sidecar)")
+            rep.bytes_uploaded += e.docs_bytes
         with_retries(lambda p=local, u=url: fs.put_file(p, fs_path(u)), opts, where)
         done[url] = [e.sha256, files[e.path]]
         write_json_atomic(journal, {"dest": redact(base), "done": done})
@@ -106,6 +113,27 @@ def upload_corpus(
     with_retries(lambda: fs.pipe_file(fs_path(rep.manifest_url), data), opts, f"{redact(rep.manifest_url)}: manifest")
     journal.unlink(missing_ok=True)
     return rep
+
+
+def _uploaded(fs: Any, url: str, e: ShardRecord, opts: RemoteOptions, where: str) -> bool:
+    """The shard's object (and, version 4, its sidecar's) is there with the listed size."""
+    if with_retries(lambda: _remote_size(fs, url), opts, where) != e.bytes:
+        return False
+    if e.docs_path is None:
+        return True
+    side = url + e.docs_path[len(e.path) :]
+    return with_retries(lambda: _remote_size(fs, side), opts, f"{where} (sidecar)") == e.docs_bytes
+
+
+def _check_docs(path: str, e: ShardRecord) -> None:
+    """Refuse to publish a sidecar that is not what the manifest proves (missing, corrupt, another shard's)."""
+    try:
+        with open(path, "rb") as fh:
+            bad = docs_problems(fh.read(e.docs_bytes + 1), e)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: the document sidecar of shard {e.path} is missing; not uploaded") from None
+    if bad:
+        raise FormatError(f"{path}: {bad[0].message}; not uploaded (run h5corpus validate)")
 
 
 def _remote_size(fs: Any, url: str) -> int | None:

@@ -425,9 +425,13 @@ class Corpus:
     def shard_doc_meta(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
         """One shard's document ids ``(n, id bytes)`` and flags ``(n,)``, ``n`` its manifest count;
         a finished version 3 shard's are proven against the manifest's ``index_sha256`` first (its
-        offsets and checksum tables re-read). Raises :class:`FormatError` naming the shard."""
+        offsets and checksum tables re-read); a version 4 shard's are read from its sidecar
+        (fetched on this first need for a remote corpus), proven against ``docs_sha256`` and its
+        binding to the shard first. Raises :class:`FormatError` naming the shard."""
         self._check_pid()
         n = int(self.shard_doc_starts[shard + 1] - self.shard_doc_starts[shard])
+        if not fmt.ids_in_shard(self.version):
+            return self._sidecar_meta(shard)
         if self._remote is not None:
             self._reader(shard)  # fetched into the cache and leased
         self._check_unchanged(shard)
@@ -452,6 +456,29 @@ class Corpus:
         except (OSError, KeyError, RuntimeError) as e:  # RuntimeError: HDF5 metadata that fails its checksum
             raise FormatError(f"{path}: cannot read document ids and flags ({e}); run h5corpus validate") from None
         return ids, flags
+
+    def _sidecar_meta(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """A version 4 shard's ids and flags from its sidecar, proven first (the shard itself is
+        not opened); a live shard's sidecar exists once its writer has finished."""
+        where = self.paths[shard]
+        if self.manifest is None or not self._complete[shard]:
+            path = fmt.docs_path(where)
+            if not path.exists():
+                raise FormatError(f"{where}: document ids and flags are written when the shard is finished")
+            with h5open(where) as f:  # a finished live shard: its record from the file itself
+                offs, sums = f[fmt.DOC_OFFSETS][()], (f[k][()] for k in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS))
+                index = fmt.index_sha256_v4(offs, *sums)
+            data = path.read_bytes()
+            n = int(self.shard_doc_starts[shard + 1] - self.shard_doc_starts[shard])
+            hdr = np.frombuffer(data[:32], "<u8", 2, 16).tolist() if len(data) >= 32 else [-1, -1]
+            if len(data) < fmt.DOCS_HEADER_BYTES or data[64:96].hex() != index or hdr[0] != n:
+                raise FormatError(f"{path}: not the document sidecar of {where}; run h5corpus validate")
+            return fmt.decode_docs(data)
+        entry = self.entries[shard]
+        local = fmt.docs_path(where)
+        if self._remote is not None:
+            self._remote.acquire_docs(entry, str(local))
+        return fmt.read_docs(local, entry, where)
 
     @property
     def fingerprint(self) -> str:
@@ -786,9 +813,9 @@ class Corpus:
         against the manifest), the byte layouts of ``/tokens`` (None: read through HDF5) and of
         ``/doc_offsets``, and whether ``/tokens`` is filtered."""
         assert self.manifest is not None
-        expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype, 3)
+        expect = fmt.ShardExpectation.of(self.tokenizer, self.chunk_tokens, self.manifest.dtype, self.version)
         problems = expect.attr_problems(fmt.check_attrs(f.attrs, path), self.split)
-        ds = {k: f.get(k) for k in fmt.DATASETS}  # each object looked up once (h5py lookups cost)
+        ds = {k: f.get(k) for k in fmt.datasets_of(self.version)}  # each object looked up once (h5py lookups cost)
         problems += fmt.dataset_problems(ds, expect)
         t = ds[fmt.TOKENS] if not any(p.fatal for p in problems) else None
         if t is not None and t.shape[0] != e.tokens:
@@ -942,14 +969,17 @@ class Corpus:
             r = self._readers[0] = self._open_reader(0)
         assert isinstance(r, H5Tokens)
         f = r.file
-        offs_ds, ids_ds, flags_ds = (f[k] for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+        offs_ds = f[fmt.DOC_OFFSETS]
         offs_ds.refresh()  # offsets first: everything they point at was flushed before them
         n_docs = offs_ds.shape[0] - 1
-        ids_ds.refresh()
-        flags_ds.refresh()
+        in_shard = fmt.ids_in_shard(self.version)  # version 4: ids and flags come with the sidecar
+        ids_ds, flags_ds = (f[k] for k in (fmt.DOC_IDS, fmt.DOC_FLAGS)) if in_shard else (None, None)
+        if ids_ds is not None and flags_ds is not None:
+            ids_ds.refresh()
+            flags_ds.refresh()
+            n_docs = min(n_docs, ids_ds.shape[0], flags_ds.shape[0])
         r.refresh()
         n_tok = r.dsid.shape[0]
-        n_docs = min(n_docs, ids_ds.shape[0], flags_ds.shape[0])
         known = self.num_documents
         if n_docs > known:
             new = offs_ds[known + 1 : n_docs + 1]
@@ -959,9 +989,12 @@ class Corpus:
                     raise FormatError(f"{final}: document offsets decrease; not an h5corpus shard being written")
                 n_docs = known + keep
                 self._doc_offsets = np.concatenate([self.doc_offsets, new[:keep]])
-                assert self._doc_ids is not None and self._doc_flags is not None
-                self._doc_ids = np.concatenate([self._doc_ids, ids_ds[known:n_docs]])
-                self._doc_flags = np.concatenate([self._doc_flags, flags_ds[known:n_docs]])
+                if ids_ds is not None and flags_ds is not None:
+                    assert self._doc_ids is not None and self._doc_flags is not None
+                    self._doc_ids = np.concatenate([self._doc_ids, ids_ds[known:n_docs]])
+                    self._doc_flags = np.concatenate([self._doc_flags, flags_ds[known:n_docs]])
+                else:
+                    self._doc_ids = self._doc_flags = None  # read from the sidecar when asked
                 self.shard_token_starts = np.array([0, self.doc_offsets[-1]], np.int64)
                 self.shard_doc_starts = np.array([0, n_docs], np.int64)
         del offs_ds, ids_ds, flags_ds

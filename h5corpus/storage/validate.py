@@ -9,6 +9,7 @@ Compressed shards, whose decoding holds h5py's global lock, are checked in spawn
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 import os
@@ -252,12 +253,22 @@ class _Scratch(threading.local):
 
 
 def check_shard(
-    path: str, entry: ShardRecord, expect: ShardExpectation, *, deep: bool = False, scratch: _Scratch | None = None
+    path: str,
+    entry: ShardRecord,
+    expect: ShardExpectation,
+    *,
+    deep: bool = False,
+    scratch: _Scratch | None = None,
+    sidecar: bool = True,
 ) -> tuple[list[Finding], int]:
     """Check one shard file against its manifest entry; return (findings, bytes hashed).
 
     ``deep`` adds the full-scan checks (every id below ``vocab_size``, no EOS inside a document);
-    see :func:`hash_shard_tokens`. ``scratch`` (internal) reuses index buffers across calls."""
+    see :func:`hash_shard_tokens`. ``scratch`` (internal) reuses index buffers across calls.
+    ``sidecar=False``: a version 4 shard's sidecar is not checked (nor, then, the end of each
+    document, which its flags say); for a shard file proven alone, e.g. one just downloaded."""
+    if not sidecar:
+        entry = dataclasses.replace(entry, docs_sha256=None)
     found = _check_shard(path, entry, expect, deep, scratch or _Scratch(), defer_filtered=False)
     assert found is not None
     return found
@@ -339,9 +350,11 @@ def _check_open_shard(
         return out, 0
     if defer_filtered and tokens.id.get_create_plist().get_nfilters():
         return None
-    offsets, flags, sums, structure_ok = _check_index(f, entry, expect, n, scratch, out)
+    offsets, flags, sums, structure_ok = _check_index(f, path, entry, expect, n, scratch, out)
     ends = np.zeros(0, dtype=np.int64)
     docs = offsets.size - 1
+    if flags is None:  # a version 4 sidecar that failed: which documents are truncated is unknown
+        structure_ok = False
     if structure_ok and docs > 0:
         ends = np.subtract(offsets[1:], 1, out=scratch.array("ends", docs, np.int64))
         whole = (flags & fmt.FLAG_TRUNCATED) == 0
@@ -355,21 +368,55 @@ def _check_open_shard(
     return out, n * np.dtype(expect.dtype).itemsize
 
 
+def _sidecar(path: str, entry: ShardRecord, docs: int, out: list[Finding]) -> tuple[np.ndarray, np.ndarray | None]:
+    """A version 4 shard's ids and flags from its sidecar (``<path>.docs``), proven against the
+    manifest (:func:`~h5corpus.storage.format.docs_problems`); a missing, unreadable or unproven
+    sidecar is one ``docs`` finding, and then zero ids and flags None (unknown)."""
+    side, unknown = fmt.docs_path(path), np.zeros((max(docs, 0), fmt.STORED_ID_BYTES_V3), np.uint8)
+    if entry.docs_sha256 is None:  # not checked (``check_shard(sidecar=False)``; a manifest requires it)
+        return unknown, None
+    try:
+        data = side.read_bytes()
+    except FileNotFoundError:
+        data, msg = None, f"its document sidecar {side.name} is missing"
+    except OSError as e:
+        data, msg = None, f"cannot read its document sidecar {side.name} ({e.strerror or e})"
+    if data is not None:
+        bad = fmt.docs_problems(data, entry)
+        if not bad:
+            ids, flags = fmt.decode_docs(data)
+            return ids, flags
+        msg = f"{side.name}: {bad[0].message}"
+    out.append(Finding(entry.path, "docs", msg))
+    return unknown, None
+
+
 def _check_index(
-    f: h5py.File, entry: ShardRecord, expect: ShardExpectation, n: int, scratch: _Scratch, out: list[Finding]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]:
+    f: h5py.File,
+    path: str,
+    entry: ShardRecord,
+    expect: ShardExpectation,
+    n: int,
+    scratch: _Scratch,
+    out: list[Finding],
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
     """The index datasets: structure, the chunk checksum tables (version 3: each offsets chunk's
-    checksum recomputed, both tables against ``sums_sha256``) and ``index_sha256``. Appends
-    findings to ``out``; returns offsets, flags, token chunk checksums and whether the structure
-    holds."""
+    checksum recomputed, both tables against ``sums_sha256``), ``index_sha256`` and (version 4)
+    the sidecar. Appends findings to ``out``; returns offsets, flags (None: unknown), token chunk
+    checksums and whether the structure holds."""
     name, v = entry.path, expect.version
-    offsets, ids, flags = (scratch.read(f[k]) for k in (fmt.DOC_OFFSETS, fmt.DOC_IDS, fmt.DOC_FLAGS))
+    offsets = scratch.read(f[fmt.DOC_OFFSETS])
     docs = offsets.size - 1
+    if fmt.ids_in_shard(v):
+        ids, flags = (scratch.read(f[k]) for k in (fmt.DOC_IDS, fmt.DOC_FLAGS))
+    else:
+        ids, flags = _sidecar(path, entry, docs, out)
     if docs != entry.documents:
         out.append(
             Finding(name, "offsets", f"/doc_offsets lists {docs:,} documents, manifest says {entry.documents:,}")
         )
-    problems = fmt.check_index(offsets, ids, flags, num_tokens=n, id_bytes=fmt.stored_id_bytes(v))
+    flags_or_zero = flags if flags is not None else np.zeros(max(docs, 0), np.uint8)
+    problems = fmt.check_index(offsets, ids, flags_or_zero, num_tokens=n, id_bytes=fmt.stored_id_bytes(v))
     sums = scratch.read(f[fmt.CHUNK_CHECKSUMS]) if v >= 2 else None
     osums = scratch.read(f[fmt.OFFSETS_CHECKSUMS]) if v >= 3 else None
     if sums is not None:
@@ -385,7 +432,11 @@ def _check_index(
                 Finding(name, "sums_sha256", "checksum tables (chunk_xxh3, offsets_xxh3) differ from the manifest")
             )
     out.extend(Finding(name, pr.code, pr.message) for pr in problems)
-    if fmt.index_sha256(offsets, ids, flags, sums, osums) != entry.index_sha256:
+    if not fmt.ids_in_shard(v):
+        index = fmt.index_sha256_v4(offsets, sums, osums)  # type: ignore[arg-type]
+    else:
+        index = fmt.index_sha256(offsets, ids, flags_or_zero, sums, osums)
+    if index != entry.index_sha256:
         covered = ", ".join(fmt.datasets_of(v)[1:])
         out.append(Finding(name, "index_sha256", f"index hash ({covered}) differs from the manifest"))
     return offsets, flags, sums, not problems
@@ -461,7 +512,15 @@ def stray_findings(m: Manifest) -> list[Finding]:
             out.append(
                 Finding(os.path.relpath(p, m.root), "unlisted", "shard file present but not listed in the manifest")
             )
+        sides = {fmt.docs_path(m.shard_path(s)) for s in m.shards if s.docs_sha256 is not None}
+        for p in unlisted_shard_files(m, "*" + fmt.DOCS_SUFFIX):
+            if p not in sides:
+                msg = "a document sidecar whose shard the manifest does not list"
+                out.append(Finding(os.path.relpath(p, m.root), "unlisted", msg))
         beside = {m.shard_path(s).with_name(m.shard_path(s).name + PARTIAL_SUFFIX): s.path for s in m.shards}
+        beside.update(
+            {p.with_name(p.name + PARTIAL_SUFFIX): s.path for s in m.shards for p in [fmt.docs_path(m.shard_path(s))]}
+        )
         for p in unlisted_shard_files(m, "*" + PARTIAL_SUFFIX):
             if p in beside:
                 out.append(Finding(beside[p], "partial", f"an unfinished write is lying beside it ({p.name})"))

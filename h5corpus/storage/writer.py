@@ -21,6 +21,11 @@ the index datasets unfiltered (``/doc_offsets`` in raw chunks a reader maps), on
 ``/doc_offsets`` chunk in ``/offsets_xxh3`` (written at close, when the offsets are final), ids
 stored as their first 16 bytes, string attributes fixed-length (no global heap).
 
+Format version 4 (the default) keeps the shard as above without ``/doc_ids`` and ``/doc_flags``:
+``close()`` writes them into the shard's sidecar (``<path>.docs``, :func:`~h5corpus.storage.format.encode_docs`),
+renamed into place (and fsynced) before the shard itself, so a finished shard always has its
+sidecar. ``version=3`` writes the version 3 layout (ids and flags in the shard).
+
 ``fsync=False`` skips the two fsyncs (file, then folder after the rename), about 3-4 ms each on
 ext4. The bytes are the same, and a killed process still never leaves a half-written file under
 ``path`` (the rename is atomic and the page cache survives the process). What is lost is
@@ -105,10 +110,11 @@ def _fixed_string(v: str) -> np.ndarray:
 
 
 def _create_datasets(
-    f: h5py.File, dtype: np.dtype, chunk_tokens: int, compression: Any, compression_opts: Any
+    f: h5py.File, dtype: np.dtype, chunk_tokens: int, compression: Any, compression_opts: Any, version: int
 ) -> tuple:
-    """Create every dataset of a version 3 shard in ``f``; returns them in the order
-    ``(tokens, doc_offsets, doc_ids, doc_flags, chunk_xxh3, offsets_xxh3)``."""
+    """Create every dataset of a version 3 or 4 shard in ``f``; returns them in the order
+    ``(tokens, doc_offsets, doc_ids, doc_flags, chunk_xxh3, offsets_xxh3)`` (version 4: ids and
+    flags None: they go to the sidecar)."""
     # Raw shards: a deflate pipeline whose filter every full chunk skips (direct writes, filter
     # mask 1), so only the final chunk is compressed. Compressed shards: the caller's filter.
     filt: dict[str, Any] = dict(compression="gzip", compression_opts=fmt.DEFLATE_LEVEL)
@@ -134,6 +140,12 @@ def _create_datasets(
         track_times=False,
     )
     grown = dict(maxshape=(None,), track_times=False)
+    sums, osums = (
+        f.create_dataset(name, shape=(0,), dtype=fmt.CHECKSUM_DTYPE, chunks=(fmt.CHECKSUM_CHUNK,), **grown)
+        for name in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS)
+    )
+    if not fmt.ids_in_shard(version):
+        return tokens, offsets, None, None, sums, osums
     ids = f.create_dataset(
         fmt.DOC_IDS,
         shape=(0, fmt.STORED_ID_BYTES_V3),
@@ -143,10 +155,6 @@ def _create_datasets(
         track_times=False,
     )
     flags = f.create_dataset(fmt.DOC_FLAGS, shape=(0,), dtype=fmt.FLAGS_DTYPE, chunks=(fmt.FLAGS_CHUNK,), **grown)
-    sums, osums = (
-        f.create_dataset(name, shape=(0,), dtype=fmt.CHECKSUM_DTYPE, chunks=(fmt.CHECKSUM_CHUNK,), **grown)
-        for name in (fmt.CHUNK_CHECKSUMS, fmt.OFFSETS_CHECKSUMS)
-    )
     return tokens, offsets, ids, flags, sums, osums
 
 
@@ -194,6 +202,8 @@ class ShardWriter:
             batch's trained-on ranges; docs/FORMAT.md, "Loss masks"), written at :meth:`close`.
         bos_id: the BOS id every document starts with (None: none); when it equals ``eos_id``, an
             EOS at a document's first position is its BOS, not an EOS inside it.
+        version: the format version written (:data:`~h5corpus.storage.format.WRITABLE_VERSIONS`):
+            4 (default) puts ids and flags in the sidecar, 3 in the shard.
     """
 
     def __init__(
@@ -208,9 +218,13 @@ class ShardWriter:
         fsync: bool = True,
         loss_mask: bool = False,
         bos_id: int | None = None,
+        version: int = fmt.FORMAT_VERSION,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if version not in fmt.WRITABLE_VERSIONS:
+            raise ValueError(f"version must be one of {fmt.WRITABLE_VERSIONS}, got {version!r}")
+        self.version = int(version)
         self.final_path = Path(path).absolute()
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
         self.split = split
@@ -221,13 +235,15 @@ class ShardWriter:
         self.fsync = bool(fsync)
         self.info: ShardRecord | None = None
 
-        attrs = fmt.shard_attrs(split=split, dtype=self.dtype, chunk_tokens=chunk_tokens, tokenizer=tokenizer)
+        attrs = fmt.shard_attrs(
+            split=split, dtype=self.dtype, chunk_tokens=chunk_tokens, tokenizer=tokenizer, version=self.version
+        )
         self.final_path.parent.mkdir(parents=True, exist_ok=True)
         self._f = f = _create_file(self.path)
         # Raw shards: a deflate pipeline whose filter every full chunk skips (direct writes, filter
         # mask 1), so only the final chunk is compressed. Compressed shards: the caller's filter.
         self._direct = compression is None
-        dsets = _create_datasets(f, self.dtype, self.chunk_tokens, compression, compression_opts)
+        dsets = _create_datasets(f, self.dtype, self.chunk_tokens, compression, compression_opts, self.version)
         self._tokens, self._offsets, self._ids, self._flags, self._sums_ds, self._offsets_sums_ds = dsets
         self._loss: list[np.ndarray] | None = _create_loss_spans(f) if loss_mask else None
         self.bos_id = None if bos_id is None else int(bos_id)
@@ -419,18 +435,20 @@ class ShardWriter:
         if upto <= self._published:
             return
         lo = self._published
-        sums, ids, flags, offsets = (d.id for d in (self._sums_ds, self._ids, self._flags, self._offsets))
+        sums, offsets = self._sums_ds.id, self._offsets.id
         if self._sums_published < len(self._sums):
             sums.set_extent((len(self._sums),))
             _write_rows(sums, self._sums_published, np.array(self._sums[self._sums_published :], fmt.CHECKSUM_DTYPE))
             sums.flush()
             self._sums_published = len(self._sums)
-        ids.set_extent((upto, fmt.STORED_ID_BYTES_V3))
-        _write_rows(ids, lo, self._id_blocks[0][lo:upto])
-        flags.set_extent((upto,))
-        _write_rows(flags, lo, self._flag_blocks[0][lo:upto])
-        ids.flush()
-        flags.flush()
+        if self._ids is not None:  # version 3: ids and flags before the offsets that expose them
+            ids, flags = self._ids.id, self._flags.id
+            ids.set_extent((upto, fmt.STORED_ID_BYTES_V3))
+            _write_rows(ids, lo, self._id_blocks[0][lo:upto])
+            flags.set_extent((upto,))
+            _write_rows(flags, lo, self._flag_blocks[0][lo:upto])
+            ids.flush()
+            flags.flush()
         offsets.set_extent((upto + 1,))
         _write_rows(offsets, lo + 1, ends[lo:upto])
         offsets.flush()
@@ -461,6 +479,14 @@ class ShardWriter:
                 os.fsync(fh.fileno())
         nbytes = self.path.stat().st_size
         chunk_sums = np.array(self._sums, fmt.CHECKSUM_DTYPE)
+        if self._ids is not None:
+            index, docs = fmt.index_sha256(offsets, ids, flags, chunk_sums, offsets_sums), None
+        else:  # version 4: the sidecar, in place before the shard (a finished shard has its sidecar)
+            index = fmt.index_sha256_v4(offsets, chunk_sums, offsets_sums)
+            docs = fmt.encode_docs(
+                ids, flags, tokens=self._written, tokens_sha256=self._hash.hexdigest(), index_sha=index
+            )
+            self._write_docs(docs)
         os.replace(self.path, self.final_path)
         if self.fsync:
             fsync_dir(self.final_path.parent)
@@ -470,13 +496,36 @@ class ShardWriter:
             tokens=self._written,
             documents=self._n_docs,
             sha256=self._hash.hexdigest(),
-            index_sha256=fmt.index_sha256(offsets, ids, flags, chunk_sums, offsets_sums),
+            index_sha256=index,
             bytes=nbytes,
             sums_sha256=fmt.sums_sha256(chunk_sums, offsets_sums),
             loss_sha256=None if loss is None else fmt.loss_spans_sha256(loss),
             loss_spans=0 if loss is None else int(loss.shape[0]),
+            docs_sha256=None if docs is None else hashlib.sha256(docs).hexdigest(),
+            docs_bytes=0 if docs is None else len(docs),
         )
         return self.info
+
+    @property
+    def docs_path(self) -> Path:
+        """Where a version 4 shard's sidecar goes (:func:`~h5corpus.storage.format.docs_path`)."""
+        return fmt.docs_path(self.final_path)
+
+    def _write_docs(self, data: bytes) -> None:
+        """Write the sidecar at ``<docs path>.partial``, fsync it (unless ``fsync=False``) and rename
+        it into place."""
+        part = self.docs_path.with_name(self.docs_path.name + PARTIAL_SUFFIX)
+        try:
+            with open(part, "wb") as fh:
+                fh.write(data)
+                if self.fsync:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            os.replace(part, self.docs_path)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
+            raise
 
     def _write_loss_spans(self) -> np.ndarray | None:
         """Write ``/loss_spans`` (a ``loss_mask`` writer, at close); returns the ranges."""
@@ -498,3 +547,4 @@ class ShardWriter:
                 self._f.close()
             finally:
                 self.path.unlink(missing_ok=True)
+                self.docs_path.with_name(self.docs_path.name + PARTIAL_SUFFIX).unlink(missing_ok=True)

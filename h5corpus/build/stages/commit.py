@@ -162,7 +162,7 @@ def commit(
     except (OSError, FormatError):
         with contextlib.suppress(OSError):
             fmt.layout_path(manifest_path).unlink(missing_ok=True)
-    remove_unlisted(ctx, {m.shard_path(e) for e in entries})
+    remove_unlisted(ctx, {p for e in entries for p in (m.shard_path(e), fmt.docs_path(m.shard_path(e)))})
     ctx.state.remove()
     return m
 

@@ -6,8 +6,10 @@ names (bytewise) sorts the corpus at any size. Below 100,000 tasks and 1,000 sha
 names are the plain zero-padded ``<task:05d>-<n:03d>``; a wider number is prefixed with a letter
 that says how many digits it has beyond the width (``a`` one more, ``b`` two, ...), and letters sort
 after digits: ``train-99999-999.h5`` < ``train-99999-a1000.h5`` < ``train-a100000-000.h5``.
-Candidate shards, in a task's candidate folder, are ``<split>-<n>.h5``. Nothing else in the build
-spells a shard file name.
+Candidate shards, in a task's candidate folder, are ``<split>-<n>.h5``. Each shard of format
+version 4 has its sidecar beside it (``<shard>.docs``, :func:`~h5corpus.storage.format.docs_path`:
+its document ids and flags), which the build moves, syncs and deletes with it. Nothing else in the
+build spells a shard file name.
 """
 
 from __future__ import annotations
@@ -98,12 +100,14 @@ def candidate_number(name: str) -> int:
 
 def parse_build_file(name: str) -> tuple[str, int, int, bool] | None:
     """``(split, task, n, partial)`` when ``name`` is exactly a name the build writes: a final shard
-    name as :func:`shard_file_name` spells it, or that name plus ``.partial`` (a shard being written);
-    else None. ``train-00000-000.h5.sha256``, ``train-00000-draft.h5``, ``train-0000-000.h5``,
+    name as :func:`shard_file_name` spells it, or that name plus ``.partial`` (a shard being written),
+    or either with the sidecar's ``.docs`` after the shard name (``train-00000-000.h5.docs``, its
+    ``.partial``); else None. ``train-00000-000.h5.sha256``, ``train-00000-draft.h5``, ``train-0000-000.h5``,
     ``train-000000-000.h5`` and ``train-a012345-000.h5`` are not the build's;
     ``train-a123456-a1234.h5`` is."""
     partial = name.endswith(PARTIAL_SUFFIX)
     base = name[: -len(PARTIAL_SUFFIX)] if partial else name
+    base = base[: -len(fmt.DOCS_SUFFIX)] if base.endswith(fmt.DOCS_SUFFIX) else base
     parsed = parse_shard_file_name(base)
     if parsed is None or shard_file_name(*parsed) != base:
         return None
@@ -123,7 +127,12 @@ def build_file_task(p: Path) -> int | None:
 def is_final_shard(p: Path) -> bool:
     """True for a file named exactly like a final shard, in the folder of its split."""
     parsed = parse_build_file(p.name)
-    return parsed is not None and not parsed[3] and p.parent.name == parsed[0]
+    return parsed is not None and not parsed[3] and p.parent.name == parsed[0] and p.suffix != fmt.DOCS_SUFFIX
+
+
+def record_files(info: ShardRecord) -> list[str]:
+    """The files of a written shard: the shard and, version 4, its sidecar."""
+    return [info.path] if info.docs_sha256 is None else [info.path, str(fmt.docs_path(info.path))]
 
 
 def our_shard_files(shards_dir: Path, task: int | None = None) -> list[Path]:
@@ -164,8 +173,9 @@ class Syncer:
         self.ex = ThreadPoolExecutor(1, thread_name_prefix="h5corpus-fsync")
         self.futures: list[Any] = []
 
-    def submit(self, path: str | Path) -> None:
-        self.futures.append(self.ex.submit(fsync_files, [path], dirs=False))
+    def submit(self, path: str | Path | list[str]) -> None:
+        paths = path if isinstance(path, list) else [path]
+        self.futures.append(self.ex.submit(fsync_files, paths, dirs=False))
 
     def wait(self) -> None:
         try:
@@ -257,12 +267,12 @@ class ShardSequence:
             self.infos.append(info)
             self.w = None
             if self.syncer is not None:
-                self.syncer.submit(info.path)
+                self.syncer.submit(record_files(info))
 
     def close(self) -> list[ShardRecord]:
         self._close()
         if self.syncer is None:
-            fsync_files([i.path for i in self.infos], dirs=False)
+            fsync_files([p for i in self.infos for p in record_files(i)], dirs=False)
         return self.infos
 
     def abort(self) -> None:

@@ -595,7 +595,7 @@ def finish_task(ctx: StageContext, index: int, decision: TaskDecision) -> Finish
         p.unlink(missing_ok=True)
     cand_dir = ctx.state.read_paths(index).candidates
     cands = decision.candidates
-    present = all((cand_dir / c.path).is_file() and (cand_dir / c.path).stat().st_size == c.bytes for c in cands)
+    present = all(_candidate_present(cand_dir, c) for c in cands)
     if not present or (
         decision.verify_candidates and not shards_intact(cand_dir, cands, plan.tokenizer, plan.chunk_tokens)
     ):
@@ -606,6 +606,8 @@ def finish_task(ctx: StageContext, index: int, decision: TaskDecision) -> Finish
         for c in cands:
             rel = final_shard_name(c.split, index, candidate_number(c.path))
             (shards_dir / c.split).mkdir(parents=True, exist_ok=True)
+            if c.docs_sha256 is not None:  # the sidecar first: a final shard always has its own
+                os.replace(fmt.docs_path(cand_dir / c.path), fmt.docs_path(shards_dir / rel))
             os.replace(cand_dir / c.path, shards_dir / rel)
             shards.append(c.with_path(rel))
             ctx.step("finish-renamed")
@@ -620,6 +622,14 @@ def finish_task(ctx: StageContext, index: int, decision: TaskDecision) -> Finish
     ctx.step("finish-record")
     shutil.rmtree(cand_dir, ignore_errors=True)
     return record
+
+
+def _candidate_present(cand_dir: Path, c: ShardRecord) -> bool:
+    """A candidate shard (and, version 4, its sidecar) is on disk at its recorded size."""
+    files = [(cand_dir / c.path, c.bytes)]
+    if c.docs_sha256 is not None:
+        files.append((fmt.docs_path(cand_dir / c.path), c.docs_bytes))
+    return all(p.is_file() and p.stat().st_size == n for p, n in files)
 
 
 def _copy_kept(
@@ -646,7 +656,7 @@ def _copy_kept(
             k = keep[at : at + c.documents]
             at += c.documents
             if k.any():
-                _copy_documents(cand_dir / c.path, np.flatnonzero(k), seq)
+                _copy_documents(cand_dir / c.path, np.flatnonzero(k), seq, c)
         for info in seq.close():
             out.append(info.relative_to(shards_dir))
             ctx.step("finish-copied")
@@ -656,12 +666,15 @@ def _copy_kept(
     return out
 
 
-def _copy_documents(path: Path, sel: np.ndarray, seq: ShardSequence) -> None:
-    """Append documents ``sel`` of the shard at ``path`` to ``seq``, reading ~8 M tokens at a time."""
+def _copy_documents(path: Path, sel: np.ndarray, seq: ShardSequence, record: ShardRecord) -> None:
+    """Append documents ``sel`` of the shard at ``path`` (recorded as ``record``) to ``seq``,
+    reading ~8 M tokens at a time; a version 4 shard's ids and flags from its sidecar, proven first."""
     with h5py.File(path, "r") as f:
         offs = f[fmt.DOC_OFFSETS][:]
-        ids = f[fmt.DOC_IDS][:]
-        flags = f[fmt.DOC_FLAGS][:]
+        if record.docs_sha256 is not None:
+            ids, flags = fmt.read_docs(fmt.docs_path(path), record, str(path))
+        else:
+            ids, flags = f[fmt.DOC_IDS][:], f[fmt.DOC_FLAGS][:]
         tokens = f[fmt.TOKENS]
         loss = np.asarray(f[fmt.LOSS_SPANS][()], np.int64) if seq.loss_mask else None
         lens = (offs[1:] - offs[:-1])[sel]
