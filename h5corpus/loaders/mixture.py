@@ -297,6 +297,10 @@ class Mixture:
             if 0 <= s < len(self.sources):
                 self.sources[s].corpus.prefetch(shards[src == s] - self.shard_bases[s])
 
+    def cached_shards(self) -> np.ndarray:
+        """Every source's :meth:`~h5corpus.storage.reader.Corpus.cached_shards`, end to end."""
+        return np.concatenate([s.corpus.cached_shards() for s in self.sources] or [np.zeros(0, bool)])
+
     def document(self, i: int) -> np.ndarray:
         a, b = self.doc_offsets_range(i, i + 1).tolist()
         return self.tokens(a, b)

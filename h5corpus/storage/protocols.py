@@ -103,6 +103,11 @@ class CorpusLike(Protocol):
         corpus starts fetching them into its cache in the background, a local one ignores it."""
         ...
 
+    def cached_shards(self) -> np.ndarray:
+        """(shards,) bool: which shards' bytes are on this node (a local corpus: all of them; a
+        remote one: those its node cache holds)."""
+        ...
+
     def loss_spans(self) -> np.ndarray | None:
         """(K, 2) int64 sorted, disjoint global ``[start, end)`` ranges of the positions whose
         token is a trained-on target (fine-tuning loss masks; docs/FORMAT.md), or None: every

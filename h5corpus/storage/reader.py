@@ -555,6 +555,15 @@ class Corpus:
             idx = [s for s in want if 0 <= s < self.num_shards and s not in self._leases]  # held: cached
             self._remote.prefetch([(self.entries[s], self.paths[s]) for s in idx])
 
+    def cached_shards(self) -> np.ndarray:
+        """(shards,) bool: which shards' bytes are on this node (every one for a local corpus; for
+        a remote one, those in the node cache). Loaders read a cold remote corpus shard by shard
+        instead of opening every shard at once (:meth:`run_table`) while some are missing."""
+        if self._remote is None:
+            return np.ones(self.num_shards, dtype=bool)
+        self._check_pid()
+        return np.array([s in self._leases or os.path.exists(p) for s, p in enumerate(self.paths)], dtype=bool)
+
     def _open_fds(self) -> int:
         """File descriptors this corpus's open shards hold in this process (a memory map holds one);
         counted once per change of the open set, else kept up to date by :meth:`_reader`."""
