@@ -1017,7 +1017,9 @@ def plan_cli(
     mode: str = typer.Option("buffer", "--mode", help="buffer or bfd."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle"),
     shuffle_block_shards: int | None = typer.Option(
-        None, "--shuffle-block-shards", help="Shuffle chunks within blocks of this many shards (default: the whole split)."
+        None,
+        "--shuffle-block-shards",
+        help="Shuffle chunks within blocks of this many shards (default: the whole split).",
     ),
     workers: int = typer.Option(1, "--workers", "-w", help="Epochs planned at once."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Rewrite plan files that already exist."),

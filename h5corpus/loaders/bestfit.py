@@ -35,8 +35,8 @@ import torch
 from ..storage.protocols import CorpusLike
 from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
-from .chunking import ChunkTable
 from .blockshuffle import ShardBlocks
+from .chunking import ChunkTable
 from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, block_stream, epoch_order
 from .lossmask import mask_batch
 from .mixture import Mixture, mix

@@ -42,7 +42,9 @@ def block_generator(seed: int, epoch: int, tag: int | None = None) -> np.random.
     return np.random.default_rng(key)
 
 
-def block_order(item_bounds: np.ndarray, shards_per_block: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def block_order(
+    item_bounds: np.ndarray, shards_per_block: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """(order, shard order) of a block-shuffled epoch (module docstring). ``item_bounds`` is the
     (shards + 1,) cumulative item count: shard ``s`` holds items ``item_bounds[s] ..
     item_bounds[s + 1] - 1``. ``order`` holds every item id once (uint32 below 2**32 items, else

@@ -45,8 +45,8 @@ import numpy as np
 
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
-from .blockshuffle import ShardBlocks, block_generator, block_order, check_block_shards
 from .bestfit import MappedRuns, as_source, mapped_runs, shards_of
+from .blockshuffle import ShardBlocks, block_generator, block_order, check_block_shards
 from .lossmask import mask_batch
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer, integer_arg
