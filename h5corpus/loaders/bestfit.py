@@ -62,10 +62,12 @@ def shards_of(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
     return np.unique(np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1)
 
 
-def mapped_runs(corpus: CorpusLike) -> MappedRuns | None:
+def mapped_runs(corpus: CorpusLike, cached: bool = False) -> MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
-    (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
-    table = corpus.run_table()
+    (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork. ``cached``: only
+    the shards on this node now (:meth:`Corpus.cached_run_table`: a cold remote cache is read
+    as its shards arrive, the others through ``Corpus.tokens``); else every shard (fetched)."""
+    table = corpus.cached_run_table() if cached else corpus.run_table()
     if table is None:
         return None
     return MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
@@ -80,11 +82,14 @@ class _SegmentReads:
     :meth:`VarlenBatch.from_row_bytes`. A segment that crosses a gap between runs (or a shard end)
     is read through ``Corpus.tokens`` instead. Otherwise (a shard read through HDF5) the batch is
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
-    ``Corpus.gather_ranges`` call, or (``cold``: a remote corpus whose cache misses shards) by one
-    ``Corpus.tokens`` call per segment, so a batch waits only for its own shards."""
+    ``Corpus.gather_ranges`` call. While a remote corpus's cache misses shards, ``table`` maps
+    the cached ones (:meth:`Corpus.cached_run_table`) and a segment of a missing shard is read
+    (and so fetched) through ``Corpus.tokens``: a batch waits only for its own shards."""
 
-    def __init__(self, corpus: CorpusLike, table: MappedRuns | None, *, cold: bool = False) -> None:
-        self.corpus, self.table, self.cold = corpus, table, cold
+    def __init__(self, corpus: CorpusLike, table: MappedRuns | None, cached: int = -1) -> None:
+        self.corpus, self.table = corpus, table
+        #: shards on this node when ``table`` was built, while some are missing (-1: all there)
+        self.cached = cached
         self.dtype = np.dtype(corpus.dtype)
 
     def batch(self, mb: PlanArrays) -> VarlenBatch:
@@ -101,12 +106,7 @@ class _SegmentReads:
             parts.row_cu[0] = 0
             parts.row_cu[1:] = cum
             parts.pack_lengths[:] = pack_len
-            if self.cold:  # range by range: each shard fetched when first needed, none waits for the rest
-                ends = cum + np.arange(1, cum.size + 1)
-                for g, a, b in zip(mb.seg_start.tolist(), (ends - lengths - 1).tolist(), ends.tolist()):
-                    self.corpus.tokens(g, g + b - a, parts.tokens[a:b])
-            else:
-                self.corpus.gather_ranges(mb.seg_start, lengths + 1, out=parts.tokens)
+            self.corpus.gather_ranges(mb.seg_start, lengths + 1, out=parts.tokens)
             return parts.batch(longest)
         run, off, room = self.table.table.locate(mb.seg_start)
         w = self.dtype.itemsize
@@ -335,11 +335,16 @@ class BestFitDataset(GlobalSequenceDataset):
         live.tokens_at = sp.tokens_at
         return self._run(live, sp, self._segment_reads())
 
-    def _segment_reads(self) -> _SegmentReads:
-        """The reads: through the memory maps, or shard by shard while a remote cache is cold."""
-        if self.corpus.cached_shards().all():
-            return _SegmentReads(self.corpus, self._table())
-        return _SegmentReads(self.corpus, None, cold=True)
+    def _segment_reads(self, old: _SegmentReads | None = None) -> _SegmentReads:
+        """The reads through this process's memory maps; while a remote cache misses shards,
+        those of the cached shards, rebuilt (when ``old`` is given) once more have arrived."""
+        have = self.corpus.cached_shards()
+        if have.all():
+            return old if old is not None and old.cached < 0 else _SegmentReads(self.corpus, self._table())
+        n = int(have.sum())
+        if old is not None and old.cached == n:
+            return old
+        return _SegmentReads(self.corpus, mapped_runs(self.corpus, cached=True), n)
 
     def _run(self, live: Any, sp: SharedPlan, reads: _SegmentReads) -> Iterator[VarlenBatch]:
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
@@ -357,8 +362,8 @@ class BestFitDataset(GlobalSequenceDataset):
                 ahead = [sp.microbatch(sched.global_index(j + k * w) % M).seg_start for k in range(PREFETCH_AHEAD)]
                 shards = shards_of(self.corpus, np.concatenate(ahead))
                 self.corpus.prefetch(shards if blocks is None else blocks.ahead(shards))
-                if reads.cold and self.corpus.cached_shards().all():  # every shard arrived: the memory maps
-                    reads = _SegmentReads(self.corpus, self._table())
+                if reads.cached >= 0:  # a cold remote cache: map the shards that arrived since
+                    reads = self._segment_reads(reads)
             mb = sp.microbatch(sched.global_index(j) % M)
             batch = reads.batch(mb)
             if masked:

@@ -289,6 +289,14 @@ class Mixture:
         self._rtab = (key, tab)
         return tab
 
+    def cached_run_table(self) -> RunTable | None:
+        """Every source's :meth:`~h5corpus.storage.reader.Corpus.cached_run_table`, positions
+        shifted to the concatenated stream (None if some source's is None); not kept."""
+        tabs = [s.corpus.cached_run_table() for s in self.sources]
+        if any(t is None for t in tabs):
+            return None
+        return RunTable.concatenate(tabs, self.token_bases[:-1])  # type: ignore[arg-type]
+
     def prefetch(self, shards: np.ndarray) -> None:
         """Pass each source its own shards of ``shards`` (indices into :attr:`shard_token_starts`)."""
         shards = np.asarray(shards, dtype=np.int64).reshape(-1)

@@ -327,9 +327,11 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         epoch, sched = live.epoch, live.schedule
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
-        # this process's memory maps (None: a shard read through HDF5, or a cold remote cache)
-        cold = not self.corpus.cached_shards().all()
-        runs = None if cold else mapped_runs(self.corpus)
+        # this process's memory maps (None: a shard read through HDF5); of the shards on this node
+        # while a remote cache is cold (the others read, and so fetched, through corpus.tokens)
+        have = self.corpus.cached_shards()
+        cold = not have.all()
+        runs = mapped_runs(self.corpus, cached=cold)
         reads = self._reads()
 
         def starts_of(lo: int) -> np.ndarray:
@@ -344,8 +346,9 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             nxt = starts_of(lo_b + PLAN_BLOCK_BATCHES) if lo_b + PLAN_BLOCK_BATCHES < batches.size else None
             if nxt is not None:  # a remote corpus fetches the next block's shards while this one is read
                 self.corpus.prefetch(self._ahead(epoch, nxt))
-            if cold and self.corpus.cached_shards().all():  # every shard arrived: the memory maps from now on
-                cold, runs = False, mapped_runs(self.corpus)
+            if cold and int((now := self.corpus.cached_shards()).sum()) != int(have.sum()):  # more arrived
+                have, cold = now, not now.all()
+                runs = mapped_runs(self.corpus, cached=True)
             for batch in reads.block(starts, offs, runs):
                 live.yielded += 1
                 yield batch

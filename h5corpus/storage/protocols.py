@@ -94,6 +94,10 @@ class CorpusLike(Protocol):
         HDF5, or more shards than this process keeps open)."""
         ...
 
+    def cached_run_table(self) -> RunTable | None:
+        """:meth:`run_table` over the shards on this node now (the others as empty runs)."""
+        ...
+
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i``."""
         ...

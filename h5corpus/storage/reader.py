@@ -1130,6 +1130,22 @@ class Corpus:
         self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
         return tab
 
+    def cached_run_table(self) -> RunTable | None:
+        """:meth:`run_table` over the shards on this node now, fetching none: a remote shard not
+        in the cache yet is an empty run (:class:`RunTable`), read through :meth:`tokens` (which
+        fetches it). What the loaders read a cold remote corpus through, rebuilt as shards
+        arrive. None as for :meth:`run_table`; a local corpus's is :meth:`run_table`."""
+        self._check_pid()
+        if self._remote is None or self.cached_shards().all():
+            return self._range_table()
+        if self.num_shards > self._open_cap():
+            return None
+        have = self.cached_shards().tolist()
+        readers = [self._reader(s) if have[s] else None for s in range(self.num_shards)]
+        if not all(r is None or r.kind == "mmap" for r in readers):
+            return None
+        return RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
+
     # -- fine-tuning: loss mask and BOS (docs/FORMAT.md, "Loss masks") -------------------------------
     @property
     def sft(self) -> dict[str, Any]:
