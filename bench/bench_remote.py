@@ -82,14 +82,20 @@ def cold_epoch(url: str, cache: Path, loader: str, blocks: int | None, plans: Pa
     """One epoch from an empty cache: open, then the loader's epoch while its shards arrive."""
     shutil.rmtree(cache, ignore_errors=True)
     os.sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     corpus = open_corpus(url, cache_dir=cache)
     it = iter(dataset(corpus, loader, blocks, plans if loader == "bestfit" else None))
     tokens = int(next(it).num_tokens)
     first_s, cached = time.perf_counter() - t0, int(corpus.cached_shards().sum())
     for b in it:
         tokens += int(b.num_tokens)
-    out = {"s": time.perf_counter() - t0, "first_batch_s": first_s, "cached_at_first": cached, "tokens": tokens}
+    out = {
+        "s": time.perf_counter() - t0,
+        "cpu_s": cpu_s() - c0,
+        "first_batch_s": first_s,
+        "cached_at_first": cached,
+        "tokens": tokens,
+    }
     corpus.close()
     return out
 

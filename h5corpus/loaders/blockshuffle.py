@@ -26,6 +26,11 @@ import numpy as np
 
 from .partition import integer_arg
 
+#: Shards a block-shuffled loader keeps asking for ahead of its reads: blocks are added after
+#: the one being read until this many shards are requested (the cache's ``prefetch_workers``
+#: bounds how many download at once), so small blocks still keep several downloads in flight.
+PREFETCH_SHARDS = 8
+
 #: Separates the block order's random stream from the global shuffle's.
 TAG_BLOCKS = 0x424C4B53  # "BLKS"
 
@@ -82,13 +87,17 @@ class ShardBlocks:
         self.block[self.order] = np.arange(self.order.size) // self.K
         self.num_blocks = -(-self.order.size // self.K)
 
-    def ahead(self, shards: np.ndarray) -> np.ndarray:
+    def ahead(self, shards: np.ndarray, at_least: int | None = None) -> np.ndarray:
         """The shards to prefetch when ``shards`` are read next, in the order they are needed:
-        those of every block ``shards`` touch (earliest first), then those of the block after
-        the last of them."""
-        blocks = np.unique(self.block[np.asarray(shards, dtype=np.int64)])
-        if not blocks.size:
+        those of every block ``shards`` touch (earliest first), then those of the next blocks,
+        at least one block and until ``at_least`` (default :data:`PREFETCH_SHARDS`) shards are named."""
+        at_least = PREFETCH_SHARDS if at_least is None else at_least
+        blocks = np.unique(self.block[np.asarray(shards, dtype=np.int64)]).tolist()
+        if not blocks:
             return np.zeros(0, np.int64)
-        if int(blocks[-1]) + 1 < self.num_blocks:
-            blocks = np.append(blocks, int(blocks[-1]) + 1)
-        return np.concatenate([self.order[b * self.K : (b + 1) * self.K] for b in blocks.tolist()])
+        last = blocks[-1]
+        for nxt in range(last + 1, self.num_blocks):  # the next block, then more up to at_least shards
+            if nxt > last + 1 and len(blocks) * self.K >= at_least:
+                break
+            blocks.append(nxt)
+        return np.concatenate([self.order[b * self.K : (b + 1) * self.K] for b in blocks])
