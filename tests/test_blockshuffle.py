@@ -270,3 +270,28 @@ def test_pack_fill_with_block_shuffle_on_the_dev_train_split(dev_manifest):
         assert f.real_tokens == base.real_tokens  # the same pairs, another order
         assert f.fill > 0.998, (K, f.fill)
         print(f"dev train, {c.num_shards} shards, buffer 64, shuffle_block_shards={K}: fill {f.fill:.5f}")
+
+
+def test_a_file_sized_first_and_written_in_parts_is_hashed_as_it_lands(tmp_path, s3):
+    """s3fs fetches a large object in concurrent ranged parts into a file truncated to its full
+    size first; the download's byte count (the callback hook's value) bounds what StreamHash
+    reads, so its digest is the file's (no zeros hashed, no second pass)."""
+    import hashlib
+
+    import s3fs
+    from fsspec.callbacks import Callback
+
+    from h5corpus.storage.cache import StreamHash
+
+    data = np.random.default_rng(1).integers(0, 256, 5 << 20, dtype=np.uint8).tobytes()
+    want = hashlib.sha256(data).hexdigest()
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, default_block_size=1 << 20)  # 5 ranged parts
+    fs.pipe_file(f"{BUCKET}/big.bin", data)
+    part = tmp_path / "big.download"
+    part.touch()
+    hasher = StreamHash(str(part))
+    fs.get_file(f"{BUCKET}/big.bin", str(part), callback=Callback(hooks={"hash": hasher.poke}))
+    assert part.read_bytes() == data
+    assert hasher.finish() == (want, len(data))
+    gets = s3.gets(BUCKET)
+    assert gets["big.bin"] >= 5  # it did take the concurrent ranged path
