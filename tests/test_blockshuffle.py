@@ -198,7 +198,7 @@ def test_bad_settings_are_refused_by_name(corpus):
 
 
 def test_cold_epoch_from_s3_reads_shards_as_they_arrive(corpus, s3, tmp_path, monkeypatch):
-    monkeypatch.setattr(blockshuffle, "PREFETCH_SHARDS", 1)  # ask for the next block only: a bound to assert
+    monkeypatch.setattr(blockshuffle, "PREFETCH_TOKENS", 1)  # ask for the next block only: a bound to assert
     url = put_corpus(corpus, "cold")
     local = open_corpus(corpus)
     plans = tmp_path / "plans"

@@ -353,7 +353,8 @@ class BestFitDataset(GlobalSequenceDataset):
         masked = self.corpus.has_loss_mask  # fine-tuning masks (else every target is trained on)
         blocks = None
         if self.shuffle_block_shards is not None:
-            blocks = ShardBlocks.of(self.corpus.num_shards, self.shuffle_block_shards, self.seed, live.epoch)
+            sizes = np.diff(self.corpus.shard_token_starts)
+            blocks = ShardBlocks.of(sizes, self.shuffle_block_shards, self.seed, live.epoch)
         for n, j in enumerate(sched.local_items()):
             if M == 0 or sched.needed(j) > M:
                 return

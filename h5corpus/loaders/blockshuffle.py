@@ -26,10 +26,12 @@ import numpy as np
 
 from .partition import integer_arg
 
-#: Shards a block-shuffled loader keeps asking for ahead of its reads: blocks are added after
-#: the one being read until this many shards are requested (the cache's ``prefetch_workers``
-#: bounds how many download at once), so small blocks still keep several downloads in flight.
-PREFETCH_SHARDS = 8
+#: Tokens a block-shuffled loader keeps asking for beyond the blocks it reads: the next block,
+#: then more until the blocks ahead hold this many tokens (256 MiB of 2-byte ids), so small
+#: shards keep several downloads in flight (the cache's ``prefetch_workers`` bounds how many run
+#: at once) while large ones are not all fetched at once, sharing the link, before the first
+#: block is there.
+PREFETCH_TOKENS = 1 << 27
 
 #: Separates the block order's random stream from the global shuffle's.
 TAG_BLOCKS = 0x424C4B53  # "BLKS"
@@ -75,29 +77,38 @@ class ShardBlocks:
     ``shard_order[b * K : (b + 1) * K]``."""
 
     @classmethod
-    def of(cls, num_shards: int, shards_per_block: int, seed: int, epoch: int, tag: int | None = None) -> ShardBlocks:
+    def of(
+        cls, shard_tokens: np.ndarray, shards_per_block: int, seed: int, epoch: int, tag: int | None = None
+    ) -> ShardBlocks:
         """The blocks of the epoch :func:`block_order` orders with ``block_generator(seed, epoch,
-        tag)``: its shard order is that generator's first draw, ``permutation(num_shards)``."""
-        return cls(block_generator(seed, epoch, tag).permutation(int(num_shards)), shards_per_block)
+        tag)`` (``shard_tokens``: tokens per shard): its shard order is that generator's first
+        draw, ``permutation(shards)``."""
+        n = int(np.asarray(shard_tokens).size)
+        return cls(block_generator(seed, epoch, tag).permutation(n), shards_per_block, shard_tokens)
 
-    def __init__(self, shard_order: np.ndarray, shards_per_block: int) -> None:
+    def __init__(self, shard_order: np.ndarray, shards_per_block: int, shard_tokens: np.ndarray | None = None) -> None:
         self.order = np.asarray(shard_order, dtype=np.int64)
+        #: tokens per shard (None: only the next block is asked for ahead)
+        self.tokens = None if shard_tokens is None else np.asarray(shard_tokens, dtype=np.int64)
         self.K = int(shards_per_block)
         self.block = np.empty(self.order.size, dtype=np.int64)
         self.block[self.order] = np.arange(self.order.size) // self.K
         self.num_blocks = -(-self.order.size // self.K)
 
-    def ahead(self, shards: np.ndarray, at_least: int | None = None) -> np.ndarray:
+    def ahead(self, shards: np.ndarray, tokens: int | None = None) -> np.ndarray:
         """The shards to prefetch when ``shards`` are read next, in the order they are needed:
-        those of every block ``shards`` touch (earliest first), then those of the next blocks,
-        at least one block and until ``at_least`` (default :data:`PREFETCH_SHARDS`) shards are named."""
-        at_least = PREFETCH_SHARDS if at_least is None else at_least
+        those of every block ``shards`` touch (earliest first), then those of the next blocks:
+        the next one, and more while the blocks ahead hold fewer than ``tokens`` (default
+        :data:`PREFETCH_TOKENS`; only the next block when tokens per shard are unknown)."""
+        want = PREFETCH_TOKENS if tokens is None else tokens
         blocks = np.unique(self.block[np.asarray(shards, dtype=np.int64)]).tolist()
         if not blocks:
             return np.zeros(0, np.int64)
-        last = blocks[-1]
-        for nxt in range(last + 1, self.num_blocks):  # the next block, then more up to at_least shards
-            if nxt > last + 1 and len(blocks) * self.K >= at_least:
+        last, have = blocks[-1], 0
+        for nxt in range(last + 1, self.num_blocks):
+            if nxt > last + 1 and (self.tokens is None or have >= want):
                 break
             blocks.append(nxt)
+            if self.tokens is not None:
+                have += int(self.tokens[self.order[nxt * self.K : (nxt + 1) * self.K]].sum())
         return np.concatenate([self.order[b * self.K : (b + 1) * self.K] for b in blocks])

@@ -192,7 +192,8 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             if self.shuffle_block_shards is not None:  # shard blocks (:mod:`~h5corpus.loaders.blockshuffle`)
                 rng = block_generator(self.seed, epoch, _TAG_EPOCH)
                 perm, shard_order = block_order(self._shard_windows(), self.shuffle_block_shards, rng)
-                self._cache["blocks"] = ShardBlocks(shard_order, self.shuffle_block_shards)
+                sizes = np.diff(self.corpus.shard_token_starts)
+                self._cache["blocks"] = ShardBlocks(shard_order, self.shuffle_block_shards, sizes)
             elif self.mixture is None:
                 total = self.num_windows
                 perm = np.arange(total, dtype=np.uint32 if total < 2**32 else np.int64)
