@@ -356,7 +356,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
 
     def _ahead(self, epoch: int, starts: np.ndarray) -> np.ndarray:
         """The shards to prefetch before windows at ``starts`` are read: theirs; under a block
-        shuffle, those of their blocks and of the next block, in the order they are needed."""
+        shuffle, those of their blocks and of the next ones (:meth:`ShardBlocks.ahead`), in order of need."""
         shards = shards_of(self.corpus, starts)
         if self.shuffle_block_shards is None or self.mode != "epoch":
             return shards
