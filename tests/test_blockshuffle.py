@@ -295,3 +295,20 @@ def test_a_file_sized_first_and_written_in_parts_is_hashed_as_it_lands(tmp_path,
     assert hasher.finish() == (want, len(data))
     gets = s3.gets(BUCKET)
     assert gets["big.bin"] >= 5  # it did take the concurrent ranged path
+
+
+def test_plan_command_writes_the_block_shuffled_plan(corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from h5corpus.cli import app
+
+    pdir = tmp_path / "plans"
+    args = ["plan", str(corpus), "--plan-dir", str(pdir), "--max-seq-len", str(2 * SEQ), "--batch-size", "4"]
+    res = CliRunner().invoke(app, [*args, "--packing-buffer", "16", "--seed", "3", "--shuffle-block-shards", "2"])
+    assert res.exit_code == 0, res.output
+    assert res.output.split() == [str(p) for p in pdir.glob("*.h5cplan")]
+    c = open_corpus(corpus)
+    assert digests(bestfit(c, 2, plan_dir=pdir)) == digests(bestfit(c, 2))
+    assert len(list(pdir.glob("*.h5cplan"))) == 1  # the dataset found the command's file
+    bad = CliRunner().invoke(app, [*args, "--shuffle-block-shards", "0"])
+    assert bad.exit_code == 2 and "shuffle_block_shards" in bad.output and "Traceback" not in bad.output
