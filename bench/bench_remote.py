@@ -17,7 +17,11 @@ library call, then measures back to back, ``--repeats`` rounds, in this one proc
   same shards under a manifest without file hashes (the fallback proofs: ``"sha256"``, validate's
   checks, and ``"checksums"``);
 * **local / warm**: each loader's epoch over the corpus opened from the local manifest and over
-  the one opened through the full cache (opening timed apart: one GET of the manifest).
+  the one opened through the full cache (opening timed apart: one GET of the manifest);
+* **cold epochs**: ``open_corpus`` on an empty cache and straight into an epoch (no fill first),
+  each loader with the global shuffle and with ``shuffle_block_shards=--block-shards`` (the
+  best-fit loader's plans from plan files written from the local manifest beforehand, as
+  ``h5corpus plan`` does), with the time to the first batch and the shards cached by then.
 
 Figures are medians over rounds of ratios measured back to back within a round (every round is
 in the JSON with the load average; also this process's CPU seconds for the copy and the fill,
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._report import RESULTS, emit  # noqa: E402
 from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus  # noqa: E402
+from h5corpus.loaders.bestfit import write_plans  # noqa: E402
 from h5corpus.storage.cache import verify_shard  # noqa: E402
 from h5corpus.storage.format import ShardExpectation  # noqa: E402
 from h5corpus.storage.manifest import read_manifest  # noqa: E402
@@ -57,35 +62,77 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def dataset(corpus, loader: str, blocks: int | None = None, plan_dir: Path | None = None):
+    if loader == "bestfit":
+        return BestFitDataset(corpus, 1024, 8, 64, seed=0, shuffle_block_shards=blocks, plan_dir=plan_dir)
+    return SlidingWindowDataset(corpus, 1024, 8, seed=0, shuffle_block_shards=blocks)
+
+
 def epoch(source, loader: str) -> tuple[float, int]:
     """(seconds, tokens) of one epoch of ``loader`` over ``source`` (a path, URL or Corpus)."""
     t0 = time.perf_counter()
     corpus = source if not isinstance(source, (str, Path)) else open_corpus(source)
-    if loader == "bestfit":
-        ds = BestFitDataset(corpus, 1024, 8, 64, seed=0)
-    else:
-        ds = SlidingWindowDataset(corpus, 1024, 8, seed=0)
     tokens = 0
-    for b in ds:
+    for b in dataset(corpus, loader):
         tokens += int(b.num_tokens)
     return time.perf_counter() - t0, tokens
 
 
-def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool) -> dict:
-    """One round, back to back: the plain copy, the cold epoch (cache filled, then the window
-    loader's epoch), then each loader's epoch from the local path and through the warm cache."""
+def cold_epoch(url: str, cache: Path, loader: str, blocks: int | None, plans: Path) -> dict:
+    """One epoch from an empty cache: open, then the loader's epoch while its shards arrive."""
+    shutil.rmtree(cache, ignore_errors=True)
+    os.sync()
+    t0, c0 = time.perf_counter(), cpu_s()
+    corpus = open_corpus(url, cache_dir=cache)
+    it = iter(dataset(corpus, loader, blocks, plans if loader == "bestfit" else None))
+    tokens = int(next(it).num_tokens)
+    first_s, cached = time.perf_counter() - t0, int(corpus.cached_shards().sum())
+    for b in it:
+        tokens += int(b.num_tokens)
+    out = {
+        "s": time.perf_counter() - t0,
+        "cpu_s": cpu_s() - c0,
+        "first_batch_s": first_s,
+        "cached_at_first": cached,
+        "tokens": tokens,
+    }
+    corpus.close()
+    return out
+
+
+def cold_epochs(url: str, work: Path, blocks: int, plans: Path, flip: bool) -> dict:
+    """Both loaders' cold epochs, global shuffle and block shuffle (order alternating by round)."""
+    out = {}
+    order = [(ld, b) for ld in ("window", "bestfit") for b in ((None, blocks) if not flip else (blocks, None))]
+    for ld, b in order:
+        tag = "global" if b is None else "block"
+        for k, v in cold_epoch(url, work / "cache-cold", ld, b, plans).items():
+            out[f"cold_{ld}_{tag}_{k}"] = v
+    return out
+
+
+def plain_copy(keys: list[str], copy_dir: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds) of ``s3fs.S3FileSystem.get`` of ``keys`` into an empty ``copy_dir``."""
     import s3fs
 
-    train = read_manifest(manifest).shards_of("train")
-    keys = [f"corpora/bench/shards/train/{Path(e.path).name}" for e in train]
-    copy_dir, cache, fb_cache = work / "copy", work / "cache", work / "cache-fallback"
-    for d in (copy_dir, cache, fb_cache):
-        shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(copy_dir, ignore_errors=True)
     copy_dir.mkdir()
     os.sync()  # each timed transfer starts with no dirty pages of the previous one to write back
     t0, c0 = time.perf_counter(), cpu_s()
     s3fs.S3FileSystem(skip_instance_cache=True).get(keys, str(copy_dir) + "/")
-    copy_s, copy_cpu_s = time.perf_counter() - t0, cpu_s() - c0
+    return time.perf_counter() - t0, cpu_s() - c0
+
+
+def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool, blocks: int, plans: Path) -> dict:
+    """One round, back to back: the plain copy, the cold epoch (cache filled, then the window
+    loader's epoch), then each loader's epoch from the local path and through the warm cache."""
+
+    train = read_manifest(manifest).shards_of("train")
+    keys = [f"corpora/bench/shards/train/{Path(e.path).name}" for e in train]
+    copy_dir, cache, fb_cache = work / "copy", work / "cache", work / "cache-fallback"
+    for d in (cache, fb_cache):
+        shutil.rmtree(d, ignore_errors=True)
+    copy_s, copy_cpu_s = plain_copy(keys, copy_dir)
     blobs = [(copy_dir / Path(e.path).name).read_bytes() for e in train]
     t0 = time.perf_counter()
     for b in blobs:
@@ -147,6 +194,33 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool
     for ld in ("window", "bestfit"):  # epochs on open corpora: the first one also opens every shard
         out[f"local_{ld}_s"], out[f"tokens_{ld}"] = epoch(local, ld)
         out[f"warm_{ld}_s"] = epoch(warm, ld)[0]
+    warm.close()
+    out["copy2_s"] = plain_copy(keys, copy_dir)[0]  # the plain copy once more, beside the cold epochs
+    shutil.rmtree(copy_dir, ignore_errors=True)
+    out.update(cold_epochs(url, work, blocks, plans, not hash_first))
+    out["loadavg_end"] = os.getloadavg()
+    return out
+
+
+def cold_figures(rounds: list[dict], K: int) -> dict[str, str]:
+    """The cold epochs' figures: bytes/s over the plain copy's (the mean of the round's two
+    copies, one before the fill and one just before the cold epochs), first batch, shards then."""
+
+    def med(f) -> float:
+        return statistics.median(f(r) for r in rounds)
+
+    out = {}
+    for ld in ("window", "bestfit"):
+        plan = " (plan file)" if ld == "bestfit" else ""
+        for tag, name in (("global", "global shuffle"), ("block", f"shuffle_block_shards={K}")):
+            key = f"cold_{ld}_{tag}"
+            out[f"cold epoch, {ld}{plan}, {name}, from an empty cache / plain s3fs copy"] = (
+                f"{med(lambda r: (r['copy_s'] + r['copy2_s']) / 2 / r[key + '_s']):.2f}x"
+            )
+            out[f"cold epoch, {ld}{plan}, {name}: first batch after, shards cached then"] = (
+                f"{med(lambda r: r[key + '_first_batch_s']):.2f} s, {med(lambda r: r[key + '_cached_at_first']):.0f}"
+                f" of {rounds[0]['shards']}"
+            )
     return out
 
 
@@ -157,6 +231,7 @@ def main() -> None:
     ap.add_argument(
         "--shard-tokens", type=int, default=4 << 20, help="tokens per shard (the build's default is 1 << 27: 256 MiB)"
     )
+    ap.add_argument("--block-shards", type=int, default=1, help="shuffle_block_shards of the cold block epochs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
@@ -174,7 +249,13 @@ def main() -> None:
             plain = manifest.read_bytes()  # the same corpus under a manifest without them
             s3fs.S3FileSystem(skip_instance_cache=True).pipe_file("corpora/bench/manifests/plain.json", plain)
             url = "s3://corpora/bench/manifests/shards.json"
-            rounds = [one_round(manifest, url, work, s3, k % 2 == 0) for k in range(args.repeats)]
+            plans = work / "plans"  # the best-fit plans, written offline from the local manifest
+            for b in (None, args.block_shards):
+                write_plans(manifest, plans, [0], max_seq_len=1024, batch_size=8, packing_buffer=64, seed=0,
+                            shuffle_block_shards=b)  # fmt: skip
+            rounds = [
+                one_round(manifest, url, work, s3, k % 2 == 0, args.block_shards, plans) for k in range(args.repeats)
+            ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb = rounds[0]["split_bytes"] / 1e6
@@ -191,6 +272,7 @@ def main() -> None:
         "cache fill, no file hashes, proof='sha256' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_sha256_s']):.2f}x",
         "cache fill, no file hashes, proof='checksums' / plain s3fs copy": f"{med(lambda r: r['copy_s'] / r['fill_fallback_checksums_s']):.2f}x",
         "cold epoch (fill + window epoch) / plain s3fs copy, bytes/s": f"{med(lambda r: r['copy_s'] / r['cold_window_s']):.2f}x",
+        **cold_figures(rounds, args.block_shards),
         "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
         "sha256 of the split's bytes in memory, one thread (file_sha256's cost)": f"{med(lambda r: mb / r['sha256_s']):.0f} MB/s",
         "client CPU seconds, fill / plain copy": f"{med(lambda r: r['fill_cpu_s'] / r['copy_cpu_s']):.2f}x",

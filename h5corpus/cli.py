@@ -1016,6 +1016,11 @@ def plan_cli(
     seed: int = typer.Option(0, "--seed"),
     mode: str = typer.Option("buffer", "--mode", help="buffer or bfd."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle"),
+    shuffle_block_shards: int | None = typer.Option(
+        None,
+        "--shuffle-block-shards",
+        help="Shuffle chunks within blocks of this many shards (default: the whole split).",
+    ),
     workers: int = typer.Option(1, "--workers", "-w", help="Epochs planned at once."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Rewrite plan files that already exist."),
 ) -> None:
@@ -1028,6 +1033,8 @@ def plan_cli(
         raise fail(f"{manifest}: manifest not found", EXIT_USAGE)
     check_positive("--epochs", epochs)
     settings = dict(max_seq_len=max_seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed)
+    if shuffle_block_shards is not None:
+        settings["shuffle_block_shards"] = shuffle_block_shards
     try:
         paths = write_plans(
             manifest, plan_dir, range(first_epoch, first_epoch + max(epochs, 0)), workers=workers, rebuild=rebuild,

@@ -34,8 +34,9 @@ import torch
 from ..storage.protocols import CorpusLike
 from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
+from .blockshuffle import ShardBlocks
 from .chunking import ChunkTable
-from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, epoch_order
+from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, block_stream, epoch_order
 from .lossmask import mask_batch
 from .mixture import Mixture, mix
 from .partition import integer_arg
@@ -61,10 +62,12 @@ def shards_of(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
     return s[np.concatenate(([True], s[1:] != s[:-1]))] if s.size else s  # np.unique would import numpy.ma
 
 
-def mapped_runs(corpus: CorpusLike) -> MappedRuns | None:
+def mapped_runs(corpus: CorpusLike, cached: bool = False) -> MappedRuns | None:
     """The runs of ``corpus`` in this process, or None when some shard is read through HDF5
-    (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork."""
-    table = corpus.run_table()
+    (then reads go through :meth:`Corpus.gather_ranges`). Call after any fork. ``cached``: only
+    the shards on this node now (:meth:`Corpus.cached_run_table`: a cold remote cache is read
+    as its shards arrive, the others through ``Corpus.tokens``); else every shard (fetched)."""
+    table = corpus.cached_run_table() if cached else corpus.run_table()
     if table is None:
         return None
     return MappedRuns(table, [memoryview(r).cast("B") for r in table.runs])
@@ -79,10 +82,14 @@ class _SegmentReads:
     :meth:`VarlenBatch.from_row_bytes`. A segment that crosses a gap between runs (or a shard end)
     is read through ``Corpus.tokens`` instead. Otherwise (a shard read through HDF5) the batch is
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
-    ``Corpus.gather_ranges`` call."""
+    ``Corpus.gather_ranges`` call. While a remote corpus's cache misses shards, ``table`` maps
+    the cached ones (:meth:`Corpus.cached_run_table`) and a segment of a missing shard is read
+    (and so fetched) through ``Corpus.tokens``: a batch waits only for its own shards."""
 
-    def __init__(self, corpus: CorpusLike, table: MappedRuns | None) -> None:
+    def __init__(self, corpus: CorpusLike, table: MappedRuns | None, cached: int = -1) -> None:
         self.corpus, self.table = corpus, table
+        #: shards on this node when ``table`` was built, while some are missing (-1: all there)
+        self.cached = cached
         self.dtype = np.dtype(corpus.dtype)
 
     def batch(self, mb: PlanArrays) -> VarlenBatch:
@@ -146,6 +153,11 @@ class BestFitDataset(GlobalSequenceDataset):
             shuffle.
         mode: ``"buffer"`` (bounded-buffer best fit) or ``"bfd"`` (best-fit-decreasing).
         shuffle: shuffle the chunk order per epoch (default True); False keeps corpus order.
+        shuffle_block_shards: None (default) shuffles chunks over the whole split; ``K`` permutes
+            the shards, groups them ``K`` at a time into blocks and shuffles chunks only within a
+            block (:mod:`~h5corpus.loaders.blockshuffle`), so an epoch from a cold remote cache
+            reads its shards as they arrive (with its plan from a plan file: computing a plan
+            reads every shard's index).
 
     How to iterate:
         rank, world_size: DDP position; default from ``torch.distributed`` when initialized. Rank
@@ -189,15 +201,19 @@ class BestFitDataset(GlobalSequenceDataset):
         epoch: int = 0,
         with_segments: bool = False,
         plan_dir: str | os.PathLike | None = None,
+        shuffle_block_shards: int | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
-        st = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle)  # validates
+        st = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle, shuffle_block_shards)
         if plan_dir is not None and not isinstance(plan_dir, (str, os.PathLike)):
             raise TypeError(f"plan_dir must be a folder path or None, got {type(plan_dir).__name__}")
         self.corpus = as_source(corpus, split)
         self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
+        if self.mixture is not None and st.shuffle_block_shards is not None:
+            raise ValueError("shuffle_block_shards orders one corpus's shards; a mixture interleaves its sources")
         self.max_seq_len, self.batch_size, self.packing_buffer = st.max_seq_len, st.batch_size, st.packing_buffer
         self.seed, self.mode, self.shuffle = st.seed, st.mode, st.shuffle
+        self.shuffle_block_shards = st.shuffle_block_shards
         self.with_segments = bool(with_segments)
         self.plan_dir = None if plan_dir is None else os.fspath(plan_dir)
         self._fingerprint: str | None = None
@@ -208,7 +224,15 @@ class BestFitDataset(GlobalSequenceDataset):
     @property
     def settings(self) -> PlanSettings:
         """The plan's settings (what a checkpoint must agree on besides the corpus)."""
-        return PlanSettings(self.max_seq_len, self.batch_size, self.packing_buffer, self.seed, self.mode, self.shuffle)
+        return PlanSettings(
+            self.max_seq_len,
+            self.batch_size,
+            self.packing_buffer,
+            self.seed,
+            self.mode,
+            self.shuffle,
+            self.shuffle_block_shards,
+        )
 
     def settings_dict(self) -> dict[str, Any]:
         d = self.settings.as_dict()
@@ -247,7 +271,9 @@ class BestFitDataset(GlobalSequenceDataset):
         :meth:`shared_plan`."""
         e = self.epoch if epoch is None else check_epoch(epoch)
         table = self.chunk_table() if table is None else table
-        if self.mixture is None:
+        if self.shuffle_block_shards is not None:
+            stream = block_stream(table, self.corpus.shard_doc_starts, self.settings, e)
+        elif self.mixture is None:
             stream = epoch_order(table.num_chunks, self.seed, e, self.shuffle)
         else:
             bases = table.first[self.mixture.doc_bases]
@@ -257,6 +283,8 @@ class BestFitDataset(GlobalSequenceDataset):
 
     def plan_arrays(self, epoch: int | None = None) -> PlanArrays:
         """``epoch``'s whole plan as flat arrays (what a plan file holds); O(documents)."""
+        if not self.corpus.cached_shards().all():  # a cold remote cache: every shard's index is read
+            self.corpus.prefetch(np.arange(self.corpus.num_shards))  # fetched at once, not one by one
         lengths = self.corpus.doc_lengths()
         offsets = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -305,20 +333,38 @@ class BestFitDataset(GlobalSequenceDataset):
         live = self._begin()
         sp = self.shared_plan(live.epoch)
         live.tokens_at = sp.tokens_at
-        return self._run(live, sp, _SegmentReads(self.corpus, self._table()))
+        return self._run(live, sp, self._segment_reads())
+
+    def _segment_reads(self, old: _SegmentReads | None = None) -> _SegmentReads:
+        """The reads through this process's memory maps; while a remote cache misses shards,
+        those of the cached shards, rebuilt (when ``old`` is given) once more have arrived."""
+        have = self.corpus.cached_shards()
+        if have.all():
+            return old if old is not None and old.cached < 0 else _SegmentReads(self.corpus, self._table())
+        n = int(have.sum())
+        if old is not None and old.cached == n:
+            return old
+        return _SegmentReads(self.corpus, mapped_runs(self.corpus, cached=True), n)
 
     def _run(self, live: Any, sp: SharedPlan, reads: _SegmentReads) -> Iterator[VarlenBatch]:
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
         item is microbatch ``g mod M``, :mod:`~h5corpus.loaders.partition`); O(1) per item."""
         sched, M = live.schedule, sp.num_microbatches
         masked = self.corpus.has_loss_mask  # fine-tuning masks (else every target is trained on)
+        blocks = None
+        if self.shuffle_block_shards is not None:
+            sizes = np.diff(self.corpus.shard_token_starts)
+            blocks = ShardBlocks.of(sizes, self.shuffle_block_shards, self.seed, live.epoch)
         for n, j in enumerate(sched.local_items()):
             if M == 0 or sched.needed(j) > M:
                 return
             if n % PREFETCH_AHEAD == 0:  # a remote corpus fetches the shards of the next microbatches
                 w = sched.consumer.num_workers
                 ahead = [sp.microbatch(sched.global_index(j + k * w) % M).seg_start for k in range(PREFETCH_AHEAD)]
-                self.corpus.prefetch(shards_of(self.corpus, np.concatenate(ahead)))
+                shards = shards_of(self.corpus, np.concatenate(ahead))
+                self.corpus.prefetch(shards if blocks is None else blocks.ahead(shards))
+                if reads.cached >= 0:  # a cold remote cache: map the shards that arrived since
+                    reads = self._segment_reads(reads)
             mb = sp.microbatch(sched.global_index(j) % M)
             batch = reads.batch(mb)
             if masked:

@@ -8,7 +8,8 @@ epoch the plan is (docs/PACKING.md, section 4):
 2. **Stream**: the chunk ids in the order ``numpy.random.default_rng([seed, epoch]).permutation(C)``
    (:func:`epoch_order`; ``shuffle=False``: corpus order), so a long document's chunks enter the
    stream as independent segments spread over the epoch. A mixture picks and interleaves chunks of
-   its sources instead (:meth:`~h5corpus.loaders.mixture.Mixture.select`).
+   its sources instead (:meth:`~h5corpus.loaders.mixture.Mixture.select`); ``shuffle_block_shards``
+   shuffles chunks only within blocks of shards (:func:`block_stream`).
 3. **Packing** of that stream (:mod:`~h5corpus.loaders.packers`): ``mode="buffer"``, one
    :class:`~h5corpus.loaders.packers.BufferPacker` over the whole stream; ``mode="bfd"``, blocks of
    ``packing_buffer`` consecutive stream chunks, each packed best-fit-decreasing with its packs
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .blockshuffle import block_generator, block_order, check_block_shards
 from .chunking import ChunkTable
 from .packers import BufferPacker, decode_keys, shuffled_bfd_block
 from .partition import integer_arg
@@ -75,6 +77,10 @@ class PlanSettings:
     """``"buffer"`` (bounded-buffer best fit) or ``"bfd"`` (best-fit-decreasing over blocks)."""
     shuffle: bool = True
     """Shuffle the chunk order per epoch; False keeps corpus order."""
+    shuffle_block_shards: int | None = None
+    """None: the chunk order is shuffled over the whole split; ``K``: shards permuted, ``K`` at a
+    time form a block, chunks shuffled only within a block (:mod:`~h5corpus.loaders.blockshuffle`).
+    Recorded in :meth:`as_dict` only when set, so plans and states without it stay valid."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,12 +95,19 @@ class PlanSettings:
             ("packing_buffer", buf),
             ("seed", seed),
             ("shuffle", bool(self.shuffle)),
+            ("shuffle_block_shards", check_block_shards(self.shuffle_block_shards)),
         ):
             object.__setattr__(self, name, value)
+        if self.shuffle_block_shards is not None and not self.shuffle:
+            raise ValueError("shuffle_block_shards shuffles within blocks of shards; it needs shuffle=True")
 
     def as_dict(self) -> dict[str, Any]:
-        """The settings as plain values (what a checkpoint records and compares)."""
-        return dataclasses.asdict(self)
+        """The settings as plain values (what a checkpoint records and compares);
+        ``shuffle_block_shards`` only when set."""
+        d = dataclasses.asdict(self)
+        if d["shuffle_block_shards"] is None:
+            del d["shuffle_block_shards"]
+        return d
 
 
 def epoch_order(num_items: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -249,10 +262,29 @@ class EpochPlan:
         self.cursor = stop
 
 
-def plan_epoch(doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0) -> EpochPlan:
+def block_stream(table: ChunkTable, shard_doc_starts: np.ndarray, settings: PlanSettings, epoch: int) -> np.ndarray:
+    """The chunk order of a block-shuffled epoch (``settings.shuffle_block_shards``): shard ``s``
+    holds documents ``shard_doc_starts[s] ..`` and so chunks ``table.first[shard_doc_starts[s]] ..``;
+    :func:`~h5corpus.loaders.blockshuffle.block_order` with ``block_generator(seed, epoch)``."""
+    K = settings.shuffle_block_shards
+    if K is None:
+        raise ValueError("block_stream: settings.shuffle_block_shards is not set")
+    bounds = table.first[np.asarray(shard_doc_starts, dtype=np.int64)]
+    order, _ = block_order(bounds, K, block_generator(settings.seed, epoch))
+    return order.astype(np.int32 if table.num_chunks < 2**31 else np.int64, copy=False)
+
+
+def plan_epoch(
+    doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0, shard_doc_starts: np.ndarray | None = None
+) -> EpochPlan:
     """The global plan of ``epoch`` over one corpus (``doc_lengths``: tokens per document of the
-    split, EOS included); see the module docstring."""
+    split, EOS included; ``shard_doc_starts``: the (shards + 1,) first document of each shard, needed
+    with ``settings.shuffle_block_shards``); see the module docstring."""
     table = ChunkTable.build(doc_lengths, settings.max_seq_len)
+    if settings.shuffle_block_shards is not None:
+        if shard_doc_starts is None:
+            raise ValueError("plan_epoch: shuffle_block_shards needs shard_doc_starts (the shards' first documents)")
+        return EpochPlan(table, block_stream(table, shard_doc_starts, settings, epoch), settings, epoch=epoch)
     return EpochPlan(
         table, epoch_order(table.num_chunks, settings.seed, epoch, settings.shuffle), settings, epoch=epoch
     )
@@ -297,14 +329,18 @@ def pack_fill(
     *,
     epoch: int = 0,
     shuffle: bool = True,
+    shuffle_block_shards: int | None = None,
+    shard_doc_starts: np.ndarray | None = None,
 ) -> PackFill:
     """Plan one epoch of :class:`~h5corpus.loaders.bestfit.BestFitDataset` over document lengths.
 
     ``lengths`` are tokens per document, EOS included (``Corpus.doc_lengths``). The plan is the
-    dataset's own (:func:`plan_epoch`), so the packs are exactly those of its global sequence."""
+    dataset's own (:func:`plan_epoch`), so the packs are exactly those of its global sequence
+    (``shard_doc_starts``: the shards' first documents, ``Corpus.shard_doc_starts``, needed with
+    ``shuffle_block_shards``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    settings = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle)
-    plan = plan_epoch(lengths, settings, epoch=epoch)
+    settings = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle, shuffle_block_shards)
+    plan = plan_epoch(lengths, settings, epoch=epoch, shard_doc_starts=shard_doc_starts)
     loads: list[np.ndarray] = []
     mbs: list[int] = []
     while (g := plan.next_group(64)) is not None:

@@ -289,6 +289,14 @@ class Mixture:
         self._rtab = (key, tab)
         return tab
 
+    def cached_run_table(self) -> RunTable | None:
+        """Every source's :meth:`~h5corpus.storage.reader.Corpus.cached_run_table`, positions
+        shifted to the concatenated stream (None if some source's is None); not kept."""
+        tabs = [s.corpus.cached_run_table() for s in self.sources]
+        if any(t is None for t in tabs):
+            return None
+        return RunTable.concatenate(tabs, self.token_bases[:-1])  # type: ignore[arg-type]
+
     def prefetch(self, shards: np.ndarray) -> None:
         """Pass each source its own shards of ``shards`` (indices into :attr:`shard_token_starts`)."""
         shards = np.asarray(shards, dtype=np.int64).reshape(-1)
@@ -296,6 +304,10 @@ class Mixture:
         for s in np.unique(src).tolist():
             if 0 <= s < len(self.sources):
                 self.sources[s].corpus.prefetch(shards[src == s] - self.shard_bases[s])
+
+    def cached_shards(self) -> np.ndarray:
+        """Every source's :meth:`~h5corpus.storage.reader.Corpus.cached_shards`, end to end."""
+        return np.concatenate([s.corpus.cached_shards() for s in self.sources] or [np.zeros(0, bool)])
 
     def document(self, i: int) -> np.ndarray:
         a, b = self.doc_offsets_range(i, i + 1).tolist()

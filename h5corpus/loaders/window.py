@@ -14,7 +14,8 @@ A window is ``seq_len + 1`` consecutive tokens ``w``; the model reads ``w[:-1]``
     pairs (fewer than ``seq_len`` per shard) and the pair that would cross into the next shard (an
     EOS followed by the next shard's first document: a cross-document pair anyway). A
     :class:`~h5corpus.loaders.mixture.Mixture` picks each epoch's windows from its sources by
-    weight instead (its module docstring).
+    weight instead (its module docstring). ``shuffle_block_shards=K`` shuffles windows only within
+    blocks of ``K`` shards instead (:mod:`~h5corpus.loaders.blockshuffle`).
 
 ``"random"``
     nanoGPT-style: i.i.d. uniform starts in ``[0, num_tokens - seq_len - 1]`` of the global stream
@@ -45,6 +46,7 @@ import numpy as np
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
 from .bestfit import MappedRuns, as_source, mapped_runs, shards_of
+from .blockshuffle import ShardBlocks, block_generator, block_order, check_block_shards
 from .lossmask import mask_batch
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer, integer_arg
@@ -94,6 +96,10 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         document_mask: split windows at document boundaries (see the module docstring).
         windows_per_epoch: random mode only; default = the epoch-mode window count.
         seed: order = f(seed, epoch); same seed, same batches.
+        shuffle_block_shards: epoch mode, one corpus: None (default) shuffles the windows over the
+            whole split; ``K`` permutes the shards, groups them ``K`` at a time into blocks and
+            shuffles windows only within a block (:mod:`~h5corpus.loaders.blockshuffle`), so an
+            epoch from a cold remote cache reads its shards as they arrive.
 
     How to iterate:
         rank, world_size: DDP position; default ``torch.distributed`` if initialized, else 0 of 1.
@@ -120,6 +126,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         drop_last: bool = False,
         windows_per_epoch: int | None = None,
         epoch: int = 0,
+        shuffle_block_shards: int | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
         seq_len = integer_arg("seq_len", seq_len, 1)
@@ -131,10 +138,16 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             windows_per_epoch = integer_arg("windows_per_epoch", windows_per_epoch, 0)
             if mode != "random":
                 raise ValueError("windows_per_epoch is for mode='random'")
+        blocks = check_block_shards(shuffle_block_shards)
+        if blocks is not None and mode != "epoch":
+            raise ValueError("shuffle_block_shards orders epoch mode's windows; mode='random' draws starts")
         self.corpus = as_source(corpus, split)
         self.mixture: Mixture | None = self.corpus if isinstance(self.corpus, Mixture) else None
         if self.mixture is not None and mode == "random":
             raise ValueError("mode='random' draws starts over one token stream; mix sources in mode='epoch'")
+        if self.mixture is not None and blocks is not None:
+            raise ValueError("shuffle_block_shards orders one corpus's shards; a mixture interleaves its sources")
+        self.shuffle_block_shards = blocks
         self.seq_len = int(seq_len)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
@@ -176,7 +189,12 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         key = ("perm", epoch, self.num_windows)
         hit = self._cache.get("perm")
         if hit is None or hit[0] != key:
-            if self.mixture is None:
+            if self.shuffle_block_shards is not None:  # shard blocks (:mod:`~h5corpus.loaders.blockshuffle`)
+                rng = block_generator(self.seed, epoch, _TAG_EPOCH)
+                perm, shard_order = block_order(self._shard_windows(), self.shuffle_block_shards, rng)
+                sizes = np.diff(self.corpus.shard_token_starts)
+                self._cache["blocks"] = ShardBlocks(shard_order, self.shuffle_block_shards, sizes)
+            elif self.mixture is None:
                 total = self.num_windows
                 perm = np.arange(total, dtype=np.uint32 if total < 2**32 else np.int64)
                 np.random.default_rng([self.seed, epoch, _TAG_EPOCH]).shuffle(perm)
@@ -215,7 +233,8 @@ class SlidingWindowDataset(GlobalSequenceDataset):
 
     # -- the global sequence ----------------------------------------------------------------------
     def settings_dict(self) -> dict[str, Any]:
-        return {
+        blocks = {} if self.shuffle_block_shards is None else {"shuffle_block_shards": self.shuffle_block_shards}
+        return blocks | {
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "seed": self.seed,
@@ -309,22 +328,40 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         epoch, sched = live.epoch, live.schedule
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
-        runs = mapped_runs(self.corpus)  # this process's memory maps (None: a shard read through HDF5)
+        # this process's memory maps (None: a shard read through HDF5); of the shards on this node
+        # while a remote cache is cold (the others read, and so fetched, through corpus.tokens)
+        have = self.corpus.cached_shards()
+        cold = not have.all()
+        runs = mapped_runs(self.corpus, cached=cold)
         reads = self._reads()
 
         def starts_of(lo: int) -> np.ndarray:
             return self._starts(epoch, _positions(batches[lo : lo + PLAN_BLOCK_BATCHES], B, N)[0])
 
         nxt = starts_of(0) if batches.size else None
+        if cold and nxt is not None:  # read shard by shard as they arrive: fetch the first ones now
+            self.corpus.prefetch(self._ahead(epoch, nxt))
         for lo_b in range(0, batches.size, PLAN_BLOCK_BATCHES):  # starts (and masking) for a block at once
             items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
             starts = nxt if nxt is not None else self._starts(epoch, items)
             nxt = starts_of(lo_b + PLAN_BLOCK_BATCHES) if lo_b + PLAN_BLOCK_BATCHES < batches.size else None
             if nxt is not None:  # a remote corpus fetches the next block's shards while this one is read
-                self.corpus.prefetch(shards_of(self.corpus, nxt))
+                self.corpus.prefetch(self._ahead(epoch, nxt))
+            if cold and int((now := self.corpus.cached_shards()).sum()) != int(have.sum()):  # more arrived
+                have, cold = now, not now.all()
+                runs = mapped_runs(self.corpus, cached=True)
             for batch in reads.block(starts, offs, runs):
                 live.yielded += 1
                 yield batch
+
+    def _ahead(self, epoch: int, starts: np.ndarray) -> np.ndarray:
+        """The shards to prefetch before windows at ``starts`` are read: theirs; under a block
+        shuffle, those of their blocks and of the next ones (:meth:`ShardBlocks.ahead`), in order of need."""
+        shards = shards_of(self.corpus, starts)
+        if self.shuffle_block_shards is None or self.mode != "epoch":
+            return shards
+        self._order(epoch)  # the epoch's blocks
+        return self._cache["blocks"].ahead(shards)
 
     # -- batches --------------------------------------------------------------------------------------
     def _reads(self) -> _WindowReads:

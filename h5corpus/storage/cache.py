@@ -190,19 +190,25 @@ class StreamHash:
     a thread reads each block once it has landed (from the page cache; hashlib releases the GIL)
     so that the whole-file proof costs no pass after the download. The writer calls :meth:`poke`
     after each write (the backend's progress callback); the thread wakes every
-    :data:`POKES_PER_WAKE` pokes (or 50 ms, for a backend that reports none). :meth:`finish`,
-    once the writer is done, returns (hex digest, bytes hashed). A writer that does not write in
-    order, sizes the file first (s3fs's concurrent ranged parts) or replaces it makes the digest differ:
+    :data:`POKES_PER_WAKE` pokes (or 50 ms, for a backend that reports none). A poke with the
+    backend's byte count (fsspec's callback hooks: ``poke(size, value)``) bounds what the thread
+    reads to the bytes written so far, so a file sized before its bytes arrive (s3fs's concurrent
+    ranged parts, written in offset order once fetched) is hashed as its parts land, never its
+    zeros. :meth:`finish`, once the writer is done, returns (hex digest, bytes hashed). A writer
+    that writes out of order or replaces the file makes the digest differ:
     :func:`prove_by_file_hash` then hashes the finished file once before it refuses anything."""
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._h, self._n, self._error, self._pokes, self._finished = hashlib.sha256(), 0, False, 0, False
+        self._written: int | None = None  # bytes the writer reported written (None: read to the end)
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="h5c-hash", daemon=True)
         self._thread.start()
 
-    def poke(self, *_: Any) -> None:
+    def poke(self, size: Any = None, value: Any = None, **_: Any) -> None:
+        if isinstance(value, int):
+            self._written = value
         self._pokes += 1
         if self._pokes % POKES_PER_WAKE == 0:
             with self._wake:
@@ -214,7 +220,9 @@ class StreamHash:
         try:
             while True:
                 finished = self._finished  # read once more after the writer is done
-                got = os.preadv(self._fd, [buf], self._n)
+                limit = None if finished else self._written
+                want = HASH_BLOCK if limit is None else min(HASH_BLOCK, limit - self._n)
+                got = os.preadv(self._fd, [view[:want]], self._n) if want > 0 else 0
                 if got:
                     self._h.update(view[:got])
                     self._n += got

@@ -94,6 +94,10 @@ class CorpusLike(Protocol):
         HDF5, or more shards than this process keeps open)."""
         ...
 
+    def cached_run_table(self) -> RunTable | None:
+        """:meth:`run_table` over the shards on this node now (the others as empty runs)."""
+        ...
+
     def document(self, i: int) -> np.ndarray:
         """Tokens of document ``i``."""
         ...
@@ -101,6 +105,11 @@ class CorpusLike(Protocol):
     def prefetch(self, shards: np.ndarray) -> None:
         """Hint: these shards (indices into :attr:`shard_token_starts`) will be read soon; a remote
         corpus starts fetching them into its cache in the background, a local one ignores it."""
+        ...
+
+    def cached_shards(self) -> np.ndarray:
+        """(shards,) bool: which shards' bytes are on this node (a local corpus: all of them; a
+        remote one: those its node cache holds)."""
         ...
 
     def loss_spans(self) -> np.ndarray | None:

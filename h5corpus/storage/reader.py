@@ -595,6 +595,15 @@ class Corpus:
             idx = [s for s in want if 0 <= s < self.num_shards and s not in self._leases]  # held: cached
             self._remote.prefetch([(self.entries[s], self.paths[s]) for s in idx])
 
+    def cached_shards(self) -> np.ndarray:
+        """(shards,) bool: which shards' bytes are on this node (every one for a local corpus; for
+        a remote one, those in the node cache). Loaders read a cold remote corpus shard by shard
+        instead of opening every shard at once (:meth:`run_table`) while some are missing."""
+        if self._remote is None:
+            return np.ones(self.num_shards, dtype=bool)
+        self._check_pid()
+        return np.array([s in self._leases or os.path.exists(p) for s, p in enumerate(self.paths)], dtype=bool)
+
     def _open_fds(self) -> int:
         """File descriptors this corpus's open shards hold in this process (a memory map holds one);
         counted once per change of the open set, else kept up to date by :meth:`_reader`."""
@@ -1200,6 +1209,22 @@ class Corpus:
             tab = RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
         self.__dict__["_rtab"] = (self._readers, key, len(self._readers), tab)
         return tab
+
+    def cached_run_table(self) -> RunTable | None:
+        """:meth:`run_table` over the shards on this node now, fetching none: a remote shard not
+        in the cache yet is an empty run (:class:`RunTable`), read through :meth:`tokens` (which
+        fetches it). What the loaders read a cold remote corpus through, rebuilt as shards
+        arrive. None as for :meth:`run_table`; a local corpus's is :meth:`run_table`."""
+        self._check_pid()
+        if self._remote is None or self.cached_shards().all():
+            return self._range_table()
+        if self.num_shards > self._open_cap():
+            return None
+        have = self.cached_shards().tolist()
+        readers = [self._reader(s) if have[s] else None for s in range(self.num_shards)]
+        if not all(r is None or r.kind == "mmap" for r in readers):
+            return None
+        return RunTable(readers, self.shard_token_starts)  # type: ignore[arg-type]
 
     # -- fine-tuning: loss mask and BOS (docs/FORMAT.md, "Loss masks") -------------------------------
     @property

@@ -284,15 +284,25 @@ class RunTable:
 
     :meth:`locate` verifies the chunks it is asked about (version 2) and never reports room past a
     chunk not verified yet, so a caller that copies ``[pos, pos + n)`` out of a run when
-    ``n <= room`` only ever serves verified tokens; longer ranges it reads through the corpus."""
+    ``n <= room`` only ever serves verified tokens; longer ranges it reads through the corpus.
 
-    def __init__(self, readers: list[MmapTokens], shard_starts: np.ndarray) -> None:
+    A reader may be None (a remote shard not in the node cache yet,
+    :meth:`~h5corpus.storage.reader.Corpus.cached_run_table`): its shard is one empty run at its
+    first position, so :meth:`locate` finds no room anywhere in it and the caller reads it through
+    the corpus (which fetches it)."""
+
+    def __init__(self, readers: list[MmapTokens | None], shard_starts: np.ndarray) -> None:
         runs: list[np.ndarray] = []
         starts: list[np.ndarray] = [np.zeros(0, np.int64)]
         ends: list[np.ndarray] = [np.zeros(0, np.int64)]
         chunk_starts: list[np.ndarray] = [np.zeros(0, np.int64)]
         sts = np.asarray(shard_starts, dtype=np.int64)
         for s, r in enumerate(readers):
+            if r is None:  # not here yet: an empty run, no chunks
+                starts.append(sts[s : s + 1])
+                ends.append(sts[s : s + 1])
+                runs.append(np.zeros(0, np.uint8))
+                continue
             sizes = np.array([run.size for run in r.runs], dtype=np.int64)
             first = sts[s] + np.cumsum(sizes) - sizes  # a shard's runs hold its chunks in order
             starts.append(first)
@@ -306,16 +316,16 @@ class RunTable:
         #: (runs,) int64 global position after each run's last token of its shard
         self.ends = np.concatenate(ends)
         # per chunk of the split: global start and end, shard, chunk in the shard, ready
-        n = [len(r.ready) for r in readers]
+        n = [0 if r is None else len(r.ready) for r in readers]
         self._readers = readers
         self._chunk_start = np.concatenate(chunk_starts)
         shard = np.repeat(np.arange(len(readers), dtype=np.int64), n)
-        C = np.array([r.chunk_tokens for r in readers], dtype=np.int64)[shard]
+        C = np.array([1 if r is None else r.chunk_tokens for r in readers], dtype=np.int64)[shard]
         self._chunk_end = np.minimum(self._chunk_start + C, sts[shard + 1])
         self._chunk_shard = shard.tolist()
         self._chunk_local = ((self._chunk_start - sts[shard]) // np.maximum(C, 1)).tolist()
         self._ready = np.concatenate(
-            [np.frombuffer(bytes(r.ready), np.uint8) for r in readers] or [np.zeros(0, np.uint8)]
+            [np.frombuffer(bytes(r.ready), np.uint8) for r in readers if r is not None] or [np.zeros(0, np.uint8)]
         )
         self._ready = self._ready.astype(bool)
         self._pending = int(self._ready.size - np.count_nonzero(self._ready))
