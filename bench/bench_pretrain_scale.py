@@ -22,6 +22,8 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
   shards (rewritten), seconds; then, untimed, the per-rank figures' plan;
 * ``bestfit_first``: the first microbatch of a :class:`~h5corpus.loaders.bestfit.BestFitDataset`
   (4,096 x 35, buffer 64, ``plan_dir`` = that folder), seconds after the open;
+  ``bestfit_first_blocks``: the same with ``shuffle_block_shards=16`` (its plan written with the
+  others, untimed): a microbatch then reads from 16 shards, not from most of the split's;
 * ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
 * ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
   memory-mapped shards is shared and not counted); ``rss_anon_mb_over_torch``: that minus
@@ -78,6 +80,8 @@ LENGTH_SIGMA = 0.7  # of log(length)
 LONGEST_DOC = 65536  # tokens
 WINDOW = dict(seq_len=2048, batch_size=8)
 BESTFIT = dict(max_seq_len=4096, batch_size=35)
+#: ``bestfit_first_blocks``: the best-fit loader with the shard-block shuffle (docs/PACKING.md)
+BLOCKS = dict(shuffle_block_shards=16)
 #: The per-rank figures use 2 packs per microbatch, so that rank 0 of 512 still yields RANK_STEPS
 #: microbatches of the 1 M-document corpus (~15,600 microbatches in its epoch).
 RANKS = dict(max_seq_len=4096, batch_size=2)
@@ -89,6 +93,7 @@ FIGURES = (
     "window_first",
     "window_len",
     "bestfit_first",
+    "bestfit_first_blocks",
     "bestfit_len",
     "rank_1",
     "rank_512",
@@ -99,6 +104,7 @@ TARGETS = {
     "open": 0.5,
     "window_first": 0.5,
     "bestfit_first": 1.0,
+    "bestfit_first_blocks": 1.0,
     "rss_anon_mb": 150.0,
     "inspect_peak_rss_anon_mb": 300.0,
 }
@@ -212,8 +218,9 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
     if figure.startswith("window"):
         ds = SlidingWindowDataset(c, seed=0, rank=0, world_size=1, **WINDOW)
         out[figure] = timed(lambda: len(ds) if figure == "window_len" else next(iter(ds)))[1]
-    elif figure in ("bestfit_first", "bestfit_len"):
-        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, plan_dir=plan_dir(manifest), **BESTFIT)
+    elif figure in ("bestfit_first", "bestfit_len", "bestfit_first_blocks"):
+        blocks = BLOCKS if figure == "bestfit_first_blocks" else {}
+        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, plan_dir=plan_dir(manifest), **BESTFIT, **blocks)
         out[figure] = timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))[1]
     elif figure.startswith("rank_"):
         ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), plan_dir=plan_dir(manifest), **RANKS)
@@ -224,6 +231,7 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
             lambda: write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT)
         )
         write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **RANKS)
+        write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT, **BLOCKS)
     elif figure == "inspect":
         from h5corpus.inspection import inspect_corpus
 
@@ -271,7 +279,7 @@ def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> 
         row[figure] = round(min(r[figure] for r in good), 4)
         opens += [r["open"] for r in good]
         imports += [r["rss_anon_mb_imports"] for r in good]
-        if figure in ("window_first", "bestfit_first"):
+        if figure in ("window_first", "bestfit_first", "bestfit_first_blocks"):
             rss += [r["rss_anon_mb"] for r in good]
         if figure == "inspect":
             row["inspect_peak_rss_anon_mb"] = round(max(r["inspect_peak_rss_anon_mb"] for r in good), 1)
@@ -315,6 +323,7 @@ def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
         "open": "s",
         "window_first": "s",
         "bestfit_first": "s",
+        "bestfit_first_blocks": "s",
         "rss_anon_mb": "MB",
         "inspect_peak_rss_anon_mb": "MB",
     }
