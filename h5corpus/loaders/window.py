@@ -50,10 +50,16 @@ from .blockshuffle import ShardBlocks, block_generator, block_order, check_block
 from .lossmask import mask_batch
 from .mixture import Mixture
 from .partition import Consumer, Schedule, current_consumer, integer_arg
+from .permutation import keys as permutation_keys
+from .permutation import permute
 from .sequence import GlobalSequenceDataset, check_epoch
 
 Mode = Literal["epoch", "random"]
 MODES = ("epoch", "random")
+
+#: The epoch order of windows (mode "epoch", no mixture, no blocks): a seeded Feistel permutation
+#: computed per window read (:mod:`~h5corpus.loaders.permutation`), recorded in the settings.
+ORDER = "feistel6"
 
 #: Random-mode starts are drawn in blocks of this many windows, each from its own seed, so any
 #: window's start is computable without drawing the ones before it.
@@ -194,10 +200,10 @@ class SlidingWindowDataset(GlobalSequenceDataset):
                 perm, shard_order = block_order(self._shard_windows(), self.shuffle_block_shards, rng)
                 sizes = np.diff(self.corpus.shard_token_starts)
                 self._cache["blocks"] = ShardBlocks(shard_order, self.shuffle_block_shards, sizes)
-            elif self.mixture is None:
-                total = self.num_windows
-                perm = np.arange(total, dtype=np.uint32 if total < 2**32 else np.int64)
-                np.random.default_rng([self.seed, epoch, _TAG_EPOCH]).shuffle(perm)
+            elif self.mixture is None:  # only asked for by mixtures and blocks; kept for inspection
+                perm = permute(
+                    np.arange(self.num_windows), self.num_windows, permutation_keys(self.seed, epoch, _TAG_EPOCH)
+                )
             else:
                 bases = self._shard_windows()[self.mixture.shard_bases]
                 perm = self.mixture.select(bases, None, self.seq_len, self.seed, epoch, True).items
@@ -208,7 +214,10 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         """Global token position where each item's window starts (items: positions in the epoch)."""
         items = items.astype(np.int64, copy=False)
         if self.mode == "epoch":
-            ids = self._order(epoch)[items].astype(np.int64)
+            if self.mixture is None and self.shuffle_block_shards is None:  # O(1) memory, any corpus size
+                ids = permute(items, self.num_windows, permutation_keys(self.seed, epoch, _TAG_EPOCH))
+            else:
+                ids = self._order(epoch)[items].astype(np.int64)
             cum = self._shard_windows()
             s = np.searchsorted(cum, ids, side="right") - 1
             return self.corpus.shard_token_starts[s] + (ids - cum[s]) * self.seq_len
@@ -234,6 +243,8 @@ class SlidingWindowDataset(GlobalSequenceDataset):
     # -- the global sequence ----------------------------------------------------------------------
     def settings_dict(self) -> dict[str, Any]:
         blocks = {} if self.shuffle_block_shards is None else {"shuffle_block_shards": self.shuffle_block_shards}
+        if self.mode == "epoch" and self.mixture is None and self.shuffle_block_shards is None:
+            blocks["window_order"] = ORDER  # a checkpoint of the earlier (materialized) shuffle is refused by name
         return blocks | {
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
