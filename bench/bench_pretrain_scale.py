@@ -40,8 +40,6 @@ Growth ratios divide each figure by the first corpus's (the 1 M one). Figures: m
 
 from __future__ import annotations
 
-import argparse
-import compileall
 import hashlib
 import json
 import os
@@ -54,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _report import emit  # bench/ is on sys.path when a bench runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -252,9 +249,17 @@ def torch_rss_anon_mb() -> float:
     return round(int(p.stdout.strip()) / 1024, 1)
 
 
+#: A probe process: this module imported from its compiled bytecode (run as a script, its source
+#: would be compiled in every probe, ~1 MB of freed compiler memory in RssAnon), then :func:`probe`.
+PROBE = (
+    f"import sys; sys.path[:0] = [{str(Path(__file__).resolve().parent)!r}]; import json, bench_pretrain_scale as b; "
+    "print(json.dumps(b.probe(b.Path(sys.argv[1]), sys.argv[2])))"
+)
+
+
 def run_probe(manifest: Path, figure: str, timeout: float) -> dict[str, Any]:
     """``probe`` in a fresh interpreter; {"error": ...} when it fails or runs past ``timeout`` seconds."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "probe", str(manifest), figure]
+    cmd = [sys.executable, "-c", PROBE, str(manifest), figure]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -336,6 +341,11 @@ def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import compileall
+
+    from _report import emit  # bench/ is on sys.path when a bench runs as a script
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpora", nargs="+", default=["1M:100", "10M:1000", "20M:2000", "2M:10000"])
     ap.add_argument("--rounds", type=int, default=1, help="fresh processes per figure (the minimum is kept)")
@@ -350,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     # The probes import compiled bytecode, as from an installed package: compiling sources in each
     # process (a checkout run with PYTHONDONTWRITEBYTECODE) leaves ~2 MB of freed heap in RssAnon.
     compileall.compile_dir(str(REPO / "h5corpus"), quiet=1)
+    compileall.compile_file(str(Path(__file__).resolve()), quiet=1)
     load0 = list(os.getloadavg())
     torch_mb = None if args.write_only else torch_rss_anon_mb()
     for spec in args.corpora:
@@ -372,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "load_average": {"before": load0, "after": list(os.getloadavg())},
         "rss_anon_mb_torch_alone": torch_mb,
-        "bytecode": "compiled (compileall) before the probes, as an installed package's",
+        "bytecode": "compiled (compileall) before the probes, as an installed package's; probes import this module's bytecode",
         "settings": {"window": WINDOW, "bestfit": BESTFIT, "ranks": RANKS, "length_median": LENGTH_MEDIAN},
         "corpora": rows,
         "growth_vs_first": ratios,

@@ -101,7 +101,8 @@ class ShardBlocks:
         the next one, and more while the blocks ahead hold fewer than ``tokens`` (default
         :data:`PREFETCH_TOKENS`; only the next block when tokens per shard are unknown)."""
         want = PREFETCH_TOKENS if tokens is None else tokens
-        blocks = np.unique(self.block[np.asarray(shards, dtype=np.int64)]).tolist()
+        picked = np.sort(self.block[np.asarray(shards, dtype=np.int64)])  # np.unique would import numpy.ma
+        blocks = picked[np.concatenate(([True], picked[1:] != picked[:-1]))].tolist() if picked.size else []
         if not blocks:
             return np.zeros(0, np.int64)
         last, have = blocks[-1], 0

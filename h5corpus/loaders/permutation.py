@@ -9,10 +9,14 @@ function), walked until it lands in ``[0, n)`` ("cycle walking": a bijection res
 orbits stays one; the domain is at most 4n, so about 4 steps at most on average).
 
 The round function is splitmix64's finalizer of the right half and a round key; :func:`keys`
-draws the keys from ``numpy.random.default_rng`` of the caller's seed words. Six rounds.
+derives the keys from the caller's seed words by BLAKE2b (numpy's random generators, ~1 MB in
+every process that imports them, are not needed). Six rounds.
 """
 
 from __future__ import annotations
+
+import hashlib
+import operator
 
 import numpy as np
 
@@ -21,10 +25,10 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def keys(*seed: int) -> np.ndarray:
-    """(ROUNDS,) uint64 round keys drawn from ``default_rng(list(seed))``."""
-    return np.random.default_rng(list(seed)).integers(
-        0, np.iinfo(np.uint64).max, ROUNDS, dtype=np.uint64, endpoint=True
-    )
+    """(ROUNDS,) uint64 round keys: BLAKE2b of the seed words (ints, as decimal text)."""
+    words = ",".join(str(operator.index(w)) for w in seed).encode()
+    digest = hashlib.blake2b(words, digest_size=8 * ROUNDS, person=b"h5c-feistel").digest()
+    return np.frombuffer(digest, "<u8").astype(np.uint64)
 
 
 def permute(items: np.ndarray, n: int, round_keys: np.ndarray) -> np.ndarray:

@@ -597,7 +597,8 @@ class _DocBoundaries:
         first = np.cumsum(counts) - counts
         docs = np.repeat(d0 + 1 - first, counts) + np.arange(int(counts.sum()), dtype=np.int64)
         blk = docs // self.BLOCK
-        need = np.unique(blk)
+        need = np.sort(blk)  # ascending, each once (np.unique would import numpy.ma)
+        need = need[np.concatenate(([True], need[1:] != need[:-1]))] if need.size else need
         self._fetch(need.tolist())
         slots = np.fromiter((self._slot[b] for b in need.tolist()), dtype=np.int64, count=need.size)
         return self._table[slots[np.searchsorted(need, blk)], docs - blk * self.BLOCK]

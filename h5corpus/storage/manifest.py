@@ -157,7 +157,8 @@ class Manifest:
     def shards_of(self, split: str) -> Sequence[ShardRecord]:
         """Shards of ``split`` in manifest order (the corpus's global token order)."""
         if isinstance(self.shards, ShardTable):
-            return self.shards.take(np.flatnonzero(self.shards.split_mask(split)))
+            mask = self.shards.split_mask(split)
+            return self.shards if mask.all() else self.shards.take(np.flatnonzero(mask))
         return [s for s in self.shards if s.split == split]
 
     def to_json(self) -> dict[str, Any]:
