@@ -19,19 +19,15 @@ from h5corpus.loaders import blockshuffle
 from h5corpus.loaders.bestfit import write_plans
 from h5corpus.loaders.epochplan import pack_fill
 from h5corpus.storage.manifest import read_manifest
-from testkit.clusters import EngineUnavailable, engine_unavailable
-from testkit.objectstores import MotoS3
 from tests.helpers import (
-    BYTE_IDENTITY,
     REPO,
     batch_digest,
-    byte_encode,
     interleave_ranks,
     naive_chunks,
-    stdlib_texts,
     subprocess_env,
-    write_corpus,
 )
+from tests.s3_helpers import moto_bucket, small_shards_corpus
+from tests.s3_helpers import put_corpus as s3_put_corpus
 
 BUCKET = "blocks"
 SEQ = 256
@@ -39,35 +35,18 @@ SEQ = 256
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """A byte-tokenized stdlib corpus in ~10 train shards of ~128Ki tokens."""
-    root = tmp_path_factory.mktemp("block-corpus")
-    return write_corpus(root, stdlib_texts(60), byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 13, shard_tokens=1 << 17)
+    return small_shards_corpus(tmp_path_factory.mktemp("block-corpus"))
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    try:
-        server = MotoS3.start(tmp_path_factory.mktemp("moto"))
-    except EngineUnavailable as e:
-        engine_unavailable(str(e))
-    with server, pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env().items():
-            mp.setenv(k, v)
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
+    with moto_bucket(tmp_path_factory.mktemp("moto"), BUCKET) as server:
         yield server
 
 
 def put_corpus(manifest: Path, prefix: str) -> str:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    root = manifest.parent.parent
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            fs.put_file(str(p), f"{BUCKET}/{prefix}/{p.relative_to(root).as_posix()}")
-    return f"s3://{BUCKET}/{prefix}/manifests/shards.json"
+    """The corpus copied under ``s3://<BUCKET>/<prefix>/`` with plain s3fs; its manifest's URL."""
+    return s3_put_corpus(manifest, BUCKET, prefix)
 
 
 def window(source, blocks=None, **kw) -> SlidingWindowDataset:

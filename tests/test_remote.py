@@ -21,8 +21,10 @@ from h5corpus.storage.cache import DOWNLOAD_SUFFIX, LOCK_SUFFIX, ShardCache, tak
 from h5corpus.storage.manifest import read_manifest
 from h5corpus.storage.remote import RemoteError, RemoteOptions, redact
 from testkit.clusters import EngineUnavailable, engine_unavailable
-from testkit.objectstores import MotoS3, Nginx, StallServer, wait_for_file
-from tests.helpers import BYTE_IDENTITY, REPO, batch_digest, byte_encode, stdlib_texts, subprocess_env, write_corpus
+from testkit.objectstores import Nginx, StallServer, wait_for_file
+from tests.helpers import REPO, batch_digest, subprocess_env
+from tests.s3_helpers import moto_bucket, small_shards_corpus
+from tests.s3_helpers import put_corpus as s3_put_corpus
 
 BUCKET = "corpora"
 SECRET = "testing-secret"  # MotoS3.env()'s dummy secret: must never appear in a message
@@ -30,23 +32,12 @@ SECRET = "testing-secret"  # MotoS3.env()'s dummy secret: must never appear in a
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """A byte-tokenized stdlib corpus in 12 shards of ~128Ki tokens (~260 KB each)."""
-    root = tmp_path_factory.mktemp("remote-corpus")
-    return write_corpus(root, stdlib_texts(60), byte_encode, BYTE_IDENTITY, chunk_tokens=1 << 13, shard_tokens=1 << 17)
+    return small_shards_corpus(tmp_path_factory.mktemp("remote-corpus"))
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    try:
-        server = MotoS3.start(tmp_path_factory.mktemp("moto"))
-    except EngineUnavailable as e:
-        engine_unavailable(str(e))
-    with server, pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env().items():
-            mp.setenv(k, v)
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
+    with moto_bucket(tmp_path_factory.mktemp("moto"), BUCKET) as server:
         yield server
 
 
@@ -61,16 +52,8 @@ def nginx(tmp_path_factory, corpus):
 
 
 def put_corpus(manifest: Path, prefix: str) -> str:
-    """Copy the corpus folder under ``s3://corpora/<prefix>/`` with plain s3fs (not h5corpus's
-    upload); returns the manifest URL."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    root = manifest.parent.parent
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            fs.put_file(str(p), f"{BUCKET}/{prefix}/{p.relative_to(root).as_posix()}")
-    return f"s3://{BUCKET}/{prefix}/manifests/shards.json"
+    """The corpus copied under ``s3://<BUCKET>/<prefix>/`` with plain s3fs; its manifest's URL."""
+    return s3_put_corpus(manifest, BUCKET, prefix)
 
 
 def epoch_digests(source, loader: str = "window", seq_len: int = 256, **kw) -> list[str]:
