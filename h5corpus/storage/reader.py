@@ -142,7 +142,7 @@ class Corpus:
         #: version 3, per open shard: its verified, memory-mapped ``/doc_offsets`` (this process)
         self._indexes: dict[int, MappedOffsets] = {}
         #: per finished shard: the identity of the file whose index this corpus holds
-        self._file_ids: dict[int, FileId] = {}
+        self._file_ids = FileIds()
         #: per finished shard: its ``/chunk_xxh3`` when this corpus verifies (read with the index)
         self._chunk_sums: dict[int, np.ndarray] = {}
         self._pid, self._forks = os.getpid(), FORKS[0]
@@ -189,7 +189,7 @@ class Corpus:
         self._doc_flags = np.zeros(0, np.uint8)
         self._readers = {}
         self._indexes = {}
-        self._file_ids = {}
+        self._file_ids = FileIds()
         self._chunk_sums = {}
         self._pid, self._forks = os.getpid(), FORKS[0]
         self._remote, self._leases = None, {}
@@ -222,7 +222,7 @@ class Corpus:
         for e in entries:
             path = str(self.manifest.shard_path(e))
             o, i, fl, ident, sums = self._read_index(path, e)
-            self._file_ids[len(self.paths)] = ident
+            self._file_ids.set(len(self.paths), ident)
             if sums is not None:
                 self._chunk_sums[len(self.paths)] = sums
             offs.append(o[1:] + t0)
@@ -298,10 +298,10 @@ class Corpus:
     def _check_unchanged(self, shard: int, st: os.stat_result | None = None) -> None:
         """Refuse to read a finished shard that is no longer the file whose index this corpus
         holds (rebuilt or replaced since the corpus was opened, e.g. by ``build --overwrite``)."""
-        if not self._complete[shard] or shard not in self._file_ids:
+        if not self._complete[shard] or not self._file_ids.has(shard):
             return
         now = _file_id(self.paths[shard]) if st is None else _stat_id(st)
-        if now != self._file_ids[shard]:
+        if not self._file_ids.same(shard, now):
             raise FormatError(
                 f"{self.paths[shard]}: the shard changed since this corpus was opened (rebuilt or replaced?); "
                 "reopen the corpus"
@@ -572,7 +572,7 @@ class Corpus:
         if self._remote is None or shard in self._leases:
             return
         self._leases[shard] = self._remote.acquire(self.entries[shard], self.paths[shard])
-        self._file_ids.pop(shard, None)  # a new download is a new file of the same proven bytes
+        self._file_ids.forget(shard)  # a new download is a new file of the same proven bytes
         bits = self.__dict__.get("_vbits")
         if bits is not None:  # whose chunks are verified afresh
             bits[1][bits[0][shard] : bits[0][shard + 1]] = 0
@@ -680,7 +680,8 @@ class Corpus:
                 f"{path}: file is {now[2]:,} bytes, manifest says {e.bytes:,} (truncated or replaced?); "
                 "run h5corpus validate"
             )
-        self._file_ids.setdefault(shard, now)
+        if not self._file_ids.has(shard):
+            self._file_ids.set(shard, now)
         self._check_unchanged(shard, None)
         lay = self._mapped_layout(shard, now, e)
         if lay is not None:  # proven by the layout file: no HDF5 open
@@ -1354,6 +1355,37 @@ class Corpus:
 
 
 FileId = tuple[int, int, int, int]
+
+
+class FileIds:
+    """Per shard, the identity (device, inode, size, mtime in ns) of the file a corpus checked, or
+    none yet: 32 bytes per shard in one array (grown as shards are added), not a tuple of four
+    ints per shard touched (~300 bytes each: 3 MB once an epoch has touched 10,000 shards)."""
+
+    def __init__(self) -> None:
+        self._rows = np.zeros((0, 4), np.uint64)
+        self._set = np.zeros(0, bool)
+
+    def has(self, shard: int) -> bool:
+        return shard < self._set.size and bool(self._set[shard])
+
+    def set(self, shard: int, fid: FileId) -> None:
+        if shard >= self._set.size:
+            n = max(shard + 1, 2 * self._set.size)
+            self._rows = np.concatenate([self._rows, np.zeros((n - self._set.size, 4), np.uint64)])
+            self._set = np.concatenate([self._set, np.zeros(n - self._set.size, bool)])
+        self._rows[shard] = [v & 0xFFFF_FFFF_FFFF_FFFF for v in fid]  # as unsigned words: equal iff equal
+        self._set[shard] = True
+
+    def same(self, shard: int, fid: FileId) -> bool:
+        """Whether ``fid`` is the identity recorded for ``shard`` (False when none is)."""
+        return self.has(shard) and self._rows[shard].tolist() == [v & 0xFFFF_FFFF_FFFF_FFFF for v in fid]
+
+    def forget(self, shard: int) -> None:
+        if shard < self._set.size:
+            self._set[shard] = False
+
+
 """(device, inode, size in bytes, mtime in ns) of a shard file."""
 
 
