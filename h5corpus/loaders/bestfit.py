@@ -39,7 +39,7 @@ from .chunking import ChunkTable
 from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, block_stream, epoch_order
 from .lossmask import mask_batch
 from .mixture import Mixture, mix
-from .partition import integer_arg
+from .partition import distinct_sorted, integer_arg
 from .planfile import PlanArrays, SharedPlan, ensure_plan_file, materialize
 from .sequence import GlobalSequenceDataset, check_epoch
 
@@ -58,8 +58,7 @@ PREFETCH_AHEAD = 16
 
 def shards_of(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
     """The shards (indices) holding these global token positions, each once, ascending."""
-    s = np.sort(np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1)
-    return s[np.concatenate(([True], s[1:] != s[:-1]))] if s.size else s  # np.unique would import numpy.ma
+    return distinct_sorted(np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1)
 
 
 def mapped_runs(corpus: CorpusLike, cached: bool = False) -> MappedRuns | None:

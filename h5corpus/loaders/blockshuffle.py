@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .partition import integer_arg
+from .partition import distinct_sorted, integer_arg
 
 #: Tokens a block-shuffled loader keeps asking for beyond the blocks it reads: the next block,
 #: then more until the blocks ahead hold this many tokens (256 MiB of 2-byte ids), so small
@@ -101,8 +101,7 @@ class ShardBlocks:
         the next one, and more while the blocks ahead hold fewer than ``tokens`` (default
         :data:`PREFETCH_TOKENS`; only the next block when tokens per shard are unknown)."""
         want = PREFETCH_TOKENS if tokens is None else tokens
-        picked = np.sort(self.block[np.asarray(shards, dtype=np.int64)])  # np.unique would import numpy.ma
-        blocks = picked[np.concatenate(([True], picked[1:] != picked[:-1]))].tolist() if picked.size else []
+        blocks = distinct_sorted(self.block[np.asarray(shards, dtype=np.int64)]).tolist()
         if not blocks:
             return np.zeros(0, np.int64)
         last, have = blocks[-1], 0

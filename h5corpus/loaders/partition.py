@@ -27,8 +27,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
+
+
+def distinct_sorted(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an int array, ascending (``np.unique`` without its import of
+    ``numpy.ma``, ~1 MB in every reading process)."""
+    s = np.sort(values)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if s.size else s
 
 
 def integer_arg(name: str, value: Any, lo: int = 0, hi: int | None = None) -> int:

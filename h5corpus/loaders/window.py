@@ -49,7 +49,7 @@ from .bestfit import MappedRuns, as_source, mapped_runs, shards_of
 from .blockshuffle import ShardBlocks, block_generator, block_order, check_block_shards
 from .lossmask import mask_batch
 from .mixture import Mixture
-from .partition import Consumer, Schedule, current_consumer, integer_arg
+from .partition import Consumer, Schedule, current_consumer, distinct_sorted, integer_arg
 from .permutation import keys as permutation_keys
 from .permutation import permute
 from .sequence import GlobalSequenceDataset, check_epoch
@@ -597,8 +597,7 @@ class _DocBoundaries:
         first = np.cumsum(counts) - counts
         docs = np.repeat(d0 + 1 - first, counts) + np.arange(int(counts.sum()), dtype=np.int64)
         blk = docs // self.BLOCK
-        need = np.sort(blk)  # ascending, each once (np.unique would import numpy.ma)
-        need = need[np.concatenate(([True], need[1:] != need[:-1]))] if need.size else need
+        need = distinct_sorted(blk)
         self._fetch(need.tolist())
         slots = np.fromiter((self._slot[b] for b in need.tolist()), dtype=np.int64, count=need.size)
         return self._table[slots[np.searchsorted(need, blk)], docs - blk * self.BLOCK]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import PicklesAsJson, Tokenizer, TokenizerError
 
 #: Target piece length, in characters, of a long text cut for a BERT-layout WordPiece tokenizer.
 CHUNK_CHARS = 1024
@@ -94,7 +94,7 @@ def _refusal(d: dict[str, Any]) -> str:
     return ""
 
 
-class KitokenEncoder:
+class KitokenEncoder(PicklesAsJson):
     """``kitoken`` on the tokenizer's own JSON, special-token text encoded as text
     (``encode_specials=False`` and :func:`plain_specials`), like the reference.
 
@@ -112,12 +112,6 @@ class KitokenEncoder:
         self._native = native
         self._rule = cut_rule(tok.json)
         self.fallbacks = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"tok": self.tok, "json_text": self.json_text}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tok"], json_text=state["json_text"])
 
     @classmethod
     def load(cls, tok: Tokenizer, json_text: str | None = None) -> tuple[KitokenEncoder | None, str]:

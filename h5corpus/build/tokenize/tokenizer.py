@@ -409,3 +409,18 @@ def write_cache_file(path: Path, data: bytes) -> None:
             raise
     except OSError:
         pass
+
+
+class PicklesAsJson:
+    """For an encoder built from a tokenizer and the ``tokenizer.json`` it runs (``tok``,
+    ``json_text``; constructor ``(tok, json_text=...)``): it pickles as those two only and is
+    rebuilt from them in each process, its native state made again lazily."""
+
+    tok: Tokenizer
+    json_text: str
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tok": self.tok, "json_text": self.json_text}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["tok"], json_text=state["json_text"])  # type: ignore[misc]

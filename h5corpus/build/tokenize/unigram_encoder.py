@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import PicklesAsJson, Tokenizer, TokenizerError
 
 #: What fails inside the kernel's call and is not a reason to stop the build.
 _INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
@@ -114,7 +114,7 @@ class UnigramModel:
         return out[:n].copy() if n < out.size // 2 else out[:n], offsets
 
 
-class UnigramEncoder:
+class UnigramEncoder(PicklesAsJson):
     """The ``unigram`` fast encoder (the module docstring). A batch the kernel raises on is encoded
     one text at a time; a text it raises on is encoded by the reference and counted in
     :attr:`fallbacks`. Runs on the calling thread. Pickles as the tokenizer; the arrays are rebuilt
@@ -128,12 +128,6 @@ class UnigramEncoder:
         """The ``tokenizer.json`` the model is read from (the tokenizer's own unless a test gave another)."""
         self._model = model
         self.fallbacks = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"tok": self.tok, "json_text": self.json_text}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["tok"], json_text=state["json_text"])
 
     @classmethod
     def load(cls, tok: Tokenizer, json_text: str | None = None) -> tuple[UnigramEncoder | None, str]:
