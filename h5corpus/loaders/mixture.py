@@ -27,7 +27,6 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -141,6 +140,8 @@ class Mixture:
         self.tokens_per_epoch = (
             None if tokens_per_epoch is None else integer_arg("tokens_per_epoch", tokens_per_epoch, 1)
         )
+        from fractions import Fraction  # exact shares; imported by mixtures only (100 KB per process)
+
         total = sum(Fraction(s.weight) for s in self.sources)
         self.shares = [Fraction(s.weight) / total for s in self.sources]
         self.dtype = np.dtype(first.dtype)
@@ -304,6 +305,11 @@ class Mixture:
         for s in np.unique(src).tolist():
             if 0 <= s < len(self.sources):
                 self.sources[s].corpus.prefetch(shards[src == s] - self.shard_bases[s])
+
+    @property
+    def remote(self) -> bool:
+        """True when some source is read from object storage."""
+        return any(s.corpus.remote for s in self.sources)
 
     def cached_shards(self) -> np.ndarray:
         """Every source's :meth:`~h5corpus.storage.reader.Corpus.cached_shards`, end to end."""

@@ -8,7 +8,6 @@ manifest, never half of one.
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import json
 import os
@@ -228,7 +227,7 @@ def _claim_suspects(
     tok, docs, size = (shards.column(k).astype(np.float64) for k in ("tokens", "documents", "bytes"))
     room = size * fmt.MAX_CLAIM_RATIO + chunk_tokens * itemsize
     flag = (docs > tok) | (tok * itemsize > room * (1 - 1e-9))
-    if sums and shards.hex_rows("sums_sha256") is None:
+    if sums and shards.digests("sums_sha256") is None:
         return shards  # some entry lacks it: the loop names the first
     return shards.take(np.flatnonzero(flag))
 
@@ -243,10 +242,9 @@ def _shard_paths(shards: Sequence[ShardRecord]) -> Any:
 def _content_rows(shards: Sequence[ShardRecord]) -> tuple[np.ndarray, np.ndarray]:
     """(n, 8) uint64: each shard's sha256 ++ index_sha256, and (n,) its token count."""
     if isinstance(shards, ShardTable):
-        raw = b"".join(binascii.unhexlify(shards.hex_rows(k) or b"") for k in ("sha256", "index_sha256"))
-        n = len(shards)
-        both = np.frombuffer(raw, np.uint8).reshape(2, n, 32) if n else np.zeros((2, 0, 32), np.uint8)
-        return np.ascontiguousarray(np.concatenate([both[0], both[1]], axis=1)).view(np.uint64), shards.column("tokens")
+        both = [shards.digests(k) for k in ("sha256", "index_sha256")]
+        cols = [np.zeros((len(shards), 32), np.uint8) if d is None else d for d in both]
+        return np.concatenate(cols, axis=1).view(np.uint64), shards.column("tokens")
     raw = bytes.fromhex("".join(e.sha256 + e.index_sha256 for e in shards))
     tokens = np.array([e.tokens for e in shards], np.int64)
     return np.frombuffer(raw, np.uint8).reshape(-1, 64).copy().view(np.uint64), tokens

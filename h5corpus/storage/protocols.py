@@ -112,6 +112,12 @@ class CorpusLike(Protocol):
         remote one: those its node cache holds)."""
         ...
 
+    @property
+    def remote(self) -> bool:
+        """True when shards come from object storage through a node cache (:meth:`prefetch` then
+        fetches; for local files it does nothing, and loaders skip what only feeds it)."""
+        ...
+
     def loss_spans(self) -> np.ndarray | None:
         """(K, 2) int64 sorted, disjoint global ``[start, end)`` ranges of the positions whose
         token is a trained-on target (fine-tuning loss masks; docs/FORMAT.md), or None: every

@@ -148,13 +148,30 @@ class ShardTable(Sequence[ShardRecord]):
         """(n,) bool: which shards belong to ``split``."""
         return self._view(self._splits) == fmt.SPLITS.index(split)
 
-    def hex_rows(self, key: str) -> bytes | None:
-        """Every shard's ``key`` hash in hex, end to end (64 ASCII bytes per shard), as a loop of
-        ``record.<key>.encode()`` would give them; None when some shard lacks it."""
+    def digests(self, key: str) -> np.ndarray | None:
+        """(n, 32) uint8: every shard's ``key`` hash as bytes; None when some shard lacks it."""
         col = self._hexes.get(key)
         if col is None or (col[1] is not None and not self._view(col[1]).all()):
             return None
-        return binascii.hexlify(self._view(col[0]).tobytes())
+        return self._view(col[0])
+
+    def hex_blocks(self, key: str, rows: int = 256) -> Iterator[bytes] | None:
+        """Every shard's ``key`` hash in hex (64 ASCII bytes per shard), ``rows`` shards at a
+        time: joined, what a loop of ``record.<key>.encode()`` gives; None when some shard lacks it.
+        (A hash over them needs no copy of the whole column.)"""
+        col = self._hexes.get(key)
+        if col is None or (col[1] is not None and not self._view(col[1]).all()):
+            return None
+        table, picks = col[0], self._rows
+        return (
+            binascii.hexlify((table[lo : lo + rows] if picks is None else table[picks[lo : lo + rows]]).tobytes())
+            for lo in range(0, len(self), rows)
+        )
+
+    def hex_rows(self, key: str) -> bytes | None:
+        """Every shard's ``key`` hash in hex, end to end (:meth:`hex_blocks` joined)."""
+        blocks = self.hex_blocks(key)
+        return None if blocks is None else b"".join(blocks)
 
     def take(self, idx: np.ndarray) -> ShardTable:
         """The shards at positions ``idx`` (in that order), as a table sharing this one's columns."""
