@@ -56,11 +56,6 @@ class MappedRuns(NamedTuple):
 PREFETCH_AHEAD = 16
 
 
-def shards_of(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
-    """The shards (indices) holding these global token positions, each once, ascending."""
-    return distinct_sorted(np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1)
-
-
 def shards_in_order(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
     """The shards holding these global token positions, each once, in order of first need."""
     idx = np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1
@@ -388,9 +383,12 @@ class BestFitDataset(GlobalSequenceDataset):
         await_shards(self.corpus, missing)
         return self._segment_reads(reads)
 
-    def _prefetch_ahead(self, sched: Any, sp: SharedPlan, j: int, blocks: ShardBlocks | None) -> None:
+    def _prefetch_ahead(self, sched: Any, sp: SharedPlan, j: int, blocks: ShardBlocks | None, have: Any) -> None:
         """Ask a remote corpus for the shards of this consumer's next :data:`PREFETCH_AHEAD`
-        microbatches (the plan's segments from its ``j``-th item on, one slice), in order of need."""
+        microbatches (the plan's segments from its ``j``-th item on, one slice), in order of need;
+        under a block shuffle also those of the blocks ahead (:meth:`ShardBlocks.ahead`) unless
+        the next microbatches' own shards are missing (``have``: the cached ones, None: all):
+        those come first, alone on the link, and the blocks ahead are asked for once they are here."""
         M = sp.num_microbatches
         g0 = sched.global_index(j) % M
         n = min(sched.global_index(j + PREFETCH_AHEAD * sched.consumer.num_workers) - sched.global_index(j), M)
@@ -398,7 +396,9 @@ class BestFitDataset(GlobalSequenceDataset):
         if g0 + n > M:  # past the epoch's end: the remainder rule wraps to its first microbatches
             parts.append(sp.seg_starts(0, g0 + n - M))
         shards = shards_in_order(self.corpus, np.concatenate(parts))
-        self.corpus.prefetch(shards if blocks is None else blocks.ahead(shards))
+        if blocks is not None and (have is None or have[shards].all()):
+            shards = blocks.ahead(shards)
+        self.corpus.prefetch(shards)
 
     def _run(self, live: Any, sp: SharedPlan, reads: _SegmentReads) -> Iterator[VarlenBatch]:
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
@@ -413,9 +413,9 @@ class BestFitDataset(GlobalSequenceDataset):
             if M == 0 or sched.needed(j) > M:
                 return
             if n % PREFETCH_AHEAD == 0:  # a remote corpus fetches the shards of the next microbatches
-                self._prefetch_ahead(sched, sp, j, blocks)
                 if reads.cold:  # a cold remote cache: map the shards that arrived since
                     reads = self._segment_reads(reads)
+                self._prefetch_ahead(sched, sp, j, blocks, reads.have)
             mb = sp.microbatch(sched.global_index(j) % M)
             if reads.cold:
                 reads = self._ready(reads, mb)

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
-from .bestfit import MappedRuns, as_source, await_shards, mapped_runs, missing_shards, shards_of
+from .bestfit import MappedRuns, as_source, await_shards, mapped_runs, missing_shards, shards_in_order
 from .blockshuffle import ShardBlocks, block_generator, block_order, check_block_shards
 from .lossmask import mask_batch
 from .mixture import Mixture
@@ -368,11 +368,12 @@ class SlidingWindowDataset(GlobalSequenceDataset):
                 yield batch
 
     def _ahead(self, epoch: int, starts: np.ndarray) -> np.ndarray:
-        """The shards to prefetch before windows at ``starts`` are read: theirs; under a block
-        shuffle, those of their blocks and of the next ones (:meth:`ShardBlocks.ahead`), in order of need."""
-        shards = shards_of(self.corpus, starts)
-        if self.shuffle_block_shards is None or self.mode != "epoch":
-            return shards
+        """The shards to prefetch before windows at ``starts`` are read, in order of need: theirs;
+        under a block shuffle, once they are cached, those of their blocks and of the next ones
+        (:meth:`ShardBlocks.ahead`)."""
+        shards = shards_in_order(self.corpus, starts)
+        if self.shuffle_block_shards is None or self.mode != "epoch" or not self.corpus.cached_shards()[shards].all():
+            return shards  # missing shards of the windows read next come first, alone on the link
         self._order(epoch)  # the epoch's blocks
         return self._cache["blocks"].ahead(shards)
 
