@@ -398,7 +398,10 @@ class BestFitDataset(GlobalSequenceDataset):
         shards = shards_in_order(self.corpus, np.concatenate(parts))
         if blocks is not None and (have is None or have[shards].all()):
             shards = blocks.ahead(shards)
-        self.corpus.prefetch(shards)
+        if have is not None:  # a cold cache: only the shards not here yet (asking costs a stat each)
+            shards = shards[~have[shards]]
+        if shards.size:
+            self.corpus.prefetch(shards)
 
     def _run(self, live: Any, sp: SharedPlan, reads: _SegmentReads) -> Iterator[VarlenBatch]:
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
