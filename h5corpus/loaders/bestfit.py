@@ -100,8 +100,10 @@ class _SegmentReads:
     is read through ``Corpus.tokens`` instead. Otherwise (a shard read through HDF5) the batch is
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
     ``Corpus.gather_ranges`` call. While a remote corpus's cache misses shards, ``table`` maps
-    the cached ones (:meth:`Corpus.cached_run_table`) and a segment of a missing shard is read
-    (and so fetched) through ``Corpus.tokens``: a batch waits only for its own shards."""
+    the cached ones (:meth:`Corpus.cached_run_table`, ``have``): before a microbatch that needs
+    a shard not mapped yet, the dataset waits for it and rebuilds the table
+    (:meth:`BestFitDataset._ready`), so a batch waits only for its own shards and is still
+    copied from the maps."""
 
     def __init__(self, corpus: CorpusLike, table: MappedRuns | None, have: np.ndarray | None = None) -> None:
         self.corpus, self.table = corpus, table
@@ -383,7 +385,9 @@ class BestFitDataset(GlobalSequenceDataset):
         await_shards(self.corpus, missing)
         return self._segment_reads(reads)
 
-    def _prefetch_ahead(self, sched: Any, sp: SharedPlan, j: int, blocks: ShardBlocks | None, have: Any) -> None:
+    def _prefetch_ahead(
+        self, sched: Any, sp: SharedPlan, j: int, blocks: ShardBlocks | None, have: np.ndarray | None
+    ) -> None:
         """Ask a remote corpus for the shards of this consumer's next :data:`PREFETCH_AHEAD`
         microbatches (the plan's segments from its ``j``-th item on, one slice), in order of need;
         under a block shuffle also those of the blocks ahead (:meth:`ShardBlocks.ahead`) unless
