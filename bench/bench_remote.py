@@ -21,12 +21,17 @@ library call, then measures back to back, ``--repeats`` rounds, in this one proc
 * **cold epochs**: ``open_corpus`` on an empty cache and straight into an epoch (no fill first),
   each loader with the global shuffle and with ``shuffle_block_shards=--block-shards`` (the
   best-fit loader's plans from plan files written from the local manifest beforehand, as
-  ``h5corpus plan`` does), with the time to the first batch and the shards cached by then.
+  ``h5corpus plan`` does), with the time to the first batch and the shards cached by then; each
+  beside the same loader's epoch with the same settings from the local path.
 
 Figures are medians over rounds of ratios measured back to back within a round (every round is
 in the JSON with the load average; also this process's CPU seconds for the copy and the fill,
 and the time to sha256 the split's bytes in memory): warm / local epoch on open corpora (target
->= 0.9), fill and cold bytes/s over the plain copy's (target >= 0.8).
+>= 0.9), fill and cold bytes/s over the plain copy's (target >= 0.8). A cold epoch can beat
+neither the link nor the local epoch: it is also stated over the slower of the two (max of the
+copy's and the local epoch's seconds over its own) and over downloading everything first, then
+running locally (their sum over its own; above 1: the epoch overlaps its downloads). The server's
+CPU seconds beside the client's tell what bounds the link on a small machine.
 """
 
 from __future__ import annotations
@@ -100,14 +105,25 @@ def cold_epoch(url: str, cache: Path, loader: str, blocks: int | None, plans: Pa
     return out
 
 
-def cold_epochs(url: str, work: Path, blocks: int, plans: Path, flip: bool) -> dict:
-    """Both loaders' cold epochs, global shuffle and block shuffle (order alternating by round)."""
+def server_cpu_s(s3: MotoS3) -> float:
+    """CPU seconds the S3 server process has used so far (the other side of every transfer)."""
+    fields = Path(f"/proc/{s3.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cold_epochs(url: str, manifest: Path, work: Path, blocks: int, plans: Path, flip: bool) -> dict:
+    """Both loaders' cold epochs, global shuffle and block shuffle (order alternating by round),
+    each beside the same loader's epoch with the same settings from the local path."""
     out = {}
     order = [(ld, b) for ld in ("window", "bestfit") for b in ((None, blocks) if not flip else (blocks, None))]
     for ld, b in order:
         tag = "global" if b is None else "block"
         for k, v in cold_epoch(url, work / "cache-cold", ld, b, plans).items():
             out[f"cold_{ld}_{tag}_{k}"] = v
+        t0 = time.perf_counter()
+        for _ in dataset(open_corpus(manifest), ld, b, plans if ld == "bestfit" else None):
+            pass
+        out[f"local_{ld}_{tag}_s"] = time.perf_counter() - t0
     return out
 
 
@@ -132,7 +148,9 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool
     copy_dir, cache, fb_cache = work / "copy", work / "cache", work / "cache-fallback"
     for d in (cache, fb_cache):
         shutil.rmtree(d, ignore_errors=True)
+    srv0 = server_cpu_s(s3)
     copy_s, copy_cpu_s = plain_copy(keys, copy_dir)
+    copy_server_cpu_s = server_cpu_s(s3) - srv0
     blobs = [(copy_dir / Path(e.path).name).read_bytes() for e in train]
     t0 = time.perf_counter()
     for b in blobs:
@@ -176,6 +194,7 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool
         "fill_s": fill_s,
         "file_hash_fill_first": hash_first,
         "copy_cpu_s": copy_cpu_s,
+        "copy_server_cpu_s": copy_server_cpu_s,
         "fill_cpu_s": fill_cpu_s,
         "sha256_s": sha256_s,
         "fill_fallback_sha256_s": fallback["sha256"],
@@ -197,25 +216,37 @@ def one_round(manifest: Path, url: str, work: Path, s3: MotoS3, hash_first: bool
     warm.close()
     out["copy2_s"] = plain_copy(keys, copy_dir)[0]  # the plain copy once more, beside the cold epochs
     shutil.rmtree(copy_dir, ignore_errors=True)
-    out.update(cold_epochs(url, work, blocks, plans, not hash_first))
+    out.update(cold_epochs(url, manifest, work, blocks, plans, not hash_first))
     out["loadavg_end"] = os.getloadavg()
     return out
 
 
 def cold_figures(rounds: list[dict], K: int) -> dict[str, str]:
     """The cold epochs' figures: bytes/s over the plain copy's (the mean of the round's two
-    copies, one before the fill and one just before the cold epochs), first batch, shards then."""
+    copies, one before the fill and one just before the cold epochs); over the slower of the
+    link and the local epoch (a cold epoch can beat neither: max(copy, local epoch) / cold);
+    over downloading first and then running locally (copy + local epoch) / cold; first batch,
+    shards cached then. The local epoch has the cold one's settings (plan file, blocks)."""
 
     def med(f) -> float:
         return statistics.median(f(r) for r in rounds)
+
+    def copy(r: dict) -> float:
+        return (r["copy_s"] + r["copy2_s"]) / 2
 
     out = {}
     for ld in ("window", "bestfit"):
         plan = " (plan file)" if ld == "bestfit" else ""
         for tag, name in (("global", "global shuffle"), ("block", f"shuffle_block_shards={K}")):
-            key = f"cold_{ld}_{tag}"
+            key, local = f"cold_{ld}_{tag}", f"local_{ld}_{tag}_s"
             out[f"cold epoch, {ld}{plan}, {name}, from an empty cache / plain s3fs copy"] = (
-                f"{med(lambda r: (r['copy_s'] + r['copy2_s']) / 2 / r[key + '_s']):.2f}x"
+                f"{med(lambda r: copy(r) / r[key + '_s']):.2f}x"
+            )
+            out[f"cold epoch, {ld}{plan}, {name} / min(link rate, local epoch rate)"] = (
+                f"{med(lambda r: max(copy(r), r[local]) / r[key + '_s']):.2f}x"
+            )
+            out[f"cold epoch, {ld}{plan}, {name} / download first, then the local epoch"] = (
+                f"{med(lambda r: (copy(r) + r[local]) / r[key + '_s']):.2f}x"
             )
             out[f"cold epoch, {ld}{plan}, {name}: first batch after, shards cached then"] = (
                 f"{med(lambda r: r[key + '_first_batch_s']):.2f} s, {med(lambda r: r[key + '_cached_at_first']):.0f}"
@@ -276,6 +307,7 @@ def main() -> None:
         "proving the split against its manifest (validate's checks, one thread)": f"{med(lambda r: mb / r['verify_s']):.0f} MB/s",
         "sha256 of the split's bytes in memory, one thread (file_sha256's cost)": f"{med(lambda r: mb / r['sha256_s']):.0f} MB/s",
         "client CPU seconds, fill / plain copy": f"{med(lambda r: r['fill_cpu_s'] / r['copy_cpu_s']):.2f}x",
+        "CPU seconds of a plain copy, client + server (2 cores shared)": f"{med(lambda r: r['copy_cpu_s']):.1f} + {med(lambda r: r['copy_server_cpu_s']):.1f} s in {med(lambda r: r['copy_s']):.1f} s",
         "GETs per shard, cold (max)": str(max(r["gets_per_shard"] for r in rounds)),
         "plain s3fs copy from moto on loopback": f"{med(lambda r: mb / r['copy_s']):.0f} MB/s ({mb:.0f} MB, {rounds[0]['shards']} shards)",
     }

@@ -291,3 +291,22 @@ def test_plan_command_writes_the_block_shuffled_plan(corpus, tmp_path):
     assert len(list(pdir.glob("*.h5cplan"))) == 1  # the dataset found the command's file
     bad = CliRunner().invoke(app, [*args, "--shuffle-block-shards", "0"])
     assert bad.exit_code == 2 and "shuffle_block_shards" in bad.output and "Traceback" not in bad.output
+
+
+def test_shards_in_order_and_missing_shards(corpus):
+    """The cold loaders' shard sets of token positions, against a per-position search."""
+    import bisect
+
+    from h5corpus.loaders.bestfit import missing_shards, shards_in_order
+
+    c = open_corpus(corpus)
+    sts = c.shard_token_starts.tolist()
+    assert c.num_shards > 3
+    pos = np.random.default_rng(0).integers(0, c.num_tokens, size=500)
+    of = [bisect.bisect_right(sts, int(p)) - 1 for p in pos]
+    first_need = list(dict.fromkeys(of))  # each shard once, in order of first appearance
+    assert shards_in_order(c, pos).tolist() == first_need
+    have = np.zeros(c.num_shards, bool)
+    have[::2] = True
+    assert missing_shards(c, pos, have).tolist() == sorted(s for s in set(of) if not have[s])
+    assert missing_shards(c, pos, np.ones(c.num_shards, bool)).size == 0

@@ -312,3 +312,16 @@ def test_old_loader_names_still_work_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match="use document_chunks"):
         old = chunking.chunk_layout(lengths, 4096)
     assert all(np.array_equal(a, b) for a, b in zip(old, chunking.document_chunks(lengths, 4096)))
+
+
+def test_seg_starts_is_the_microbatches_segment_starts_end_to_end(stdlib_manifest, tmp_path):
+    """The loaders' prefetch lookahead (one slice of the plan) against the microbatches it spans."""
+    corpus = open_corpus(stdlib_manifest, "train")
+    for plan_dir in (None, tmp_path / "plans"):  # in memory and memory-mapped from a plan file
+        sp = BestFitDataset(corpus, **MODES["buffer"], plan_dir=plan_dir).shared_plan(0)
+        M = sp.num_microbatches
+        assert M > 8
+        for g0, g1 in ((0, M), (0, 1), (3, 8), (M - 2, M), (5, 5)):
+            want = [sp.microbatch(g).seg_start for g in range(g0, g1)]
+            got = sp.seg_starts(g0, g1)
+            assert np.array_equal(got, np.concatenate(want) if want else np.zeros(0, np.int64))

@@ -363,3 +363,24 @@ def test_build_writes_identical_shards_for_any_worker_count_and_after_kill_9(tmp
             assert f["offsets_xxh3"].shape == (-(-(s.documents + 1) // 1024),) and s.sums_sha256
     assert not list(tmp_path.rglob("*.partial")) and not os.path.exists(roots["killed"] / "shards" / ".build")
     assert list(itertools.islice(iter(SlidingWindowDataset(open_corpus(manifest, "train"), 64, seed=0)), 2))
+
+
+def test_the_last_few_unverified_chunks_are_swept_but_a_corrupt_one_still_raises_when_read(corpora, tmp_path):
+    """Once at most ``SWEEP_SHARE`` of a run table's chunks are unverified, a locate verifies them
+    all (none is left to cost every later locate); a corrupt one stays unverified and the read
+    that touches it raises naming it, as before."""
+    from h5corpus.storage.readpaths import SWEEP_SHARE
+
+    manifest = _copy(corpora["raw"], tmp_path / "c")
+    path, k, pos = _flip_bit(manifest, "middle", seed=7)
+    c = open_corpus(manifest, "train")
+    t = c.run_table()
+    chunks = t._chunk_start
+    assert 2 <= SWEEP_SHARE * chunks.size < chunks.size - 2  # the sweep waits until two are left, not longer
+    g = int(np.searchsorted(chunks, pos, side="right")) - 1  # the corrupt chunk's index in the table
+    others = np.delete(chunks, [g, g + 1])  # every chunk's first token but the corrupt one's and the next's
+    t.locate(others)
+    assert t.pending == 1  # the next chunk was swept, the corrupt one was not
+    _raises_naming(path, k, lambda: t.locate(np.array([pos], dtype=np.int64)))
+    _raises_naming(path, k, lambda: c.tokens(pos, pos + 1))
+    assert t.pending == 1

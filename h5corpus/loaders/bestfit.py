@@ -56,9 +56,27 @@ class MappedRuns(NamedTuple):
 PREFETCH_AHEAD = 16
 
 
-def shards_of(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
-    """The shards (indices) holding these global token positions, each once, ascending."""
-    return distinct_sorted(np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1)
+def shards_in_order(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
+    """The shards holding these global token positions, each once, in order of first need."""
+    idx = np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1
+    first = np.unique(idx, return_index=True)[1]
+    return idx[np.sort(first)]
+
+
+def missing_shards(corpus: CorpusLike, starts: np.ndarray, have: np.ndarray) -> np.ndarray:
+    """The shards holding these global token positions that ``have`` (bool per shard) lacks."""
+    idx = np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1
+    miss = ~have[idx]
+    return distinct_sorted(idx[miss]) if miss.any() else np.zeros(0, np.int64)
+
+
+def await_shards(corpus: CorpusLike, shards: np.ndarray) -> None:
+    """Block until these shards are on this node: one token of each read through
+    ``Corpus.tokens``, which fetches a missing shard (or waits on the download a prefetch began)."""
+    sts = corpus.shard_token_starts
+    for s in np.asarray(shards, dtype=np.int64).tolist():
+        if int(sts[s + 1]) > int(sts[s]):
+            corpus.tokens(int(sts[s]), int(sts[s]) + 1)
 
 
 def mapped_runs(corpus: CorpusLike, cached: bool = False) -> MappedRuns | None:
@@ -82,14 +100,27 @@ class _SegmentReads:
     is read through ``Corpus.tokens`` instead. Otherwise (a shard read through HDF5) the batch is
     allocated with :func:`~h5corpus.loaders.batch.alloc_compact` and filled by one
     ``Corpus.gather_ranges`` call. While a remote corpus's cache misses shards, ``table`` maps
-    the cached ones (:meth:`Corpus.cached_run_table`) and a segment of a missing shard is read
-    (and so fetched) through ``Corpus.tokens``: a batch waits only for its own shards."""
+    the cached ones (:meth:`Corpus.cached_run_table`, ``have``): before a microbatch that needs
+    a shard not mapped yet, the dataset waits for it and rebuilds the table
+    (:meth:`BestFitDataset._ready`), so a batch waits only for its own shards and is still
+    copied from the maps."""
 
-    def __init__(self, corpus: CorpusLike, table: MappedRuns | None, cached: int = -1) -> None:
+    def __init__(self, corpus: CorpusLike, table: MappedRuns | None, have: np.ndarray | None = None) -> None:
         self.corpus, self.table = corpus, table
-        #: shards on this node when ``table`` was built, while some are missing (-1: all there)
-        self.cached = cached
+        #: (shards,) bool: the shards ``table`` maps while some are missing (None: all there)
+        self.have = have
         self.dtype = np.dtype(corpus.dtype)
+
+    @property
+    def cold(self) -> bool:
+        """Some shards are not mapped yet (a cold remote cache)."""
+        return self.have is not None
+
+    def unmapped(self, seg_start: np.ndarray) -> np.ndarray:
+        """The shards holding these segment starts that ``table`` does not map yet (while cold)."""
+        if self.have is None or self.table is None:
+            return np.zeros(0, np.int64)
+        return missing_shards(self.corpus, seg_start, self.have)
 
     def batch(self, mb: PlanArrays) -> VarlenBatch:
         """The compact batch of one microbatch (:meth:`~h5corpus.loaders.planfile.SharedPlan.microbatch`)."""
@@ -339,11 +370,42 @@ class BestFitDataset(GlobalSequenceDataset):
         those of the cached shards, rebuilt (when ``old`` is given) once more have arrived."""
         have = self.corpus.cached_shards()
         if have.all():
-            return old if old is not None and old.cached < 0 else _SegmentReads(self.corpus, self._table())
-        n = int(have.sum())
-        if old is not None and old.cached == n:
+            return old if old is not None and not old.cold else _SegmentReads(self.corpus, self._table())
+        if old is not None and old.have is not None and np.array_equal(old.have, have):
             return old
-        return _SegmentReads(self.corpus, mapped_runs(self.corpus, cached=True), n)
+        return _SegmentReads(self.corpus, mapped_runs(self.corpus, cached=True), have)
+
+    def _ready(self, reads: _SegmentReads, mb: PlanArrays) -> _SegmentReads:
+        """``reads`` able to serve ``mb`` from the maps: a cold cache's missing shards of the
+        microbatch waited for (their downloads began ahead, in plan order) and the run table
+        rebuilt with every shard that arrived, instead of reading their segments one by one."""
+        missing = reads.unmapped(mb.seg_start)
+        if missing.size == 0:
+            return reads
+        await_shards(self.corpus, missing)
+        return self._segment_reads(reads)
+
+    def _prefetch_ahead(
+        self, sched: Any, sp: SharedPlan, j: int, blocks: ShardBlocks | None, have: np.ndarray | None
+    ) -> None:
+        """Ask a remote corpus for the shards of this consumer's next :data:`PREFETCH_AHEAD`
+        microbatches (the plan's segments from its ``j``-th item on, one slice), in order of need;
+        under a block shuffle also those of the blocks ahead (:meth:`ShardBlocks.ahead`) unless
+        the next microbatches' own shards are missing (``have``: the cached ones, None: all):
+        those come first, alone on the link, and the blocks ahead are asked for once they are here."""
+        M = sp.num_microbatches
+        g0 = sched.global_index(j) % M
+        n = min(sched.global_index(j + PREFETCH_AHEAD * sched.consumer.num_workers) - sched.global_index(j), M)
+        parts = [sp.seg_starts(g0, min(g0 + n, M))]
+        if g0 + n > M:  # past the epoch's end: the remainder rule wraps to its first microbatches
+            parts.append(sp.seg_starts(0, g0 + n - M))
+        shards = shards_in_order(self.corpus, np.concatenate(parts))
+        if blocks is not None and (have is None or have[shards].all()):
+            shards = blocks.ahead(shards)
+        if have is not None:  # a cold cache: only the shards not here yet (asking costs a stat each)
+            shards = shards[~have[shards]]
+        if shards.size:
+            self.corpus.prefetch(shards)
 
     def _run(self, live: Any, sp: SharedPlan, reads: _SegmentReads) -> Iterator[VarlenBatch]:
         """This consumer's microbatches in order: the schedule and the remainder rule (a wrapped
@@ -358,13 +420,12 @@ class BestFitDataset(GlobalSequenceDataset):
             if M == 0 or sched.needed(j) > M:
                 return
             if n % PREFETCH_AHEAD == 0:  # a remote corpus fetches the shards of the next microbatches
-                w = sched.consumer.num_workers
-                ahead = [sp.microbatch(sched.global_index(j + k * w) % M).seg_start for k in range(PREFETCH_AHEAD)]
-                shards = shards_of(self.corpus, np.concatenate(ahead))
-                self.corpus.prefetch(shards if blocks is None else blocks.ahead(shards))
-                if reads.cached >= 0:  # a cold remote cache: map the shards that arrived since
+                if reads.cold:  # a cold remote cache: map the shards that arrived since
                     reads = self._segment_reads(reads)
+                self._prefetch_ahead(sched, sp, j, blocks, reads.have)
             mb = sp.microbatch(sched.global_index(j) % M)
+            if reads.cold:
+                reads = self._ready(reads, mb)
             batch = reads.batch(mb)
             if masked:
                 batch = mask_batch(batch, self.corpus, mb.seg_start)

@@ -127,7 +127,7 @@ class SharedPlan:
     def __init__(self, arrays: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray] | None = None, path: str = ""):
         self._arrays = dict(arrays)
         self._sums = sums
-        self._ok: dict[str, np.ndarray] = {}  # per array: which blocks this process verified
+        self._ok: dict[str, bytearray] = {}  # per array: which blocks this process verified (1 byte each)
         self.path = path
         self.num_microbatches = int(self._arrays["mb_packs"].shape[0]) - 1
 
@@ -142,10 +142,12 @@ class SharedPlan:
         if self._sums is not None and hi > lo:
             row = a.itemsize * (a.shape[1] if a.ndim == 2 else 1)
             b0, b1 = lo * row // BLOCK, ((hi * row) - 1) // BLOCK + 1
-            ok = self._ok.setdefault(name, np.zeros(self._sums[name].size, dtype=bool))
-            for b in np.flatnonzero(~ok[b0:b1]).tolist():
-                self._verify(name, b0 + b, a)
-                ok[b0 + b] = True
+            ok = self._ok.get(name)
+            if ok is None:
+                ok = self._ok[name] = bytearray(self._sums[name].size)
+            while (b := ok.find(0, b0, b1)) >= 0:  # one C scan when every block is verified (the usual case)
+                self._verify(name, b, a)
+                ok[b] = 1
         return a[lo:hi]
 
     def _verify(self, name: str, block: int, a: np.ndarray) -> None:
@@ -165,6 +167,15 @@ class SharedPlan:
         if q:
             src = src + q * self._get("source_tokens", M, M + 1)[0]
         return int(src.sum()), tuple(int(x) for x in src)
+
+    def seg_starts(self, g0: int, g1: int) -> np.ndarray:
+        """The first global token of every segment of microbatches ``[g0, g1)`` (``0 <= g0 <= g1
+        <= M``), in plan order: what a loader prefetches ahead (one slice, not one per microbatch)."""
+        p0 = int(self._get("mb_packs", g0, g0 + 1)[0])
+        p1 = int(self._get("mb_packs", g1, g1 + 1)[0])
+        a = int(self._get("pack_starts", p0, p0 + 1)[0])
+        b = int(self._get("pack_starts", p1, p1 + 1)[0])
+        return self._get("seg_start", a, b)
 
     def microbatch(self, g: int) -> PlanArrays:
         """Microbatch ``g``: its segments and packs (``pack_starts`` relative, ending with S)."""

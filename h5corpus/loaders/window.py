@@ -45,7 +45,7 @@ import numpy as np
 
 from ..storage.protocols import CorpusLike
 from .batch import VarlenBatch, alloc_compact
-from .bestfit import MappedRuns, as_source, mapped_runs, shards_of
+from .bestfit import MappedRuns, as_source, await_shards, mapped_runs, missing_shards, shards_in_order
 from .blockshuffle import ShardBlocks, block_generator, block_order, check_block_shards
 from .lossmask import mask_batch
 from .mixture import Mixture
@@ -340,7 +340,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         M, N, B = self._num_microbatches(epoch), self.epoch_windows(epoch), self.batch_size
         batches = self._batches_of(sched, M)
         # this process's memory maps (None: a shard read through HDF5); of the shards on this node
-        # while a remote cache is cold (the others read, and so fetched, through corpus.tokens)
+        # while a remote cache is cold (a block waits for its missing shards, prefetched ahead)
         have = self.corpus.cached_shards()
         cold = not have.all()
         runs = mapped_runs(self.corpus, cached=cold)
@@ -358,6 +358,8 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             nxt = starts_of(lo_b + PLAN_BLOCK_BATCHES) if lo_b + PLAN_BLOCK_BATCHES < batches.size else None
             if nxt is not None:  # a remote corpus fetches the next block's shards while this one is read
                 self.corpus.prefetch(self._ahead(epoch, nxt))
+            if cold and runs is not None:  # wait for this block's missing shards (prefetched), then map them
+                await_shards(self.corpus, missing_shards(self.corpus, starts, have))
             if cold and int((now := self.corpus.cached_shards()).sum()) != int(have.sum()):  # more arrived
                 have, cold = now, not now.all()
                 runs = mapped_runs(self.corpus, cached=True)
@@ -366,11 +368,12 @@ class SlidingWindowDataset(GlobalSequenceDataset):
                 yield batch
 
     def _ahead(self, epoch: int, starts: np.ndarray) -> np.ndarray:
-        """The shards to prefetch before windows at ``starts`` are read: theirs; under a block
-        shuffle, those of their blocks and of the next ones (:meth:`ShardBlocks.ahead`), in order of need."""
-        shards = shards_of(self.corpus, starts)
-        if self.shuffle_block_shards is None or self.mode != "epoch":
-            return shards
+        """The shards to prefetch before windows at ``starts`` are read, in order of need: theirs;
+        under a block shuffle, once they are cached, those of their blocks and of the next ones
+        (:meth:`ShardBlocks.ahead`)."""
+        shards = shards_in_order(self.corpus, starts)
+        if self.shuffle_block_shards is None or self.mode != "epoch" or not self.corpus.cached_shards()[shards].all():
+            return shards  # missing shards of the windows read next come first, alone on the link
         self._order(epoch)  # the epoch's blocks
         return self._cache["blocks"].ahead(shards)
 

@@ -278,6 +278,13 @@ class MmapTokens:
             self._mm = None
 
 
+#: Once no more than this share of a :class:`RunTable`'s chunks is unverified, :meth:`RunTable.locate`
+#: verifies them all at once: a position in a chunk may be rare in an epoch's order (a short final
+#: chunk), and until the last one is verified every locate pays its per-call check (~20 us, about
+#: a third of a best-fit batch's cost from the maps: a 2.8 s epoch of 7 shards takes 1.9 s without).
+SWEEP_SHARE = 0.01
+
+
 class RunTable:
     """Where the tokens of a split whose shards are all memory-mapped lie: the runs of
     file-contiguous HDF5 chunks of every shard, in token order, and the global token range of each.
@@ -389,6 +396,8 @@ class RunTable:
             room = self._verify(pos, room)
         return run, pos - self.starts[run], room
 
+    _swept = False  # :meth:`_sweep` ran (once per table)
+
     def _verify(self, pos: np.ndarray, room: np.ndarray) -> np.ndarray:
         g = self._chunk_start.searchsorted(pos, side="right") - 1
         ready = self._ready
@@ -398,6 +407,8 @@ class RunTable:
                 self._readers[self._chunk_shard[j]].ensure(self._chunk_local[j], self._chunk_local[j])
                 ready[j] = True
                 self._pending -= 1
+        if not self._swept and self._pending <= SWEEP_SHARE * ready.size:
+            self._sweep()
         last = ready.size - 1
         g1, g2 = np.minimum(g + 1, last), np.minimum(g + 2, last)
         ok1 = ready[g1] & (g < last)
@@ -405,6 +416,18 @@ class RunTable:
         end = self._chunk_end
         limit = np.where(ok2, end[g2], np.where(ok1, end[g1], end[g])) - pos
         return np.minimum(room, limit)
+
+    def _sweep(self) -> None:
+        """Verify the few chunks still pending at once (:data:`SWEEP_SHARE`). One that fails (its
+        checksum, its ids, a read) stays pending, so the read that touches it raises as before."""
+        self._swept = True
+        for j in np.flatnonzero(~self._ready).tolist():
+            try:
+                self._readers[self._chunk_shard[j]].ensure(self._chunk_local[j], self._chunk_local[j])
+            except (ChunkChecksumError, OSError):
+                continue
+            self._ready[j] = True
+            self._pending -= 1
 
 
 class H5Tokens:
