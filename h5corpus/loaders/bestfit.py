@@ -389,16 +389,16 @@ class BestFitDataset(GlobalSequenceDataset):
         self, sched: Any, sp: SharedPlan, j: int, blocks: ShardBlocks | None, have: np.ndarray | None
     ) -> None:
         """Ask a remote corpus for the shards of this consumer's next :data:`PREFETCH_AHEAD`
-        microbatches (the plan's segments from its ``j``-th item on, one slice), in order of need;
-        under a block shuffle also those of the blocks ahead (:meth:`ShardBlocks.ahead`) unless
-        the next microbatches' own shards are missing (``have``: the cached ones, None: all):
-        those come first, alone on the link, and the blocks ahead are asked for once they are here."""
-        M = sp.num_microbatches
-        g0 = sched.global_index(j) % M
-        n = min(sched.global_index(j + PREFETCH_AHEAD * sched.consumer.num_workers) - sched.global_index(j), M)
-        parts = [sp.seg_starts(g0, min(g0 + n, M))]
-        if g0 + n > M:  # past the epoch's end: the remainder rule wraps to its first microbatches
-            parts.append(sp.seg_starts(0, g0 + n - M))
+        microbatches (its own: with many ranks, the microbatches between them are other ranks'),
+        in order of need; under a block shuffle also those of the blocks ahead
+        (:meth:`ShardBlocks.ahead`) unless the next microbatches' own shards are missing (``have``:
+        the cached ones, None: all): those come first, alone on the link, and the blocks ahead are
+        asked for once they are here. Nothing for local files."""
+        if not self.corpus.remote:
+            return
+        M, w = sp.num_microbatches, sched.consumer.num_workers
+        gs = [sched.global_index(j + k * w) % M for k in range(PREFETCH_AHEAD)]
+        parts = [sp.seg_starts(g, g + 1) for g in gs]
         shards = shards_in_order(self.corpus, np.concatenate(parts))
         if blocks is not None and (have is None or have[shards].all()):
             shards = blocks.ahead(shards)
