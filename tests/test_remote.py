@@ -131,6 +131,7 @@ def test_cache_smaller_than_the_corpus_completes_the_epoch_with_the_same_batches
     assert max(sizes) < limit < sum(sizes)
     cache = tmp_path / "cache"
     c = open_corpus(url, cache_dir=cache, cache_limit=limit)
+    assert c.remote and not open_corpus(corpus).remote
     assert c.run_table() is None  # the split does not fit: shards are opened a few at a time
     for loader in ("window", "bestfit"):  # long windows: fewer batches, each from several shards
         assert epoch_digests(c, loader, 2048) == epoch_digests(open_corpus(corpus), loader, 2048)

@@ -78,6 +78,31 @@ def test_views_and_concatenation_keep_every_field():
     assert paths[1] == "/data/corpus/shards/train/part-00001-é.h5" and len(paths[:4]) == 4
 
 
+def test_hashes_in_blocks_and_as_bytes_equal_each_records_hex():
+    """hex_blocks (what the fingerprint hashes, a few rows at a time) and digests, on a whole table
+    and on a shuffled view, against each record's hex string."""
+    entries = _entries(23)
+    oracle = [ShardRecord.from_json(e, "m") for e in entries]
+    t = ShardTable.from_json(entries, "m")
+    order = np.random.default_rng(1).permutation(23)[:17]
+    for table, recs in ((t, oracle), (t.take(order), [oracle[i] for i in order])):
+        for rows in (1, 4, 256):
+            blocks = list(table.hex_blocks("index_sha256", rows=rows))
+            assert len(blocks) == -(-len(recs) // rows)
+            assert b"".join(blocks) == b"".join(r.index_sha256.encode() for r in recs)
+        assert table.digests("sha256").tobytes() == b"".join(bytes.fromhex(r.sha256) for r in recs)
+    assert t.hex_blocks("sums_sha256") is None and t.digests("sums_sha256") is None  # some shards lack it
+
+
+def test_a_local_corpus_and_a_mixture_of_it_are_not_remote(stdlib_manifest):
+    """Loaders skip what only feeds remote prefetch (the block order) for local files."""
+    from h5corpus.loaders.mixture import Mixture, MixtureSource
+
+    c = open_corpus(stdlib_manifest, "train")
+    assert c.remote is False
+    assert Mixture([MixtureSource("a", c, 1.0)]).remote is False
+
+
 def test_a_count_past_int64_is_named():
     entries = _entries(3)
     entries[2]["tokens"] = 1 << 70
