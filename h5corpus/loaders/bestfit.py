@@ -56,16 +56,21 @@ class MappedRuns(NamedTuple):
 PREFETCH_AHEAD = 16
 
 
+def _shards_at(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
+    """The shard holding each of these global token positions."""
+    return np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1
+
+
 def shards_in_order(corpus: CorpusLike, starts: np.ndarray) -> np.ndarray:
     """The shards holding these global token positions, each once, in order of first need."""
-    idx = np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1
+    idx = _shards_at(corpus, starts)
     first = np.unique(idx, return_index=True)[1]
     return idx[np.sort(first)]
 
 
 def missing_shards(corpus: CorpusLike, starts: np.ndarray, have: np.ndarray) -> np.ndarray:
     """The shards holding these global token positions that ``have`` (bool per shard) lacks."""
-    idx = np.searchsorted(corpus.shard_token_starts, starts, side="right") - 1
+    idx = _shards_at(corpus, starts)
     miss = ~have[idx]
     return distinct_sorted(idx[miss]) if miss.any() else np.zeros(0, np.int64)
 

@@ -170,7 +170,7 @@ class SharedPlan:
 
     def seg_starts(self, g0: int, g1: int) -> np.ndarray:
         """The first global token of every segment of microbatches ``[g0, g1)`` (``0 <= g0 <= g1
-        <= M``), in plan order: what a loader prefetches ahead (one slice, not one per microbatch)."""
+        <= M``), in plan order (the slice of ``seg_start`` they span): what a loader prefetches ahead."""
         p0 = int(self._get("mb_packs", g0, g0 + 1)[0])
         p1 = int(self._get("mb_packs", g1, g1 + 1)[0])
         a = int(self._get("pack_starts", p0, p0 + 1)[0])

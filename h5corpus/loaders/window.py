@@ -341,7 +341,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
         batches = self._batches_of(sched, M)
         # this process's memory maps (None: a shard read through HDF5); of the shards on this node
         # while a remote cache is cold (a block waits for its missing shards, prefetched ahead)
-        have = self.corpus.cached_shards()
+        have, remote = self.corpus.cached_shards(), self.corpus.remote
         cold = not have.all()
         runs = mapped_runs(self.corpus, cached=cold)
         reads = self._reads()
@@ -356,7 +356,7 @@ class SlidingWindowDataset(GlobalSequenceDataset):
             items, offs = _positions(batches[lo_b : lo_b + PLAN_BLOCK_BATCHES], B, N)
             starts = nxt if nxt is not None else self._starts(epoch, items)
             nxt = starts_of(lo_b + PLAN_BLOCK_BATCHES) if lo_b + PLAN_BLOCK_BATCHES < batches.size else None
-            if nxt is not None:  # a remote corpus fetches the next block's shards while this one is read
+            if nxt is not None and remote:  # a remote corpus fetches the next block's shards while this one is read
                 self.corpus.prefetch(self._ahead(epoch, nxt))
             if cold and runs is not None:  # wait for this block's missing shards (prefetched), then map them
                 await_shards(self.corpus, missing_shards(self.corpus, starts, have))

@@ -148,21 +148,25 @@ class ShardTable(Sequence[ShardRecord]):
         """(n,) bool: which shards belong to ``split``."""
         return self._view(self._splits) == fmt.SPLITS.index(split)
 
-    def digests(self, key: str) -> np.ndarray | None:
-        """(n, 32) uint8: every shard's ``key`` hash as bytes; None when some shard lacks it."""
+    def _complete(self, key: str) -> np.ndarray | None:
+        """The (all shards, 32) column of hash ``key`` when every shard of this table has it, else None."""
         col = self._hexes.get(key)
         if col is None or (col[1] is not None and not self._view(col[1]).all()):
             return None
-        return self._view(col[0])
+        return col[0]
+
+    def digests(self, key: str) -> np.ndarray | None:
+        """(n, 32) uint8: every shard's ``key`` hash as bytes; None when some shard lacks it."""
+        col = self._complete(key)
+        return None if col is None else self._view(col)
 
     def hex_blocks(self, key: str, rows: int = 256) -> Iterator[bytes] | None:
         """Every shard's ``key`` hash in hex (64 ASCII bytes per shard), ``rows`` shards at a
         time: joined, what a loop of ``record.<key>.encode()`` gives; None when some shard lacks it.
         (A hash over them needs no copy of the whole column.)"""
-        col = self._hexes.get(key)
-        if col is None or (col[1] is not None and not self._view(col[1]).all()):
+        table, picks = self._complete(key), self._rows
+        if table is None:
             return None
-        table, picks = col[0], self._rows
         return (
             binascii.hexlify((table[lo : lo + rows] if picks is None else table[picks[lo : lo + rows]]).tobytes())
             for lo in range(0, len(self), rows)
