@@ -8,7 +8,8 @@ and at 10,000 shards (issue 24).
 Corpora: ``DOCS:SHARDS`` each, written once through the real writer
 (:class:`~h5corpus.storage.writer.ShardWriter`, one ``add_documents`` call per shard, no fsync) and
 :func:`~h5corpus.storage.manifest.write_manifest` and
-:func:`~h5corpus.storage.reader.write_layout_file` (as a build's commit), then cached under ``--cache`` keyed by documents,
+:func:`~h5corpus.storage.reader.write_layout_file` and
+:func:`~h5corpus.storage.manifest.write_table_file` (as a build's commit), then cached under ``--cache`` keyed by documents,
 shards, seed and format version. Document lengths are lognormal (median 100 tokens, sigma 0.7:
 mean ~128 tokens, a tail past 4,096), token ids uniform below the GPT-2 EOS id, every document ends
 with EOS. About 2 bytes per token on disk: 20 M documents take ~5 GB.
@@ -143,14 +144,16 @@ def write_shard(path: Path, lengths: np.ndarray, rng: np.random.Generator) -> An
 def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, float]:
     """The manifest of the cached corpus of ``docs`` documents in ``shards`` shards (written if absent),
     and the seconds writing it took (0 when cached)."""
-    from h5corpus.storage.manifest import Manifest, write_manifest
+    from h5corpus.storage.manifest import Manifest, write_manifest, write_table_file
 
     # "-st": final chunks in stored deflate blocks (an older cache decoded them into memory)
     root = cache / f"d{docs}-s{shards}-seed{seed}-v{fmt.FORMAT_VERSION}-st"
     mpath = root / "manifests" / "shards.json"
-    if mpath.exists():  # the manifest is written last, then the layout file
+    if mpath.exists():  # the manifest is written last, then the layout and table files
         if not fmt.layout_path(mpath).exists():
             write_layout_file(mpath)
+        if not fmt.table_path(mpath).exists():
+            write_table_file(mpath)
         return mpath, 0.0
     shutil.rmtree(root, ignore_errors=True)
     t0 = time.perf_counter()
@@ -164,6 +167,7 @@ def corpus(cache: Path, docs: int, shards: int, seed: int = 0) -> tuple[Path, fl
     m.splits["train"] = {"documents": docs, "tokens": int(lengths.sum())}
     write_manifest(mpath, m)
     write_layout_file(mpath)  # as the build's commit does
+    write_table_file(mpath)
     return mpath, time.perf_counter() - t0
 
 
@@ -281,7 +285,7 @@ def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> 
         if not good:
             row[figure] = runs[0]["error"]
             continue
-        row[figure] = round(min(r[figure] for r in good), 4)
+        row[figure] = round(min(r[figure] for r in good), 6)
         opens += [r["open"] for r in good]
         imports += [r["rss_anon_mb_imports"] for r in good]
         if figure in ("window_first", "bestfit_first", "bestfit_first_blocks"):
@@ -291,7 +295,7 @@ def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> 
         if figure == "plan":
             row["plan_peak_rss_anon_mb"] = round(max(r["plan_peak_rss_anon_mb"] for r in good), 1)
             row["plan_s_per_million_docs"] = round(row["plan"] / (good[0]["num_documents"] / 1e6), 4)
-    row["open"] = round(min(opens), 4) if opens else row.get("open")
+    row["open"] = round(min(opens), 6) if opens else row.get("open")
     row["rss_anon_mb"] = round(max(rss), 1) if rss else None
     row["rss_anon_mb_imports"] = round(min(imports), 1) if imports else None
     if isinstance(row.get("rank_1"), float) and isinstance(row.get("rank_512"), float) and row["rank_1"] > 0:

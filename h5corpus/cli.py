@@ -181,8 +181,9 @@ def validate_cli(
     write_layout: bool = typer.Option(
         False,
         "--write-layout",
-        help="When every check passes, (re)write the layout file beside the manifest (<manifest>.layout) so that "
-        "readers' first touches skip HDF5 (a build writes it; this is for corpora built before, copied, or touched).",
+        help="When every check passes, (re)write the reader caches beside the manifest: the layout file "
+        "(<manifest>.layout: readers' first touches skip HDF5) and the table file (<manifest>.table: readers open "
+        "without parsing the manifest). A build writes both; this is for corpora built before, copied, or touched.",
     ),
 ) -> None:
     """Recompute every shard's sha256 in parallel and check structure. Exit 1 naming each failing shard."""
@@ -209,9 +210,14 @@ def validate_cli(
     report = validate_corpus(manifest, workers=workers, progress=sys.stderr.isatty() and not as_json, deep=deep)
     code = print_validation(report, as_json)
     if write_layout and code == 0:
+        from .storage.manifest import write_table_file
         from .storage.reader import write_layout_file
 
         typer.echo(f"wrote {write_layout_file(manifest)}", err=as_json)
+        try:
+            typer.echo(f"wrote {write_table_file(manifest)}", err=as_json)
+        except FormatError as e:
+            raise fail(str(e), EXIT_BAD_DATA) from None
     raise typer.Exit(code)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import zlib
 from collections.abc import Mapping
@@ -837,6 +838,75 @@ def decode_layout(data: Any, shard: int, n_shards: int) -> ShardLayout | None:
     ends = np.cumsum((0,) + counts) * 8
     arrs = [np.frombuffer(payload, dt, c, int(a)) for dt, c, a in zip(("<i8", "<i8", "<u8", "<u8"), counts, ends)]
     return ShardLayout(size, mtime, arrs[0], (toff, tbytes), arrs[1], arrs[2], arrs[3], truns)
+
+
+# -- the table file: the manifest's shard list, memory-mapped at open (a proof cache, any version) ----
+
+#: Suffix of a manifest's table file (``shards.json`` -> ``shards.json.table``), beside it.
+TABLE_SUFFIX = ".table"
+#: First 8 bytes of a table file.
+TABLE_MAGIC = b"H5CTAB01"
+_TABLE_HEAD = 24  # magic, header length (int64), header xxh3-64 (uint64)
+
+
+def table_path(manifest_path: str | os.PathLike[str]) -> Path:
+    """The table file of the manifest at ``manifest_path``."""
+    p = Path(manifest_path)
+    return p.with_name(p.name + TABLE_SUFFIX)
+
+
+def encode_table(header: dict[str, Any], columns: dict[str, np.ndarray]) -> bytes:
+    """A table file's bytes: :data:`TABLE_MAGIC`, the header's length (int64) and xxh3-64 (uint64),
+    the header (UTF-8 JSON: ``header`` plus ``columns``, each column's name, dtype, shape, byte
+    offset and xxh3-64), then each column's bytes at an 8-byte-aligned offset, little-endian."""
+    parts, listed, at = [], [], 0
+    for name, col in columns.items():
+        raw = np.ascontiguousarray(col, col.dtype.newbyteorder("<")).tobytes()
+        listed.append([name, col.dtype.newbyteorder("<").str, list(col.shape), at, xxhash.xxh3_64_intdigest(raw)])
+        parts.append(raw + bytes(-len(raw) % 8))
+        at += len(parts[-1])
+    head = json.dumps(dict(header, columns=listed), separators=(",", ":")).encode()
+    head += b" " * (-(len(head) + _TABLE_HEAD) % 8)
+    lead = TABLE_MAGIC + np.array([len(head), xxhash.xxh3_64_intdigest(head)], "<u8").tobytes()
+    return lead + head + b"".join(parts)
+
+
+def decode_table(
+    data: Any, defer: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, int]] | None:
+    """``(header, columns, unchecked)`` of a table file's bytes ``data`` (e.g. a memory map; the
+    columns are read-only views of it), or None when they are not a whole, undamaged table file:
+    another magic, a header or column digest that fails, a column outside the file. Columns whose
+    name starts with one of ``defer`` are not hashed here: ``unchecked`` maps each to its digest,
+    for :func:`table_column_ok` when it is first used."""
+    if len(data) < _TABLE_HEAD or bytes(data[:8]) != TABLE_MAGIC:
+        return None
+    size, digest = (int(v) for v in np.frombuffer(data, "<u8", 2, 8))
+    start = _TABLE_HEAD + size
+    if start > len(data) or xxhash.xxh3_64_intdigest(memoryview(data)[_TABLE_HEAD:start]) != digest:
+        return None
+    columns, unchecked = {}, {}
+    try:
+        header = json.loads(bytes(data[_TABLE_HEAD:start]))
+        for name, dtype, shape, at, want in header.pop("columns"):
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            if at < 0 or start + at + count * dt.itemsize > len(data):
+                return None
+            col = np.frombuffer(data, dt, count, start + at).reshape(shape)
+            if str(name).startswith(defer) if defer else False:
+                unchecked[str(name)] = int(want)
+            elif not table_column_ok(col, want):
+                return None
+            columns[str(name)] = col
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return header, columns, unchecked
+
+
+def table_column_ok(col: np.ndarray, digest: int) -> bool:
+    """Whether a table file's column hashes to its listed xxh3-64 ``digest``."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(col)) == digest
 
 
 #: Deprecated name of :func:`chunk_byte_layout` (the loaders' ``chunking.chunk_layout`` is another thing).

@@ -8,14 +8,17 @@ manifest, never half of one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import stat
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -478,7 +481,19 @@ def read_manifest(path: str | os.PathLike[str], *, compact: bool = False) -> Man
 
     ``compact``: hold the shards as a read-only :class:`~h5corpus.storage.shardtable.ShardTable`
     (about 170 bytes per shard instead of about 1 KB; what every reading process keeps) instead of
-    a list of :class:`~h5corpus.storage.format.ShardRecord`."""
+    a list of :class:`~h5corpus.storage.format.ShardRecord`; and take it from the manifest's table
+    file (:func:`write_table_file`) when that file is current: memory-mapped, in a time that does
+    not grow with the shards, instead of parsing ``shards.json``."""
+    p = _manifest_file(path)
+    st = _manifest_stat(p)
+    if compact:
+        m = _from_table_file(p, st)
+        if m is not None:
+            return m
+    return _parse_manifest_file(p, st, compact)
+
+
+def _manifest_file(path: str | os.PathLike[str]) -> Path:
     if "://" in str(path):
         raise FormatError(
             f"{path}: object-storage manifests are not supported (no SWMR or memory maps there); copy or mount "
@@ -487,6 +502,10 @@ def read_manifest(path: str | os.PathLike[str], *, compact: bool = False) -> Man
     p = Path(path)
     if "\0" in str(p):
         raise FormatError(f"{str(p)!r}: a path cannot hold a NUL byte")
+    return p
+
+
+def _manifest_stat(p: Path) -> os.stat_result:
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -498,6 +517,11 @@ def read_manifest(path: str | os.PathLike[str], *, compact: bool = False) -> Man
         raise FormatError(f"{p}: the manifest path is {kind}")
     if st.st_size > MAX_MANIFEST_BYTES:
         raise FormatError(f"{p}: {st.st_size:,} bytes is too large for a manifest")
+    return st
+
+
+def _parse_manifest_file(p: Path, st: os.stat_result, compact: bool) -> Manifest:
+    """:func:`read_manifest` from ``shards.json`` itself: parsed, schema-checked, paths and claims checked."""
     try:
         data = p.read_bytes()
     except OSError as e:
@@ -515,6 +539,122 @@ def read_manifest(path: str | os.PathLike[str], *, compact: bool = False) -> Man
     if st.st_size > RELEASE_AFTER_BYTES:
         release_freed_memory()
     return m
+
+
+# -- the table file (docs/FORMAT.md, "The table file") ---------------------------------------------------
+
+
+def _file_key(st: os.stat_result) -> list[int]:
+    """What says a manifest is the file a table file was made from: inode, size, mtime (ns). An
+    atomic rewrite (a new inode) or any write (size, mtime) changes it."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _folder_keys(m: Manifest) -> list[list[Any]]:
+    """Each folder a shard of ``m`` may lie in (relative to the manifest's folder) and its mtime
+    (ns): an entry added, removed or renamed there (a shard swapped for a symbolic link) changes it."""
+    out = []
+    for folder in m.split_folders():
+        with contextlib.suppress(OSError):
+            out.append([os.path.relpath(folder, m.root), os.stat(folder).st_mtime_ns])
+    return out
+
+
+#: Table-file columns hashed when first used (all but the splits: 1 byte per shard), not at open.
+_DEFERRED_COLUMNS = ("paths", "ends", "int:", "hex:", "present:")
+
+
+def _from_table_file(p: Path, st: os.stat_result) -> Manifest | None:
+    """The compact manifest from ``p``'s table file, or None when there is none or it is not
+    current: damaged, made from another manifest file (:func:`_file_key`), or a shard folder
+    changed since (:func:`_folder_keys`). Everything :func:`read_manifest` checks was checked
+    by :func:`write_table_file` on this same file and folders. Paths and hashes are hashed when
+    first used; if they fail then, they are taken from ``shards.json`` (:func:`_reread_bulk`)."""
+    tpath = fmt.table_path(p)
+    got = fmt.decode_table(_map_file(tpath), defer=_DEFERRED_COLUMNS)
+    if got is None:
+        return None
+    head, cols, unchecked = got
+    if head.get("manifest") != _file_key(st) or not isinstance(head.get("folders"), list):
+        return None
+    for folder, mtime in head["folders"]:
+        try:
+            if os.stat(p.parent / folder).st_mtime_ns != mtime:
+                return None
+        except (OSError, TypeError, ValueError):
+            return None
+
+    def check() -> ShardTable | None:
+        if all(fmt.table_column_ok(cols[k], want) for k, want in unchecked.items()):
+            return None
+        return _reread_table(p, tpath, cols["splits"])
+
+    try:
+        m = Manifest.from_json(dict(head["object"], shards=[]), str(p))
+        m.shards = ShardTable.from_columns(cols, str(tpath), check)
+    except (FormatError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    m.path = p.absolute()
+    return m
+
+
+def _reread_table(p: Path, tpath: Path, splits: np.ndarray) -> ShardTable:
+    """``shards.json``'s table, for a table file whose columns failed their digests when first
+    used; :class:`FormatError` naming both when it lists other shards than the table file did."""
+    fresh = _parse_manifest_file(p, _manifest_stat(p), compact=True).shards
+    assert isinstance(fresh, ShardTable)
+    if not np.array_equal(fresh._splits, splits):
+        raise FormatError(f"{tpath}: damaged, and {p} lists other shards now; reopen the corpus")
+    return fresh
+
+
+def _map_file(path: Path) -> Any:
+    """A read-only memory map of ``path``, or b"" when it is absent, empty or unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return b""
+
+
+def write_table_file(path: str | os.PathLike[str]) -> Path:
+    """Parse and check the manifest at ``path`` as :func:`read_manifest` does and write its table
+    file beside it (``<manifest>.table``, atomically): the shard list as memory-mappable columns,
+    keyed by the manifest file and its shard folders as they are now, so that readers open the
+    corpus without parsing ``shards.json``. Raises what :func:`read_manifest` raises, and
+    :class:`FormatError` when the manifest changes while it is read. Returns the table file's path."""
+    p = _manifest_file(path)
+    st = _manifest_stat(p)
+    m = _parse_manifest_file(p, st, compact=True)
+    folders = _folder_keys(m)
+    m.check_paths(str(p))  # again, after the folders' mtimes were taken: a later change is seen
+    if _file_key(_manifest_stat(p)) != _file_key(st):
+        raise FormatError(f"{p}: the manifest changed while its table file was written")
+    assert isinstance(m.shards, ShardTable)
+    header = {"manifest": _file_key(st), "folders": folders, "object": replace(m, shards=[]).to_json()}
+    out = fmt.table_path(p)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # no fsync: a cache; a torn file fails its digests and the manifest is parsed instead
+        tmp.write_bytes(fmt.encode_table(header, m.shards.columns()))
+        os.chmod(tmp, _umask_file_mode())
+        _outlast(tmp, max([st.st_mtime_ns, *(t for _, t in folders)]), p)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _outlast(tmp: Path, latest: int, where: Path) -> None:
+    """Return once the filesystem's clock, as ``tmp``'s mtime shows it, is past ``latest`` (the
+    newest mtime a table file keys on): file times tick coarsely (a few ms), and a write in the
+    same tick as the one keyed would keep its mtime. :class:`FormatError` when that takes over
+    0.1 s (an mtime in the future)."""
+    deadline = time.monotonic() + 0.1
+    while os.stat(tmp).st_mtime_ns <= latest:
+        if time.monotonic() > deadline:
+            raise FormatError(f"{where}: its mtime or a shard folder's is in the future; no table file written")
+        time.sleep(0.001)
+        os.utime(tmp)
 
 
 #: Manifests larger than this (about 500 shards) hand their parse's freed memory back to the OS.

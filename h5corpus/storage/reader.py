@@ -132,10 +132,10 @@ class Corpus:
         self.paths: Sequence[str] = []
         #: per shard: False while it may still grow (a live ``.partial`` file)
         self._complete = bytearray()
-        #: (shards + 1,) global token offset where each shard starts; last = num_tokens.
         self.shard_token_starts = np.zeros(1, dtype=np.int64)
-        #: (shards + 1,) global document index where each shard starts; last = num_documents.
         self.shard_doc_starts = np.zeros(1, dtype=np.int64)
+        #: a version 3+ split's table, until its shard starts are first asked for
+        self._starts_of: ShardTable | None = None
         #: (documents + 1,) int64 global token offset of each document (versions 1-2 and live
         #: shards: read at open; version 3: None until :attr:`doc_offsets` is asked for)
         self._doc_offsets: np.ndarray | None = np.zeros(1, dtype=np.int64)
@@ -156,6 +156,34 @@ class Corpus:
         self._append_entries(manifest.shards_of(split))
         if self.version < 2:
             warnings.warn(f"{manifest.path}: {self.integrity_note}", UnverifiedCorpusWarning, stacklevel=3)
+
+    @property
+    def shard_token_starts(self) -> np.ndarray:
+        """(shards + 1,) int64: the global token offset where each shard starts; last = num_tokens."""
+        if self.__dict__.get("_starts_of") is not None:
+            self._fill_starts()
+        return self._token_starts
+
+    @shard_token_starts.setter
+    def shard_token_starts(self, starts: np.ndarray) -> None:
+        self._token_starts = starts
+
+    @property
+    def shard_doc_starts(self) -> np.ndarray:
+        """(shards + 1,) int64: the global document index where each shard starts; last = num_documents."""
+        if self.__dict__.get("_starts_of") is not None:
+            self._fill_starts()
+        return self._doc_starts
+
+    @shard_doc_starts.setter
+    def shard_doc_starts(self, starts: np.ndarray) -> None:
+        self._doc_starts = starts
+
+    def _fill_starts(self) -> None:
+        table, self._starts_of = self._starts_of, None
+        zero = np.zeros(1, np.int64)
+        self._token_starts = np.concatenate([zero, np.cumsum(table.column("tokens"))])
+        self._doc_starts = np.concatenate([zero, np.cumsum(table.column("documents"))])
 
     @classmethod
     def _live_corpus(cls, path: Path, tokenizer: TokenizerIdentity | None, read_path: ReadPath) -> Corpus:
@@ -207,17 +235,21 @@ class Corpus:
         assert self.manifest is not None
         if self.version >= 3:  # columns, not records: ~170 bytes per shard in every process
             table = ShardTable.of(entries)
-            self.entries = table if not self.entries else ShardTable.of(self.entries) + table
+            first = not self.entries
+            self.entries = table if first else ShardTable.of(self.entries) + table
             self.paths = RootedPaths(str(self.manifest.root), self.entries)
             self._complete.extend(b"\x01" * len(table))
+            self._doc_offsets = None
+            self._doc_ids = self._doc_flags = None
+            if first:  # the starts when first asked for: an open reads no per-shard column
+                self._starts_of = table
+                return
             self.shard_token_starts = np.concatenate(
                 [self.shard_token_starts, self.shard_token_starts[-1] + np.cumsum(table.column("tokens"))]
             )
             self.shard_doc_starts = np.concatenate(
                 [self.shard_doc_starts, self.shard_doc_starts[-1] + np.cumsum(table.column("documents"))]
             )
-            self._doc_offsets = None
-            self._doc_ids = self._doc_flags = None
             return
         assert self._doc_offsets is not None
         offs, ids, flags = [self._doc_offsets], [], []

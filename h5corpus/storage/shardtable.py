@@ -14,8 +14,8 @@ import binascii
 import dataclasses
 import os
 from array import array
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -37,23 +37,39 @@ class ShardTable(Sequence[ShardRecord]):
 
     def __init__(
         self,
-        paths: bytes,
+        paths: bytes | memoryview,
         ends: np.ndarray,
         splits: np.ndarray,
         ints: dict[str, np.ndarray],
         hexes: dict[str, tuple[np.ndarray, np.ndarray | None]],
         rows: np.ndarray | None = None,
+        *,
+        bulk: _Bulk | None = None,
     ) -> None:
-        #: every path's UTF-8 bytes end to end; path i is ``paths[ends[i-1]:ends[i]]``
-        self._paths, self._ends = paths, ends
+        #: every path's UTF-8 bytes end to end (path i is ``paths[ends[i-1]:ends[i]]``), per
+        #: integer key (n,) int64 (absent when no entry has the key), per hash key ((n, 32) uint8,
+        #: (n,) bool "present" or None when all are): :attr:`_paths`, :attr:`_ends`, ...
+        self._bulk = bulk if bulk is not None else _Bulk(_Columns(paths, ends, ints, hexes))
         #: per shard: its split's index in :data:`~h5corpus.storage.format.SPLITS`
         self._splits = splits
-        #: per integer key: (n,) int64, or absent when no entry has the key
-        self._ints = ints
-        #: per hash key: ((n, 32) uint8, (n,) bool "present" or None when all are)
-        self._hexes = hexes
         #: a view's positions in those columns (None: all of them, in order)
         self._rows = rows
+
+    @property
+    def _paths(self) -> bytes | memoryview:
+        return self._bulk.get().paths
+
+    @property
+    def _ends(self) -> np.ndarray:
+        return self._bulk.get().ends
+
+    @property
+    def _ints(self) -> dict[str, np.ndarray]:
+        return self._bulk.get().ints
+
+    @property
+    def _hexes(self) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+        return self._bulk.get().hexes
 
     @classmethod
     def from_json(cls, entries: list[dict[str, Any]], where: str) -> ShardTable:
@@ -75,6 +91,65 @@ class ShardTable(Sequence[ShardRecord]):
         if isinstance(records, ShardTable):
             return records
         return cls.from_json([r.to_json() for r in records], "shard records")
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """This table's columns by name (what :meth:`from_columns` takes back): ``paths`` (every
+        path's UTF-8 bytes), ``ends``, ``splits``, ``int:<key>``, ``hex:<key>`` and, where some
+        shard lacks that hash, ``present:<key>``."""
+        t = self._materialized()
+        cols = {"paths": np.frombuffer(t._paths, np.uint8), "ends": t._ends, "splits": t._splits}
+        cols.update({f"int:{k}": v for k, v in t._ints.items()})
+        for k, (col, present) in t._hexes.items():
+            cols[f"hex:{k}"] = col
+            if present is not None:
+                cols[f"present:{k}"] = present.astype(np.uint8)
+        return cols
+
+    @classmethod
+    def from_columns(
+        cls, cols: dict[str, np.ndarray], where: str, check: Callable[[], ShardTable | None] | None = None
+    ) -> ShardTable:
+        """The table of :meth:`columns` (e.g. read-only views of a memory map: nothing is
+        copied). :class:`FormatError` naming ``where`` when a column is unknown, of another
+        dtype or length, or the paths do not end where ``ends`` says. ``check``: called the
+        first time the paths or hashes are used; when it returns a table (these columns failed
+        their digests: the same shards, read elsewhere), that table's paths and hashes are used."""
+        n = len(cols.get("splits", ()))
+
+        def col(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+            c = cols.get(name)
+            if c is None or c.dtype != np.dtype(dtype) or c.shape != shape:
+                raise FormatError(f"{where}: table column {name!r} is missing or not {dtype} {shape}")
+            return c
+
+        ends, splits = col("ends", "<i8", (n,)), col("splits", "|u1", (n,))
+        ints = {k: col(f"int:{k}", "<i8", (n,)) for k in INT_KEYS if f"int:{k}" in cols}
+        hexes: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+        for k in HEX_KEYS:
+            if f"hex:{k}" in cols:
+                present = col(f"present:{k}", "|u1", (n,)).view(bool) if f"present:{k}" in cols else None
+                hexes[k] = (col(f"hex:{k}", "|u1", (n, 32)), present)
+        known = {
+            "paths",
+            "ends",
+            "splits",
+            *(f"{p}:{k}" for p in ("int", "hex", "present") for k in (*INT_KEYS, *HEX_KEYS)),
+        }
+        if set(cols) - known or "paths" not in cols or (splits >= len(fmt.SPLITS)).any():
+            raise FormatError(f"{where}: table columns {sorted(set(cols) - known)} or splits are not a shard table")
+
+        def bulk() -> _Columns:  # what ``check`` proves, when first used
+            other = check() if check is not None else None
+            if other is not None:
+                return other._bulk.get()
+            paths = cols["paths"]
+            if paths.dtype != np.uint8 or paths.ndim != 1 or (n and (np.diff(ends, prepend=0) < 0).any()):
+                raise FormatError(f"{where}: table column 'paths' or 'ends' is not a shard table's")
+            if paths.size != (int(ends[-1]) if n else 0):
+                raise FormatError(f"{where}: table column 'paths' does not end where 'ends' says")
+            return _Columns(memoryview(paths), ends, ints, hexes)
+
+        return cls(b"", ends, splits, {}, {}, bulk=_Bulk(None, bulk))
 
     # -- Sequence --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -127,7 +202,7 @@ class ShardTable(Sequence[ShardRecord]):
 
     def _path(self, i: int) -> str:
         lo = int(self._ends[i - 1]) if i else 0
-        return self._paths[lo : int(self._ends[i])].decode("utf-8", "surrogatepass")
+        return bytes(self._paths[lo : int(self._ends[i])]).decode("utf-8", "surrogatepass")
 
     def column(self, key: str) -> np.ndarray:
         """(n,) int64 of an integer key (``tokens``, ``documents``, ``bytes``, ...); zeros when no
@@ -184,7 +259,7 @@ class ShardTable(Sequence[ShardRecord]):
             raise IndexError(f"shards {idx.min()}..{idx.max()} of {len(self)}")
         idx = idx % max(len(self), 1)
         rows = idx if self._rows is None else self._rows[idx]
-        return ShardTable(self._paths, self._ends, self._splits, self._ints, self._hexes, rows)
+        return ShardTable(b"", _NO_ENDS, self._splits, {}, {}, rows, bulk=self._bulk)
 
     def _materialized(self) -> ShardTable:
         """This table with columns of its own shards only."""
@@ -192,7 +267,7 @@ class ShardTable(Sequence[ShardRecord]):
             return self
         idx = self._rows
         starts = np.concatenate([[0], self._ends[:-1]]) if self._ends.size else self._ends
-        parts = [self._paths[int(starts[i]) : int(self._ends[i])] for i in idx.tolist()]
+        parts = [bytes(self._paths[int(starts[i]) : int(self._ends[i])]) for i in idx.tolist()]
         ends = np.cumsum([len(p) for p in parts], dtype=np.int64) if parts else np.zeros(0, np.int64)
         hexes = {k: (c[idx], None if p is None else p[idx]) for k, (c, p) in self._hexes.items()}
         return ShardTable(b"".join(parts), ends, self._splits[idx], {k: c[idx] for k, c in self._ints.items()}, hexes)
@@ -208,13 +283,34 @@ class ShardTable(Sequence[ShardRecord]):
             (ca, pa), (cb, pb) = a._hex_or_absent(k, n), b._hex_or_absent(k, m)
             present = np.concatenate([pa, pb])
             hexes[k] = (np.concatenate([ca, cb]), None if present.all() else present)
-        return ShardTable(a._paths + b._paths, ends, np.concatenate([a._splits, b._splits]), ints, hexes)
+        return ShardTable(bytes(a._paths) + bytes(b._paths), ends, np.concatenate([a._splits, b._splits]), ints, hexes)
 
     def _hex_or_absent(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
         col = self._hexes.get(key)
         if col is None:
             return np.zeros((n, 32), np.uint8), np.zeros(n, bool)
         return col[0], np.ones(n, bool) if col[1] is None else col[1]
+
+
+class _Columns(NamedTuple):
+    paths: bytes | memoryview
+    ends: np.ndarray
+    ints: dict[str, np.ndarray]
+    hexes: dict[str, tuple[np.ndarray, np.ndarray | None]]
+
+
+class _Bulk:
+    """A table's columns but the splits (nearly all its bytes), shared by its views; a table
+    file's are made (``make``: digests and structure checked, once) when first used, not at open."""
+
+    def __init__(self, columns: _Columns | None, make: Callable[[], _Columns] | None = None) -> None:
+        self._columns, self._make = columns, make
+
+    def get(self) -> _Columns:
+        if self._columns is None:
+            assert self._make is not None
+            self._columns = self._make()
+        return self._columns
 
 
 class RootedPaths(Sequence[str]):
@@ -288,3 +384,4 @@ class ShardColumns:
 
 
 _ZERO_HASH = bytes(32)
+_NO_ENDS = np.zeros(0, np.int64)  # what a table made on another's columns passes for them

@@ -19,7 +19,7 @@ from typing import Any
 from ... import __version__
 from ...storage import format as fmt
 from ...storage.format import FormatError
-from ...storage.manifest import Manifest, write_manifest
+from ...storage.manifest import Manifest, write_manifest, write_table_file
 from ...storage.reader import write_layout_file
 from ...storage.writer import fsync_dir
 from ..config import MAX_LISTED
@@ -157,14 +157,28 @@ def commit(
     with os_step("write the manifest", manifest_path):
         write_manifest(manifest_path, m)
     ctx.step("manifest-after")
-    try:  # readers' fast first touch (docs/FORMAT.md "The layout file"); without it they check through HDF5
-        write_layout_file(manifest_path)
-    except (OSError, FormatError):
-        with contextlib.suppress(OSError):
-            fmt.layout_path(manifest_path).unlink(missing_ok=True)
+    write_reader_caches(manifest_path, table=False)
     remove_unlisted(ctx, {p for e in entries for p in (m.shard_path(e), fmt.docs_path(m.shard_path(e)))})
+    write_reader_caches(manifest_path, layout=False)  # last: it keys on the shard folders as they end up
     ctx.state.remove()
     return m
+
+
+def write_reader_caches(manifest_path: Path, *, layout: bool = True, table: bool = True) -> None:
+    """Write the manifest's layout file (readers' fast first touch of a shard) and table file
+    (their open without parsing ``shards.json``): docs/FORMAT.md. Without them readers do the
+    same checks the slow way, so a failure removes the stale file and the build goes on."""
+    for wanted, write, path in (
+        (layout, write_layout_file, fmt.layout_path(manifest_path)),
+        (table, write_table_file, fmt.table_path(manifest_path)),
+    ):
+        if not wanted:
+            continue
+        try:
+            write(manifest_path)
+        except (OSError, FormatError):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
 
 def remove_unlisted(ctx: StageContext, listed: set[Path]) -> None:
