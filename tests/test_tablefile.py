@@ -127,3 +127,23 @@ def test_the_table_file_round_trips_any_shard_table(tmp_path):
     assert [s.sha256 for s in back] == [e["sha256"] for e in d["shards"]]
     assert [s.loss_sha256 for s in back] == ["ab" * 32, None]
     assert back.split_mask("validation").tolist() == [False, True]
+
+
+def test_validate_names_a_current_table_file_that_disagrees_with_the_manifest(tabled):
+    """An edit that gives the manifest back its inode, size and mtime (deliberate: no write does)
+    leaves the table file current; validate then names it, and passes once it is deleted."""
+    from h5corpus.storage.validate import validate_corpus
+
+    assert validate_corpus(tabled).ok
+    st = tabled.stat()
+    text = tabled.read_text()
+    e = _entries(tabled)[2]
+    edited = text.replace(f'"{e["path"]}"', f'"{e["path"][:-3]}.x5"')  # same length
+    with open(tabled, "r+") as fh:
+        fh.write(edited)
+    os.utime(tabled, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert mf.table_manifest(tabled) is not None  # current, by its key
+    found = [f for f in validate_corpus(tabled).findings if f.code == "table"]
+    assert len(found) == 1 and fmt.table_path(tabled).name in found[0].message
+    fmt.table_path(tabled).unlink()
+    assert not [f for f in validate_corpus(tabled).findings if f.code == "table"]

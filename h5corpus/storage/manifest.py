@@ -598,6 +598,13 @@ def _from_table_file(p: Path, st: os.stat_result) -> Manifest | None:
     return m
 
 
+def table_manifest(path: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest as the table file beside ``path`` gives it to readers when that file is
+    current, else None (readers then parse ``path``): for ``validate``, which compares the two."""
+    p = _manifest_file(path)
+    return _from_table_file(p, _manifest_stat(p))
+
+
 def _reread_table(p: Path, tpath: Path, splits: np.ndarray) -> ShardTable:
     """``shards.json``'s table, for a table file whose columns failed their digests when first
     used; :class:`FormatError` naming both when it lists other shards than the table file did."""

@@ -17,7 +17,7 @@ import stat
 import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import numpy as np
 
 from . import format as fmt
 from .format import PARTIAL_SUFFIX, FormatError, ShardExpectation, ShardRecord
-from .manifest import Manifest, read_manifest
+from .manifest import Manifest, read_manifest, table_manifest
 
 #: Tokens read per block while hashing (a multiple of every power-of-two chunk size up to it).
 HASH_BLOCK_TOKENS = 1 << 22
@@ -614,6 +614,7 @@ def validate_corpus(
     report.tokens = sum(s.tokens for s in m.shards)
     report.findings.extend(_split_total_findings(m))
     report.findings.extend(stray_findings(m))
+    report.findings.extend(table_findings(m))
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize
@@ -644,6 +645,31 @@ def validate_corpus(
     report.findings.extend(sft_findings(m, deep=deep))
     report.findings.sort(key=lambda f: (f.shard or "", f.code))
     return report
+
+
+def table_findings(m: Manifest) -> list[Finding]:
+    """A current table file (the shard list readers open instead of parsing the manifest,
+    docs/FORMAT.md) that lists other shards or facts than the manifest: readers would serve its
+    list. A stale or damaged one is not a finding (readers parse the manifest then)."""
+    assert m.path is not None
+    try:
+        mirror = table_manifest(m.path)
+        same = mirror is None or (
+            [s.to_json() for s in mirror.shards] == [s.to_json() for s in m.shards]
+            and replace(mirror, shards=[]).to_json() == replace(m, shards=[]).to_json()
+        )
+    except FormatError as e:
+        return [Finding(None, "table", f"{fmt.table_path(m.path)}: {e}; delete it (readers then parse the manifest)")]
+    if same:
+        return []
+    return [
+        Finding(
+            None,
+            "table",
+            f"{fmt.table_path(m.path)}: lists other shards or facts than the manifest, and readers would take "
+            "its list; delete it (readers then parse the manifest)",
+        )
+    ]
 
 
 # -- fine-tuning shards: the loss mask and the BOS convention (docs/FORMAT.md, "Loss masks") ------
