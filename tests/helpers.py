@@ -144,14 +144,15 @@ def read_doc_meta(shard: Path) -> tuple[np.ndarray, np.ndarray]:
 def tree(root: Path) -> dict[str, str]:
     """sha256 of every file under root (relative paths), the build's run markers excluded (a killed
     build leaves its own, holding its pid): ``.build.lock`` of a shards folder and
-    ``.<manifest>.lock`` beside a manifest; and the manifest's layout file (``<manifest>.layout``,
-    a cache of what first touches check, bound to the shard files' mtimes: not build output)."""
+    ``.<manifest>.lock`` beside a manifest; and the manifest's layout and table files
+    (``<manifest>.layout``, ``<manifest>.table``: readers' caches, bound to the files' inodes and
+    mtimes, not build output)."""
     return {
         p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
         if p.is_file()
         and not (p.name.startswith(".") and p.name.endswith(".lock"))
-        and not p.name.endswith(fmt.LAYOUT_SUFFIX)
+        and not p.name.endswith((fmt.LAYOUT_SUFFIX, fmt.TABLE_SUFFIX))
     }
 
 
