@@ -169,3 +169,16 @@ def test_a_build_writes_a_current_table_file_both_splits_open_from(tmp_path, std
         c = open_corpus(mpath, split)
         mine = [e for e in entries if e["split"] == split]
         assert c.num_tokens == sum(e["tokens"] for e in mine) and c.num_shards == len(mine)
+
+
+def test_a_corpus_opened_from_the_table_file_pickles_for_spawned_workers(tabled):
+    """What a spawned DataLoader worker receives: the same shards and tokens, with columns of its
+    own (not views of the parent's map)."""
+    import pickle
+
+    c = open_corpus(tabled, "train")
+    blob = pickle.dumps(c)
+    c2 = pickle.loads(blob)
+    assert _as_json(c2.manifest) == _entries(tabled)
+    assert (c2.tokens(0, c2.num_tokens) == c.tokens(0, c.num_tokens)).all()
+    assert isinstance(c2.entries._paths, bytes)

@@ -111,9 +111,10 @@ class ShardTable(Sequence[ShardRecord]):
     ) -> ShardTable:
         """The table of :meth:`columns` (e.g. read-only views of a memory map: nothing is
         copied). :class:`FormatError` naming ``where`` when a column is unknown, of another
-        dtype or length, or the paths do not end where ``ends`` says. ``check``: called the
-        first time the paths or hashes are used; when it returns a table (these columns failed
-        their digests: the same shards, read elsewhere), that table's paths and hashes are used."""
+        dtype or length, or the paths do not end where ``ends`` says (checked when first used).
+        ``check``: called the first time a column other than the splits is used; when it returns
+        a table (these columns failed their digests: the same shards, read elsewhere), that
+        table's columns are used."""
         n = len(cols.get("splits", ()))
 
         def col(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -311,6 +312,11 @@ class _Bulk:
             assert self._make is not None
             self._columns = self._make()
         return self._columns
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a corpus sent to a spawned worker) as checked columns of its own."""
+        c = self.get()
+        return (_Bulk, (_Columns(bytes(c.paths), c.ends, c.ints, c.hexes),))
 
 
 class RootedPaths(Sequence[str]):
