@@ -569,20 +569,19 @@ def _from_table_file(p: Path, st: os.stat_result) -> Manifest | None:
     current: damaged, made from another manifest file (:func:`_file_key`), or a shard folder
     changed since (:func:`_folder_keys`). Everything :func:`read_manifest` checks was checked
     by :func:`write_table_file` on this same file and folders. Paths and hashes are hashed when
-    first used; if they fail then, they are taken from ``shards.json`` (:func:`_reread_bulk`)."""
+    first used; if they fail then, they are taken from ``shards.json`` (:func:`_reread_table`)."""
     tpath = fmt.table_path(p)
-    got = fmt.decode_table(_map_file(tpath), defer=_DEFERRED_COLUMNS)
+    got = fmt.decode_table(map_readonly(tpath), defer=_DEFERRED_COLUMNS)
     if got is None:
         return None
     head, cols, unchecked = got
-    if head.get("manifest") != _file_key(st) or not isinstance(head.get("folders"), list):
-        return None
-    for folder, mtime in head["folders"]:
-        try:
-            if os.stat(p.parent / folder).st_mtime_ns != mtime:
-                return None
-        except (OSError, TypeError, ValueError):
+    try:
+        if head.get("manifest") != _file_key(st):
             return None
+        if any(os.stat(p.parent / folder).st_mtime_ns != mtime for folder, mtime in head["folders"]):
+            return None
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
     def check() -> ShardTable | None:
         if all(fmt.table_column_ok(cols[k], want) for k, want in unchecked.items()):
@@ -615,8 +614,9 @@ def _reread_table(p: Path, tpath: Path, splits: np.ndarray) -> ShardTable:
     return fresh
 
 
-def _map_file(path: Path) -> Any:
-    """A read-only memory map of ``path``, or b"" when it is absent, empty or unreadable."""
+def map_readonly(path: Path) -> Any:
+    """A read-only memory map of ``path``, or b"" when it is absent, empty or unreadable (for the
+    readers' caches beside a manifest: the layout and table files)."""
     try:
         with open(path, "rb") as fh:
             return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)

@@ -48,7 +48,7 @@ import numpy as np
 
 from . import format as fmt
 from .format import PARTIAL_SUFFIX, FormatError, ShardRecord, TokenizerIdentity
-from .manifest import Manifest, read_manifest, release_freed_memory
+from .manifest import Manifest, map_readonly, read_manifest, release_freed_memory
 from .readpaths import (
     FORKS,
     READ_PATHS,
@@ -800,7 +800,7 @@ class Corpus:
             return None
         data = self.__dict__.get("_layout_map")
         if data is None:
-            data = self.__dict__["_layout_map"] = _map_file(fmt.layout_path(self.manifest.path))
+            data = self.__dict__["_layout_map"] = map_readonly(fmt.layout_path(self.manifest.path))
         if not data:
             return None
         where = self._manifest_rows()
@@ -1450,15 +1450,6 @@ def _flush_rows(out: np.ndarray, parts: list[np.ndarray], done: int) -> int:
     done += len(parts)
     parts.clear()
     return done
-
-
-def _map_file(path: Path) -> Any:
-    """A read-only memory map of ``path``, or b"" when it is absent, empty or unreadable."""
-    try:
-        with open(path, "rb") as fh:
-            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return b""
 
 
 def write_layout_file(manifest: str | os.PathLike[str]) -> Path:
