@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -139,6 +140,18 @@ def read_doc_meta(shard: Path) -> tuple[np.ndarray, np.ndarray]:
             return f["doc_ids"][:], f["doc_flags"][:]
     ids, flags, _ = read_sidecar(shard)
     return ids, flags
+
+
+def flip_bit(path: Path, at: int) -> None:
+    """Flip one bit at byte ``at`` of ``path`` and give the file back its size and mtime (what a
+    cache keyed on them cannot see)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def tree(root: Path) -> dict[str, str]:

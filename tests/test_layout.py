@@ -24,7 +24,7 @@ from h5corpus.storage import format as fmt
 from h5corpus.storage import manifest as mf
 from h5corpus.storage.reader import _file_id, open_corpus, write_layout_file
 from h5corpus.storage.readpaths import IndexChecksumError
-from tests.helpers import subprocess_env, write_jsonl
+from tests.helpers import flip_bit, subprocess_env, write_jsonl
 from tests.test_storage_v3 import synthetic
 
 
@@ -39,17 +39,6 @@ def laid_out(tmp_path) -> tuple[Path, np.ndarray, np.ndarray]:
 def _used(c) -> list[bool]:
     """Whether each shard's first touch in this process may use the layout file."""
     return [c._mapped_layout(s, _file_id(c.paths[s]), c.entries[s]) is not None for s in range(c.num_shards)]
-
-
-def _flip(path: Path, at: int) -> None:
-    """Flip one bit at byte ``at`` of ``path`` and give the file back its size and mtime."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 1]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_reads_through_the_layout_file_equal_the_oracle_and_hdf5(laid_out):
@@ -97,8 +86,8 @@ def test_the_checksums_still_guard_a_first_touch_through_the_layout(laid_out):
     c = open_corpus(mpath, "train")
     lay = fmt.decode_layout(fmt.layout_path(mpath).read_bytes(), 2, 4)
     path = Path(c.paths[2])
-    _flip(path, int(lay.tokens[0]) + 10)
-    _flip(path, int(lay.offsets[1]) + 100)
+    flip_bit(path, int(lay.tokens[0]) + 10)
+    flip_bit(path, int(lay.offsets[1]) + 100)
     c = open_corpus(mpath, "train")
     assert _used(c)[2]
     with pytest.raises(fmt.ChunkChecksumError, match=rf"{path.name}: chunk 0 of /tokens"):
@@ -122,7 +111,7 @@ def test_a_shard_closed_and_opened_again_keeps_what_this_process_verified(laid_o
     c._close_oldest(len(c._readers))
     assert not c._readers
     path = Path(c.paths[1])
-    _flip(path, int(lay.tokens[1]) + 6)  # chunk 1, never read
+    flip_bit(path, int(lay.tokens[1]) + 6)  # chunk 1, never read
     assert list(c._reader(1).ready) == [1] + [0] * (n_chunks - 1)  # opened: chunk 0 needs no hash again
     assert (c.tokens(t0 + 3, t0 + 8) == toks[t0 + 3 : t0 + 8]).all()
     C = c.chunk_tokens
@@ -134,7 +123,7 @@ def test_a_shard_closed_and_opened_again_keeps_what_this_process_verified(laid_o
     last = Path(c.paths[3])
     lay3 = fmt.decode_layout(fmt.layout_path(mpath).read_bytes(), 3, 4)
     n_off = c.num_documents - int(c.shard_doc_starts[3]) + 1
-    _flip(last, int(lay3.offsets[-1]) + 8 * ((n_off - 1) % fmt.OFFSETS_CHUNK_V3))  # its last offset
+    flip_bit(last, int(lay3.offsets[-1]) + 8 * ((n_off - 1) % fmt.OFFSETS_CHUNK_V3))  # its last offset
     t3 = int(c.shard_token_starts[3])
     assert (c.tokens(t3, t3 + 7) == toks[t3 : t3 + 7]).all()
     with pytest.raises(IndexChecksumError, match=rf"{last.name}: chunk"):
@@ -289,7 +278,7 @@ def test_validate_write_layout_writes_a_file_the_readers_use_and_only_after_ever
     assert np.array_equal(c.tokens(0, c.num_tokens), toks)
     lay.unlink()  # a corrupt shard: validate exits 1 and writes no layout file
     shard = Path(c.paths[1])
-    _flip(shard, shard.stat().st_size // 2)
+    flip_bit(shard, shard.stat().st_size // 2)
     r = subprocess.run(run, capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 1 and shard.name in r.stdout + r.stderr
     assert not lay.exists()

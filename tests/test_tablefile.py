@@ -16,6 +16,7 @@ from h5corpus.storage import format as fmt
 from h5corpus.storage import manifest as mf
 from h5corpus.storage.format import FormatError
 from h5corpus.storage.reader import open_corpus
+from tests.helpers import flip_bit
 from tests.test_storage_v3 import synthetic
 
 
@@ -80,17 +81,6 @@ def test_a_rewritten_manifest_or_a_changed_shard_folder_is_parsed(tabled):
         mf.read_manifest(tabled, compact=True)
 
 
-def _flip(path: Path, at: int) -> None:
-    """Flip one bit at byte ``at`` of ``path``, keeping its mtime."""
-    st = path.stat()
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([b[0] ^ 1]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 def _column_at(tpath: Path, name: str) -> int:
     """Byte offset in the table file of column ``name``'s first byte."""
     data = tpath.read_bytes()
@@ -105,7 +95,7 @@ def test_a_damaged_table_file_is_never_used(tabled, where):
     """A damaged header or splits column: the manifest is parsed at open. A damaged column read
     on first use: its digest fails then, and the same shards are taken from ``shards.json``."""
     tpath = fmt.table_path(tabled)
-    _flip(tpath, 40 if where == "header" else _column_at(tpath, where))
+    flip_bit(tpath, 40 if where == "header" else _column_at(tpath, where))
     m = mf.read_manifest(tabled, compact=True)
     assert _from_table(m) == (where not in ("header", "splits"))
     assert _as_json(m) == _entries(tabled)
