@@ -223,7 +223,8 @@ def test_the_fast_manifest_check_agrees_with_jsonschema(laid_out):
 
 def test_the_build_writes_a_layout_file_that_every_shard_opens_through(tmp_path, stdlib_corpus_texts):
     """A build's commit writes ``<manifest>.layout``; every shard of both splits then opens through
-    it and reads what HDF5 reads."""
+    it and reads what HDF5 reads. It also writes the table file, current, that both splits open
+    from (the oracle: ``shards.json`` read with ``json``)."""
     src = write_jsonl(tmp_path / "in" / "a.jsonl", stdlib_corpus_texts[:150])
     mpath = tmp_path / "manifests" / "shards.json"
     cfg = BuildConfig(
@@ -232,7 +233,12 @@ def test_the_build_writes_a_layout_file_that_every_shard_opens_through(tmp_path,
     )  # fmt: skip
     build_corpus(cfg)
     assert fmt.layout_path(mpath).is_file()
+    tabled = mf.table_manifest(mpath)
+    entries = json.loads(mpath.read_text())["shards"]
+    assert tabled is not None and [s.to_json() for s in tabled.shards] == entries
+    assert {e["split"] for e in entries} == {"train", "validation"}
     for split in fmt.SPLITS:
+        assert open_corpus(mpath, split).entries._bulk._columns is None  # from the table file, unread yet
         c, ref = open_corpus(mpath, split), open_corpus(mpath, split, read_path="h5py")
         if c.num_shards:
             assert _used(c) == [True] * c.num_shards

@@ -139,28 +139,6 @@ def test_validate_names_a_current_table_file_that_disagrees_with_the_manifest(ta
     assert not [f for f in validate_corpus(tabled).findings if f.code == "table"]
 
 
-def test_a_build_writes_a_current_table_file_both_splits_open_from(tmp_path, stdlib_corpus_texts):
-    from h5corpus.build.config import BuildConfig
-    from h5corpus.build.run.runner import build_corpus
-    from tests.helpers import write_jsonl
-
-    src = write_jsonl(tmp_path / "in" / "a.jsonl", stdlib_corpus_texts[:150])
-    mpath = tmp_path / "manifests" / "shards.json"
-    cfg = BuildConfig(
-        sources=[str(src)], shards_dir=tmp_path / "shards", manifest=mpath, tokenizer="bytes", workers=1,
-        task_bytes=60_000, chunk_tokens=4096, shard_tokens=150_000,
-    )  # fmt: skip
-    build_corpus(cfg)
-    m = mf.read_manifest(mpath, compact=True)
-    assert _from_table(m)
-    entries = _entries(mpath)
-    assert _as_json(m) == entries and {e["split"] for e in entries} == {"train", "validation"}
-    for split in fmt.SPLITS:
-        c = open_corpus(mpath, split)
-        mine = [e for e in entries if e["split"] == split]
-        assert c.num_tokens == sum(e["tokens"] for e in mine) and c.num_shards == len(mine)
-
-
 def test_a_corpus_opened_from_the_table_file_pickles_for_spawned_workers(tabled):
     """What a spawned DataLoader worker receives: the same shards and tokens, with columns of its
     own (not views of the parent's map)."""
