@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
-from h5corpus.storage.manifest import Manifest, write_manifest
+from h5corpus.storage.manifest import Manifest, write_manifest, write_table_file
+from h5corpus.storage.reader import write_layout_file
 from h5corpus.storage.writer import ShardWriter
 from tests.helpers import BYTE_IDENTITY, batch_digest
 
@@ -38,7 +39,9 @@ def make(loader: str, corpus, **kw):
 
 def write_synthetic_corpus(root: Path, docs: int, shards: int, seed: int = 0) -> Path:
     """A corpus of ``docs`` random byte-id documents (lognormal lengths, median ~120 tokens, EOS
-    appended) in ``shards`` shards, written through the real ShardWriter; returns the manifest."""
+    appended) in ``shards`` shards, written through the real ShardWriter, then the manifest and,
+    as a build's commit does, its layout and table files (so that ranks and their spawned workers
+    open through them); returns the manifest."""
     manifest = Path(root) / "manifests" / "shards.json"
     rng = np.random.default_rng(seed)
     m = Manifest(tokenizer=BYTE_IDENTITY, dtype="uint16", chunk_tokens=1 << 16, shards_dir="../shards")
@@ -54,6 +57,8 @@ def write_synthetic_corpus(root: Path, docs: int, shards: int, seed: int = 0) ->
         m.shards.append(w.close().relative_to(manifest.parent))
     m.splits["train"] = {"documents": docs, "tokens": sum(e.tokens for e in m.shards_of("train"))}
     write_manifest(manifest, m)
+    write_layout_file(manifest)
+    write_table_file(manifest)
     return manifest
 
 
