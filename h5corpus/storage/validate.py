@@ -612,9 +612,7 @@ def validate_corpus(
         return report
     report.shards = len(m.shards)
     report.tokens = sum(s.tokens for s in m.shards)
-    report.findings.extend(_split_total_findings(m))
-    report.findings.extend(stray_findings(m))
-    report.findings.extend(table_findings(m))
+    report.findings.extend([*_split_total_findings(m), *stray_findings(m), *table_findings(m)])
     expect = ShardExpectation.of(m.tokenizer, m.chunk_tokens, m.dtype, m.version)
     jobs = sorted(((str(m.shard_path(s)), s, expect, deep) for s in m.shards), key=lambda j: -j[1].bytes)
     total = sum(s.tokens for s in m.shards) * np.dtype(m.dtype).itemsize
