@@ -653,14 +653,14 @@ def write_table_file(path: str | os.PathLike[str]) -> Path:
 
 def _outlast(tmp: Path, latest: int, where: Path) -> None:
     """Return once the filesystem's clock, as ``tmp``'s mtime shows it, is past ``latest`` (the
-    newest mtime a table file keys on): file times tick coarsely (a few ms), and a write in the
-    same tick as the one keyed would keep its mtime. :class:`FormatError` when that takes over
-    0.1 s (an mtime in the future)."""
-    deadline = time.monotonic() + 0.1
+    newest mtime a table file keys on): file times tick coarsely (a few ms; whole seconds on some
+    filesystems), and a write in the same tick as the one keyed would keep its mtime.
+    :class:`FormatError` when that takes over 2.5 s (an mtime in the future)."""
+    deadline = time.monotonic() + 2.5
     while os.stat(tmp).st_mtime_ns <= latest:
         if time.monotonic() > deadline:
             raise FormatError(f"{where}: its mtime or a shard folder's is in the future; no table file written")
-        time.sleep(0.001)
+        time.sleep(0.002)
         os.utime(tmp)
 
 
