@@ -150,3 +150,16 @@ def test_a_corpus_opened_from_the_table_file_pickles_for_spawned_workers(tabled)
     assert _as_json(c2.manifest) == _entries(tabled)
     assert (c2.tokens(0, c2.num_tokens) == c.tokens(0, c.num_tokens)).all()
     assert isinstance(c2.entries._paths, bytes)
+
+
+def test_a_manifest_dated_in_the_future_gets_no_table_file(tmp_path):
+    """The writer cannot wait for the clock to pass that mtime: it refuses by name (after 2.5 s),
+    leaves no table file, and readers parse the manifest."""
+    mpath = synthetic(tmp_path, 2, 10, seed=2)[0]
+    future = mpath.stat().st_mtime_ns + 3600 * 10**9
+    os.utime(mpath, ns=(future, future))
+    with pytest.raises(FormatError, match="in the future"):
+        mf.write_table_file(mpath)
+    assert not fmt.table_path(mpath).exists() and not list(mpath.parent.glob(".*.tmp"))
+    m = mf.read_manifest(mpath, compact=True)
+    assert not _from_table(m) and _as_json(m) == _entries(mpath)
