@@ -894,7 +894,7 @@ def decode_table(
             if at < 0 or start + at + count * dt.itemsize > len(data):
                 return None
             col = np.frombuffer(data, dt, count, start + at).reshape(shape)
-            if str(name).startswith(defer) if defer else False:
+            if str(name).startswith(defer):
                 unchecked[str(name)] = int(want)
             elif not table_column_ok(col, want):
                 return None

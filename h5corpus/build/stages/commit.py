@@ -157,23 +157,20 @@ def commit(
     with os_step("write the manifest", manifest_path):
         write_manifest(manifest_path, m)
     ctx.step("manifest-after")
-    write_reader_caches(manifest_path, table=False)
     remove_unlisted(ctx, {p for e in entries for p in (m.shard_path(e), fmt.docs_path(m.shard_path(e)))})
-    write_reader_caches(manifest_path, layout=False)  # last: it keys on the shard folders as they end up
+    write_reader_caches(manifest_path)  # last: the table file keys on the shard folders as they end up
     ctx.state.remove()
     return m
 
 
-def write_reader_caches(manifest_path: Path, *, layout: bool = True, table: bool = True) -> None:
+def write_reader_caches(manifest_path: Path) -> None:
     """Write the manifest's layout file (readers' fast first touch of a shard) and table file
     (their open without parsing ``shards.json``): docs/FORMAT.md. Without them readers do the
     same checks the slow way, so a failure removes the stale file and the build goes on."""
-    for wanted, write, path in (
-        (layout, write_layout_file, fmt.layout_path(manifest_path)),
-        (table, write_table_file, fmt.table_path(manifest_path)),
+    for write, path in (
+        (write_layout_file, fmt.layout_path(manifest_path)),
+        (write_table_file, fmt.table_path(manifest_path)),
     ):
-        if not wanted:
-            continue
         try:
             write(manifest_path)
         except (OSError, FormatError):
