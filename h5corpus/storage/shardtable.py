@@ -37,23 +37,31 @@ class ShardTable(Sequence[ShardRecord]):
 
     def __init__(
         self,
-        paths: bytes | memoryview,
+        paths: bytes,
         ends: np.ndarray,
         splits: np.ndarray,
         ints: dict[str, np.ndarray],
         hexes: dict[str, tuple[np.ndarray, np.ndarray | None]],
         rows: np.ndarray | None = None,
-        *,
-        bulk: _Bulk | None = None,
     ) -> None:
+        self._init(_Bulk(_Columns(paths, ends, ints, hexes)), splits, rows)
+
+    def _init(self, bulk: _Bulk, splits: np.ndarray, rows: np.ndarray | None) -> None:
         #: every path's UTF-8 bytes end to end (path i is ``paths[ends[i-1]:ends[i]]``), per
         #: integer key (n,) int64 (absent when no entry has the key), per hash key ((n, 32) uint8,
         #: (n,) bool "present" or None when all are): :attr:`_paths`, :attr:`_ends`, ...
-        self._bulk = bulk if bulk is not None else _Bulk(_Columns(paths, ends, ints, hexes))
+        self._bulk = bulk
         #: per shard: its split's index in :data:`~h5corpus.storage.format.SPLITS`
         self._splits = splits
         #: a view's positions in those columns (None: all of them, in order)
         self._rows = rows
+
+    @classmethod
+    def _sharing(cls, bulk: _Bulk, splits: np.ndarray, rows: np.ndarray | None = None) -> ShardTable:
+        """A table on ``bulk``'s columns (shared, made when first used)."""
+        t = cls.__new__(cls)
+        t._init(bulk, splits, rows)
+        return t
 
     @property
     def _paths(self) -> bytes | memoryview:
@@ -150,7 +158,7 @@ class ShardTable(Sequence[ShardRecord]):
                 raise FormatError(f"{where}: table column 'paths' does not end where 'ends' says")
             return _Columns(memoryview(paths), ends, ints, hexes)
 
-        return cls(b"", ends, splits, {}, {}, bulk=_Bulk(None, bulk))
+        return cls._sharing(_Bulk(None, bulk), splits)
 
     # -- Sequence --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -260,7 +268,7 @@ class ShardTable(Sequence[ShardRecord]):
             raise IndexError(f"shards {idx.min()}..{idx.max()} of {len(self)}")
         idx = idx % max(len(self), 1)
         rows = idx if self._rows is None else self._rows[idx]
-        return ShardTable(b"", _NO_ENDS, self._splits, {}, {}, rows, bulk=self._bulk)
+        return ShardTable._sharing(self._bulk, self._splits, rows)
 
     def _materialized(self) -> ShardTable:
         """This table with columns of its own shards only."""
@@ -390,4 +398,3 @@ class ShardColumns:
 
 
 _ZERO_HASH = bytes(32)
-_NO_ENDS = np.zeros(0, np.int64)  # what a table made on another's columns passes for them
