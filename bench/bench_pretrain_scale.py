@@ -25,6 +25,9 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
   (4,096 x 35, buffer 64, ``plan_dir`` = that folder), seconds after the open;
   ``bestfit_first_blocks``: the same with ``shuffle_block_shards=16`` (its plan written with the
   others, untimed): a microbatch then reads from 16 shards, not from most of the split's;
+  ``bestfit_first_frozen``: ``bestfit_first`` after ``gc.freeze()`` (the objects held after the
+  imports and the open left out of the garbage collector's passes); each of these with
+  ``<figure>_gc_s``, the seconds of it spent in the collector (``gc.callbacks``);
 * ``window_len`` / ``bestfit_len``: ``len()`` of each, seconds after the open;
 * ``rss_anon_mb``: ``RssAnon`` of ``/proc/self/status`` after the first batch (page cache of the
   memory-mapped shards is shared and not counted); ``rss_anon_mb_over_torch``: that minus
@@ -41,6 +44,7 @@ Growth ratios divide each figure by the first corpus's (the 1 M one). Figures: m
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -92,6 +96,7 @@ FIGURES = (
     "window_len",
     "bestfit_first",
     "bestfit_first_blocks",
+    "bestfit_first_frozen",
     "bestfit_len",
     "rank_1",
     "rank_512",
@@ -188,6 +193,24 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def gc_timed(fn: Any) -> tuple[float, float]:
+    """(seconds of ``fn()``, seconds of it spent in Python's cyclic garbage collector)."""
+    spent, began = [0.0], [0.0]
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - began[0]
+
+    gc.callbacks.append(note)
+    try:
+        seconds = timed(fn)[1]
+    finally:
+        gc.callbacks.remove(note)
+    return seconds, spent[0]
+
+
 def plan_dir(manifest: Path) -> Path:
     """The plan files' folder of the corpus of ``manifest`` (beside its shards)."""
     return manifest.parent.parent / "plans"
@@ -219,10 +242,12 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
     if figure.startswith("window"):
         ds = SlidingWindowDataset(c, seed=0, rank=0, world_size=1, **WINDOW)
         out[figure] = timed(lambda: len(ds) if figure == "window_len" else next(iter(ds)))[1]
-    elif figure in ("bestfit_first", "bestfit_len", "bestfit_first_blocks"):
+    elif figure in ("bestfit_first", "bestfit_len", "bestfit_first_blocks", "bestfit_first_frozen"):
         blocks = BLOCKS if figure == "bestfit_first_blocks" else {}
+        if figure == "bestfit_first_frozen":
+            gc.freeze()  # what a worker_init_fn may do after the imports (docs/SCALING.md)
         ds = BestFitDataset(c, seed=0, rank=0, world_size=1, plan_dir=plan_dir(manifest), **BESTFIT, **blocks)
-        out[figure] = timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))[1]
+        out[figure], out[f"{figure}_gc_s"] = gc_timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))
     elif figure.startswith("rank_"):
         ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), plan_dir=plan_dir(manifest), **RANKS)
         it = iter(ds)
@@ -290,6 +315,8 @@ def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> 
         imports += [r["rss_anon_mb_imports"] for r in good]
         if figure in ("window_first", "bestfit_first", "bestfit_first_blocks"):
             rss += [r["rss_anon_mb"] for r in good]
+        if figure.startswith("bestfit_first"):  # the collector's share of the fastest run
+            row[f"{figure}_gc_s"] = round(min(good, key=lambda r: r[figure])[f"{figure}_gc_s"], 6)
         if figure == "inspect":
             row["inspect_peak_rss_anon_mb"] = round(max(r["inspect_peak_rss_anon_mb"] for r in good), 1)
         if figure == "plan":
