@@ -53,8 +53,8 @@ def test_table_gives_the_records_parsing_each_entry_gives():
     for k in ("tokens", "documents", "bytes", "loss_spans"):
         np.testing.assert_array_equal(t.column(k), [getattr(r, k) for r in oracle])
     np.testing.assert_array_equal(t.split_mask("train"), [r.split == "train" for r in oracle])
-    assert t.hex_rows("sha256") == b"".join(r.sha256.encode() for r in oracle)
-    assert t.hex_rows("sums_sha256") is None and t.has("sums_sha256") and not t.take([0, 2]).has("sums_sha256")
+    assert b"".join(t.hex_blocks("sha256")) == b"".join(r.sha256.encode() for r in oracle)
+    assert t.hex_blocks("sums_sha256") is None and t.has("sums_sha256") and not t.take([0, 2]).has("sums_sha256")
     assert pickle.loads(pickle.dumps(t)) == oracle
 
 

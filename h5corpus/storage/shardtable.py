@@ -256,11 +256,6 @@ class ShardTable(Sequence[ShardRecord]):
             for lo in range(0, len(self), rows)
         )
 
-    def hex_rows(self, key: str) -> bytes | None:
-        """Every shard's ``key`` hash in hex, end to end (:meth:`hex_blocks` joined)."""
-        blocks = self.hex_blocks(key)
-        return None if blocks is None else b"".join(blocks)
-
     def take(self, idx: np.ndarray) -> ShardTable:
         """The shards at positions ``idx`` (in that order), as a table sharing this one's columns."""
         idx = np.asarray(idx, np.int64).reshape(-1)
