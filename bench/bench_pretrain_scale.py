@@ -23,8 +23,12 @@ Every figure is taken in a fresh process (``probe`` subcommand) so nothing is ca
   shards (rewritten), seconds; then, untimed, the per-rank figures' plan;
 * ``bestfit_first``: the first microbatch of a :class:`~h5corpus.loaders.bestfit.BestFitDataset`
   (4,096 x 35, buffer 64, ``plan_dir`` = that folder), seconds after the open;
-  ``bestfit_first_blocks``: the same with ``shuffle_block_shards=16`` (its plan written with the
-  others, untimed): a microbatch then reads from 16 shards, not from most of the split's;
+  the loader's defaults, so its chunk order is the rolling window over 64 shards;
+  ``bestfit_first_global``: the same with ``shuffle_window_shards=None`` (chunks shuffled over the
+  whole split: a microbatch reads from most of the split's shards); ``bestfit_next_global`` /
+  ``bestfit_next``: seconds per microbatch over the 8 after the first, global and default;
+  ``bestfit_first_blocks``: the same with ``shuffle_block_shards=16`` (these plans written with the
+  others, untimed): a microbatch then reads from 16 shards;
   ``bestfit_first_frozen``: ``bestfit_first`` after ``gc.freeze()`` (the objects held after the
   imports and the open left out of the garbage collector's passes); each of these with
   ``<figure>_gc_s``, the seconds of it spent in the collector (``gc.callbacks``);
@@ -84,6 +88,9 @@ WINDOW = dict(seq_len=2048, batch_size=8)
 BESTFIT = dict(max_seq_len=4096, batch_size=35)
 #: ``bestfit_first_blocks``: the best-fit loader with the shard-block shuffle (docs/PACKING.md)
 BLOCKS = dict(shuffle_block_shards=16)
+#: ``bestfit_first_global``: the best-fit loader shuffling over the whole split (no window)
+GLOBAL = dict(shuffle_window_shards=None)
+NEXT_STEPS = 8  # microbatches timed after the first for ``bestfit_next*``
 #: The per-rank figures use 2 packs per microbatch, so that rank 0 of 512 still yields RANK_STEPS
 #: microbatches of the 1 M-document corpus (~15,600 microbatches in its epoch).
 RANKS = dict(max_seq_len=4096, batch_size=2)
@@ -95,6 +102,9 @@ FIGURES = (
     "window_first",
     "window_len",
     "bestfit_first",
+    "bestfit_first_global",
+    "bestfit_next",
+    "bestfit_next_global",
     "bestfit_first_blocks",
     "bestfit_first_frozen",
     "bestfit_len",
@@ -107,7 +117,6 @@ TARGETS = {
     "open": 0.5,
     "window_first": 0.5,
     "bestfit_first": 1.0,
-    "bestfit_first_blocks": 1.0,
     "rss_anon_mb": 150.0,
     "inspect_peak_rss_anon_mb": 300.0,
 }
@@ -242,12 +251,8 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
     if figure.startswith("window"):
         ds = SlidingWindowDataset(c, seed=0, rank=0, world_size=1, **WINDOW)
         out[figure] = timed(lambda: len(ds) if figure == "window_len" else next(iter(ds)))[1]
-    elif figure in ("bestfit_first", "bestfit_len", "bestfit_first_blocks", "bestfit_first_frozen"):
-        blocks = BLOCKS if figure == "bestfit_first_blocks" else {}
-        if figure == "bestfit_first_frozen":
-            gc.freeze()  # what a worker_init_fn may do after the imports (docs/SCALING.md)
-        ds = BestFitDataset(c, seed=0, rank=0, world_size=1, plan_dir=plan_dir(manifest), **BESTFIT, **blocks)
-        out[figure], out[f"{figure}_gc_s"] = gc_timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))
+    elif figure.startswith("bestfit_"):
+        out.update(bestfit_probe(c, manifest, figure))
     elif figure.startswith("rank_"):
         ds = BestFitDataset(c, seed=0, rank=0, world_size=int(figure[5:]), plan_dir=plan_dir(manifest), **RANKS)
         it = iter(ds)
@@ -258,6 +263,7 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
         )
         write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **RANKS)
         write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT, **BLOCKS)
+        write_plans(c, plan_dir(manifest), [0], rebuild=True, seed=0, **BESTFIT, **GLOBAL)
     elif figure == "inspect":
         from h5corpus.inspection import inspect_corpus
 
@@ -265,6 +271,20 @@ def probe(manifest: Path, figure: str) -> dict[str, Any]:
     out["rss_anon_mb"] = rss_anon_mb()
     out["num_documents"] = c.num_documents
     return out
+
+
+def bestfit_probe(c: Any, manifest: Path, figure: str) -> dict[str, float]:
+    """The ``bestfit_*`` figures of :func:`probe` (``c``: the corpus, just opened)."""
+    kind = {"bestfit_first_blocks": BLOCKS, "bestfit_first_global": GLOBAL, "bestfit_next_global": GLOBAL}
+    if figure == "bestfit_first_frozen":
+        gc.freeze()  # what a worker_init_fn may do after the imports (docs/SCALING.md)
+    ds = BestFitDataset(c, seed=0, rank=0, world_size=1, plan_dir=plan_dir(manifest), **BESTFIT, **kind.get(figure, {}))
+    if figure.startswith("bestfit_next"):
+        it = iter(ds)
+        next(it)
+        return {figure: timed(lambda: [next(it) for _ in range(NEXT_STEPS)])[1] / NEXT_STEPS}
+    t, gc_s = gc_timed(lambda: len(ds) if figure == "bestfit_len" else next(iter(ds)))
+    return {figure: t, f"{figure}_gc_s": gc_s}
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -313,9 +333,9 @@ def measure(manifest: Path, figures: list[str], rounds: int, timeout: float) -> 
         row[figure] = round(min(r[figure] for r in good), 6)
         opens += [r["open"] for r in good]
         imports += [r["rss_anon_mb_imports"] for r in good]
-        if figure in ("window_first", "bestfit_first", "bestfit_first_blocks"):
+        if figure in ("window_first", "bestfit_first", "bestfit_first_global", "bestfit_first_blocks"):
             rss += [r["rss_anon_mb"] for r in good]
-        if figure.startswith("bestfit_first"):  # the collector's share of the fastest run
+        if figure.startswith("bestfit_first") or figure == "bestfit_len":  # the collector's share of the fastest run
             row[f"{figure}_gc_s"] = round(min(good, key=lambda r: r[figure])[f"{figure}_gc_s"], 6)
         if figure == "inspect":
             row["inspect_peak_rss_anon_mb"] = round(max(r["inspect_peak_rss_anon_mb"] for r in good), 1)
@@ -359,6 +379,7 @@ def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
         "open": "s",
         "window_first": "s",
         "bestfit_first": "s",
+        "bestfit_first_global": "s",
         "bestfit_first_blocks": "s",
         "rss_anon_mb": "MB",
         "inspect_peak_rss_anon_mb": "MB",

@@ -1025,7 +1025,12 @@ def plan_cli(
     shuffle_block_shards: int | None = typer.Option(
         None,
         "--shuffle-block-shards",
-        help="Shuffle chunks within blocks of this many shards (default: the whole split).",
+        help="Shuffle chunks within blocks of this many shards (default: the rolling window).",
+    ),
+    shuffle_window_shards: int | None = typer.Option(
+        None,
+        "--shuffle-window-shards",
+        help="The chunk order's rolling window, in shards (default 64); 0: shuffle over the whole split.",
     ),
     workers: int = typer.Option(1, "--workers", "-w", help="Epochs planned at once."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Rewrite plan files that already exist."),
@@ -1041,6 +1046,8 @@ def plan_cli(
     settings = dict(max_seq_len=max_seq_len, batch_size=batch_size, packing_buffer=packing_buffer, seed=seed)
     if shuffle_block_shards is not None:
         settings["shuffle_block_shards"] = shuffle_block_shards
+    if shuffle_window_shards is not None:
+        settings["shuffle_window_shards"] = shuffle_window_shards or None
     try:
         paths = write_plans(
             manifest, plan_dir, range(first_epoch, first_epoch + max(epochs, 0)), workers=workers, rebuild=rebuild,

@@ -34,9 +34,9 @@ import torch
 from ..storage.protocols import CorpusLike
 from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
-from .blockshuffle import ShardBlocks
+from .blockshuffle import DEFAULT_WINDOW_SHARDS, ShardBlocks, check_window_shards
 from .chunking import ChunkTable
-from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, block_stream, epoch_order
+from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, block_stream, epoch_order, window_stream
 from .lossmask import mask_batch
 from .mixture import Mixture, mix
 from .partition import distinct_sorted, integer_arg
@@ -188,11 +188,18 @@ class BestFitDataset(GlobalSequenceDataset):
             shuffle.
         mode: ``"buffer"`` (bounded-buffer best fit) or ``"bfd"`` (best-fit-decreasing).
         shuffle: shuffle the chunk order per epoch (default True); False keeps corpus order.
-        shuffle_block_shards: None (default) shuffles chunks over the whole split; ``K`` permutes
-            the shards, groups them ``K`` at a time into blocks and shuffles chunks only within a
-            block (:mod:`~h5corpus.loaders.blockshuffle`), so an epoch from a cold remote cache
-            reads its shards as they arrive (with its plan from a plan file: computing a plan
-            reads every shard's index).
+        shuffle_window_shards: the chunk order's rolling window, in shards (default 64): on a
+            split of more shards than that, every stretch of the epoch mixes chunks of ``K``
+            shards, consecutive stretches share all but one, and the window moves over every
+            shard (:func:`~h5corpus.loaders.blockshuffle.window_order`), so a microbatch reads
+            ``K`` shards at most, which stay open for the next ones, however many the split has.
+            None, or a split of ``K`` shards or fewer: chunks shuffled over the whole split.
+            Not used with ``shuffle=False``, ``shuffle_block_shards`` or a mixture (whose
+            sources are interleaved instead).
+        shuffle_block_shards: ``K`` permutes the shards, groups them ``K`` at a time into blocks
+            and shuffles chunks only within a block (:mod:`~h5corpus.loaders.blockshuffle`), so
+            an epoch from a cold remote cache reads its shards as they arrive (with its plan
+            from a plan file: computing a plan reads every shard's index); default None.
 
     How to iterate:
         rank, world_size: DDP position; default from ``torch.distributed`` when initialized. Rank
@@ -237,6 +244,7 @@ class BestFitDataset(GlobalSequenceDataset):
         with_segments: bool = False,
         plan_dir: str | os.PathLike | None = None,
         shuffle_block_shards: int | None = None,
+        shuffle_window_shards: int | None = DEFAULT_WINDOW_SHARDS,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, drop_last=drop_last, epoch=epoch)
         st = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle, shuffle_block_shards)
@@ -249,6 +257,8 @@ class BestFitDataset(GlobalSequenceDataset):
         self.max_seq_len, self.batch_size, self.packing_buffer = st.max_seq_len, st.batch_size, st.packing_buffer
         self.seed, self.mode, self.shuffle = st.seed, st.mode, st.shuffle
         self.shuffle_block_shards = st.shuffle_block_shards
+        #: the window asked for (:attr:`settings` holds the one in effect on this corpus)
+        self.shuffle_window_shards = check_window_shards(shuffle_window_shards)
         self.with_segments = bool(with_segments)
         self.plan_dir = None if plan_dir is None else os.fspath(plan_dir)
         self._fingerprint: str | None = None
@@ -267,7 +277,17 @@ class BestFitDataset(GlobalSequenceDataset):
             self.mode,
             self.shuffle,
             self.shuffle_block_shards,
+            self.window_in_effect(),
         )
+
+    def window_in_effect(self) -> int | None:
+        """``shuffle_window_shards`` where it orders this corpus's chunks (a single corpus of
+        more shards than the window, shuffled, without blocks), else None (the plan's settings
+        then record no window, as before the window existed)."""
+        K = self.shuffle_window_shards
+        if K is None or self.mixture is not None or not self.shuffle or self.shuffle_block_shards is not None:
+            return None
+        return K if K < self.corpus.num_shards else None
 
     def settings_dict(self) -> dict[str, Any]:
         d = self.settings.as_dict()
@@ -306,15 +326,18 @@ class BestFitDataset(GlobalSequenceDataset):
         :meth:`shared_plan`."""
         e = self.epoch if epoch is None else check_epoch(epoch)
         table = self.chunk_table() if table is None else table
-        if self.shuffle_block_shards is not None:
-            stream = block_stream(table, self.corpus.shard_doc_starts, self.settings, e)
+        settings = self.settings
+        if settings.shuffle_block_shards is not None:
+            stream = block_stream(table, self.corpus.shard_doc_starts, settings, e)
+        elif settings.shuffle_window_shards is not None:
+            stream = window_stream(table, self.corpus.shard_doc_starts, settings, e)
         elif self.mixture is None:
             stream = epoch_order(table.num_chunks, self.seed, e, self.shuffle)
         else:
             bases = table.first[self.mixture.doc_bases]
             sel = self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle)
             stream = sel.items.astype(np.int32 if table.num_chunks < 2**31 else np.int64)
-        return EpochPlan(table, stream, self.settings, epoch=e)
+        return EpochPlan(table, stream, settings, epoch=e)
 
     def plan_arrays(self, epoch: int | None = None) -> PlanArrays:
         """``epoch``'s whole plan as flat arrays (what a plan file holds); O(documents)."""

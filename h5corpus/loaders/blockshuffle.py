@@ -112,3 +112,61 @@ class ShardBlocks:
             if self.tokens is not None:
                 have += int(self.tokens[self.order[nxt * self.K : (nxt + 1) * self.K]].sum())
         return np.concatenate([self.order[b * self.K : (b + 1) * self.K] for b in blocks])
+
+
+# -- the rolling shard window ------------------------------------------------------------------------
+
+#: The best-fit loader's default ``shuffle_window_shards`` (docs/PACKING.md, "The epoch's order"):
+#: at most half of the shards a reading process keeps open (``reader.MAX_OPEN_SHARDS``), so the
+#: shards of the window stay open from batch to batch.
+DEFAULT_WINDOW_SHARDS = 64
+
+#: Separates the window order's random stream from the global shuffle's and the blocks'.
+TAG_WINDOW = 0x57494E44  # "WIND"
+
+
+def check_window_shards(value: Any) -> int | None:
+    """``shuffle_window_shards`` as given (None: no window), or ValueError / TypeError naming it."""
+    return None if value is None else integer_arg("shuffle_window_shards", value, 1)
+
+
+def window_generator(seed: int, epoch: int) -> np.random.Generator:
+    """The generator of a window-shuffled epoch: ``default_rng([seed, epoch, TAG_WINDOW])``."""
+    return np.random.default_rng([int(seed), int(epoch), TAG_WINDOW])
+
+
+def window_order(item_bounds: np.ndarray, window: int, rng: np.random.Generator) -> np.ndarray:
+    """Every item id once, in a rolling-window order over ``window`` shards (``K``; needs
+    ``K < shards``): the shards are permuted; shard ``s`` at rank ``r`` of that permutation
+    deals its items, shuffled, to the ``K`` buckets ``r, r + 1, .. r + K - 1`` (mod shards) in
+    multinomial shares; each bucket's items are shuffled among themselves and the buckets laid end
+    to end. So every bucket mixes ``K`` shards, consecutive buckets share ``K - 1`` of them, and a
+    batch inside a bucket reads at most ``K`` shards (``K + 1`` where it straddles two).
+    ``item_bounds``: the (shards + 1,) cumulative item count. uint32 below 2**32 items, else
+    int64; 8 bytes per item at most while it runs (the items, then the order)."""
+    bounds = np.asarray(item_bounds, dtype=np.int64)
+    counts = np.diff(bounds)
+    S, K = counts.size, int(window)
+    if not 0 < K < S:
+        raise ValueError(f"window_order: window {K} needs 0 < window < shards ({S})")
+    perm = rng.permutation(S)
+    total = int(counts.sum())
+    dt = np.uint32 if total < 2**32 else np.int64
+    n = counts[perm]
+    ends = np.cumsum(n)
+    items = (np.arange(total, dtype=np.int64) + np.repeat(bounds[perm] - (ends - n), n)).astype(dt)
+    for r in range(S):  # each shard's items shuffled: its share of each bucket is then a slice
+        rng.shuffle(items[int(ends[r] - n[r]) : int(ends[r])])
+    share = rng.multinomial(n, np.full(K, 1.0 / K))  # (S, K): items shard rank r gives bucket r + k
+    cut = np.concatenate([(ends - n)[:, None], (ends - n)[:, None] + np.cumsum(share, axis=1)], axis=1)
+    order = np.empty(total, dtype=dt)
+    at = 0
+    for b in range(S):
+        start = at
+        for k in range(K):
+            r = (b - k) % S
+            lo, hi = int(cut[r, k]), int(cut[r, k + 1])
+            order[at : at + hi - lo] = items[lo:hi]
+            at += hi - lo
+        rng.shuffle(order[start:at])
+    return order

@@ -8,8 +8,10 @@ epoch the plan is (docs/PACKING.md, section 4):
 2. **Stream**: the chunk ids in the order ``numpy.random.default_rng([seed, epoch]).permutation(C)``
    (:func:`epoch_order`; ``shuffle=False``: corpus order), so a long document's chunks enter the
    stream as independent segments spread over the epoch. A mixture picks and interleaves chunks of
-   its sources instead (:meth:`~h5corpus.loaders.mixture.Mixture.select`); ``shuffle_block_shards``
-   shuffles chunks only within blocks of shards (:func:`block_stream`).
+   its sources instead (:meth:`~h5corpus.loaders.mixture.Mixture.select`); ``shuffle_window_shards``
+   orders them in a rolling window over that many shards (:func:`window_stream`, the best-fit
+   loader's default on a split of more shards than the window), ``shuffle_block_shards`` shuffles
+   chunks only within blocks of shards (:func:`block_stream`).
 3. **Packing** of that stream (:mod:`~h5corpus.loaders.packers`): ``mode="buffer"``, one
    :class:`~h5corpus.loaders.packers.BufferPacker` over the whole stream; ``mode="bfd"``, blocks of
    ``packing_buffer`` consecutive stream chunks, each packed best-fit-decreasing with its packs
@@ -31,7 +33,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .blockshuffle import block_generator, block_order, check_block_shards
+from .blockshuffle import (
+    block_generator,
+    block_order,
+    check_block_shards,
+    check_window_shards,
+    window_generator,
+    window_order,
+)
 from .chunking import ChunkTable
 from .packers import BufferPacker, decode_keys, shuffled_bfd_block
 from .partition import integer_arg
@@ -81,6 +90,10 @@ class PlanSettings:
     """None: the chunk order is shuffled over the whole split; ``K``: shards permuted, ``K`` at a
     time form a block, chunks shuffled only within a block (:mod:`~h5corpus.loaders.blockshuffle`).
     Recorded in :meth:`as_dict` only when set, so plans and states without it stay valid."""
+    shuffle_window_shards: int | None = None
+    """None: no window; ``K``: the chunk order is a rolling window over ``K`` shards
+    (:func:`~h5corpus.loaders.blockshuffle.window_order`; the global shuffle where the split has
+    ``K`` shards or fewer). Recorded in :meth:`as_dict` only when set."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,17 +109,21 @@ class PlanSettings:
             ("seed", seed),
             ("shuffle", bool(self.shuffle)),
             ("shuffle_block_shards", check_block_shards(self.shuffle_block_shards)),
+            ("shuffle_window_shards", check_window_shards(self.shuffle_window_shards)),
         ):
             object.__setattr__(self, name, value)
         if self.shuffle_block_shards is not None and not self.shuffle:
             raise ValueError("shuffle_block_shards shuffles within blocks of shards; it needs shuffle=True")
+        if self.shuffle_window_shards is not None and (not self.shuffle or self.shuffle_block_shards is not None):
+            raise ValueError("shuffle_window_shards needs shuffle=True and no shuffle_block_shards")
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as plain values (what a checkpoint records and compares);
-        ``shuffle_block_shards`` only when set."""
+        ``shuffle_block_shards`` and ``shuffle_window_shards`` only when set."""
         d = dataclasses.asdict(self)
-        if d["shuffle_block_shards"] is None:
-            del d["shuffle_block_shards"]
+        for optional in ("shuffle_block_shards", "shuffle_window_shards"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
 
@@ -274,17 +291,37 @@ def block_stream(table: ChunkTable, shard_doc_starts: np.ndarray, settings: Plan
     return order.astype(np.int32 if table.num_chunks < 2**31 else np.int64, copy=False)
 
 
+def window_stream(table: ChunkTable, shard_doc_starts: np.ndarray, settings: PlanSettings, epoch: int) -> np.ndarray:
+    """The chunk order of a window-shuffled epoch (``settings.shuffle_window_shards``, ``K``):
+    :func:`~h5corpus.loaders.blockshuffle.window_order` of the shards' chunks with
+    ``window_generator(seed, epoch)``; :func:`epoch_order` (the global shuffle) where the split has
+    ``K`` shards or fewer (``shard_doc_starts`` as for :func:`block_stream`)."""
+    K = settings.shuffle_window_shards
+    if K is None:
+        raise ValueError("window_stream: settings.shuffle_window_shards is not set")
+    starts = np.asarray(shard_doc_starts, dtype=np.int64)
+    if K >= starts.size - 1:
+        return epoch_order(table.num_chunks, settings.seed, epoch)
+    order = window_order(table.first[starts], K, window_generator(settings.seed, epoch))
+    return order.astype(np.int32 if table.num_chunks < 2**31 else np.int64, copy=False)
+
+
 def plan_epoch(
     doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0, shard_doc_starts: np.ndarray | None = None
 ) -> EpochPlan:
     """The global plan of ``epoch`` over one corpus (``doc_lengths``: tokens per document of the
     split, EOS included; ``shard_doc_starts``: the (shards + 1,) first document of each shard, needed
-    with ``settings.shuffle_block_shards``); see the module docstring."""
+    with ``settings.shuffle_block_shards`` or ``shuffle_window_shards``); see the module docstring."""
     table = ChunkTable.build(doc_lengths, settings.max_seq_len)
-    if settings.shuffle_block_shards is not None:
-        if shard_doc_starts is None:
-            raise ValueError("plan_epoch: shuffle_block_shards needs shard_doc_starts (the shards' first documents)")
-        return EpochPlan(table, block_stream(table, shard_doc_starts, settings, epoch), settings, epoch=epoch)
+    bounded = (
+        ("shuffle_block_shards", settings.shuffle_block_shards, block_stream),
+        ("shuffle_window_shards", settings.shuffle_window_shards, window_stream),
+    )
+    for name, value, stream in bounded:
+        if value is not None:
+            if shard_doc_starts is None:
+                raise ValueError(f"plan_epoch: {name} needs shard_doc_starts (the shards' first documents)")
+            return EpochPlan(table, stream(table, shard_doc_starts, settings, epoch), settings, epoch=epoch)
     return EpochPlan(
         table, epoch_order(table.num_chunks, settings.seed, epoch, settings.shuffle), settings, epoch=epoch
     )
@@ -331,15 +368,19 @@ def pack_fill(
     shuffle: bool = True,
     shuffle_block_shards: int | None = None,
     shard_doc_starts: np.ndarray | None = None,
+    shuffle_window_shards: int | None = None,
 ) -> PackFill:
     """Plan one epoch of :class:`~h5corpus.loaders.bestfit.BestFitDataset` over document lengths.
 
     ``lengths`` are tokens per document, EOS included (``Corpus.doc_lengths``). The plan is the
     dataset's own (:func:`plan_epoch`), so the packs are exactly those of its global sequence
     (``shard_doc_starts``: the shards' first documents, ``Corpus.shard_doc_starts``, needed with
-    ``shuffle_block_shards``)."""
+    ``shuffle_block_shards`` or ``shuffle_window_shards``; the dataset's default window is
+    :data:`~h5corpus.loaders.blockshuffle.DEFAULT_WINDOW_SHARDS`, here None: the global shuffle)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    settings = PlanSettings(max_seq_len, batch_size, packing_buffer, seed, mode, shuffle, shuffle_block_shards)
+    settings = PlanSettings(
+        max_seq_len, batch_size, packing_buffer, seed, mode, shuffle, shuffle_block_shards, shuffle_window_shards
+    )
     plan = plan_epoch(lengths, settings, epoch=epoch, shard_doc_starts=shard_doc_starts)
     loads: list[np.ndarray] = []
     mbs: list[int] = []
