@@ -27,7 +27,7 @@ from h5corpus.cli import app
 from h5corpus.loaders import chunking, epochplan
 from h5corpus.loaders.epochplan import PlanSettings, plan_epoch
 from h5corpus.loaders.mixture import mix
-from h5corpus.loaders.planfile import BLOCK, PlanFileError, ensure_plan_file, materialize, open_plan_file
+from h5corpus.loaders.planfile import BLOCK, DTYPES, PlanFileError, ensure_plan_file, materialize, open_plan_file
 from h5corpus.loaders.state import LoaderStateError
 from tests.helpers import batch_digest, interleave_ranks
 
@@ -158,12 +158,22 @@ def test_a_damaged_plan_file_is_never_used(stdlib_manifest, tmp_path):
     with pytest.raises(PlanFileError, match="checksum table fails"):
         open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
     shutil.copyfile(tmp_path / "good", f)
-    for name in ("seg_start", "seg_len", "mb_packs"):  # an array byte: refused when first read
+    # an array byte: its microbatch is refused when first read (oracle: the undamaged file's bounds)
+    good = open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
+    seg_mb = np.repeat(np.arange(good.num_microbatches), np.diff(good._arrays["pack_starts"][good._arrays["mb_packs"]]))
+    for name in ("seg_start", "seg_len", "mb_packs", "mb_sums"):
         shutil.copyfile(f, tmp_path / "good")
         a = header["arrays"][name]
         _flip(f, body + a["offset"] + a["nbytes"] // 2)
+        row = a["nbytes"] // 2 // np.dtype(DTYPES[name]).itemsize
+        want = {
+            "seg_start": f"microbatch {seg_mb[row]} fails its checksum",
+            "seg_len": f"microbatch {seg_mb[row]} (fails its checksum|is damaged)",
+            "mb_packs": f"microbatch {row - 1} (fails its checksum|is damaged)",  # the first that reads it
+            "mb_sums": f"'mb_sums' block {a['nbytes'] // 2 // BLOCK} fails its checksum",
+        }[name]
         ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)
-        with pytest.raises(PlanFileError, match=f"{name}' block {a['nbytes'] // 2 // BLOCK} fails its checksum"):
+        with pytest.raises(PlanFileError, match=want):
             digests(ds)
         shutil.copyfile(tmp_path / "good", f)
     _flip(f, body + header["arrays"]["source_tokens"]["offset"] + 8)

@@ -78,7 +78,9 @@ TORCHRUN_DOCS = int(os.environ.get("H5CORPUS_TORCHRUN_DOCS", "200000"))
 @pytest.fixture(scope="module")
 def plan_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp-plan")
-    manifest = write_synthetic_corpus(root / "corpus", TORCHRUN_DOCS, max(TORCHRUN_DOCS // 2_000, 2))  # > 64: the window
+    manifest = write_synthetic_corpus(
+        root / "corpus", TORCHRUN_DOCS, max(TORCHRUN_DOCS // 2_000, 2)
+    )  # > 64: the window
     out, plan_dir = root / "out", root / "plans"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -17,6 +17,9 @@ checksum table are checked when the file is opened (a stale file: other fingerpr
 epoch; a damaged one: bad magic, size or hash; either is refused with :class:`PlanFileError` and
 rewritten by :func:`ensure_plan_file`); an array block is checked against its checksum the first
 time a process reads it, so nothing unverified is served and nothing is hashed that is not read.
+A microbatch is checked as one unit instead (array ``mb_sums``, :func:`microbatch_sum`: the
+xxh3-64 of its rows of the six arrays :meth:`SharedPlan.microbatch` returns), so a rank that reads
+every 512th microbatch hashes what it reads and no more, like one that reads them all in order.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from .chunking import ChunkTable
 from .epochplan import EpochPlan
 
 MAGIC = b"H5CPLAN\x01"
-#: Version of the file's layout and of the arrays' meaning; a file of another version is stale.
-PLANFILE_VERSION = 1
+#: Version of the file's layout and of the arrays' meaning; a file of another version is stale
+#: (2: the per-microbatch checksums ``mb_sums``).
+PLANFILE_VERSION = 2
 #: Bytes per checksummed block of an array: a microbatch far from the last one this process read
 #: (rank 0 of 512 reads every 512th) verifies a few blocks of each array, ~2 us each.
 BLOCK = 1 << 14
@@ -55,7 +59,11 @@ DTYPES = {
     "seg_doc": np.dtype("<i8"),
     "seg_within": np.dtype("<i8"),
     "source_tokens": np.dtype("<i8"),
+    "mb_sums": np.dtype("<u8"),
 }
+#: The segment arrays a microbatch's checksum covers, in its order (after ``mb_packs`` and
+#: ``pack_starts``).
+SEGMENT_ARRAYS = ("seg_start", "seg_len", "seg_doc", "seg_within")
 
 
 class PlanFileError(ValueError):
@@ -130,6 +138,8 @@ class SharedPlan:
         self._ok: dict[str, bytearray] = {}  # per array: which blocks this process verified (1 byte each)
         self.path = path
         self.num_microbatches = int(self._arrays["mb_packs"].shape[0]) - 1
+        #: per microbatch: 1 once this process verified it (pages untouched until then: calloc)
+        self._mb_ok = np.zeros(self.num_microbatches if sums is not None else 0, np.uint8)
 
     @classmethod
     def of(cls, arrays: PlanArrays) -> SharedPlan:
@@ -178,19 +188,40 @@ class SharedPlan:
         return self._get("seg_start", a, b)
 
     def microbatch(self, g: int) -> PlanArrays:
-        """Microbatch ``g``: its segments and packs (``pack_starts`` relative, ending with S)."""
-        p0, p1 = (int(x) for x in self._get("mb_packs", g, g + 2))
-        ps = self._get("pack_starts", p0, p1 + 1)
-        a, b = int(ps[0]), int(ps[-1])
+        """Microbatch ``g``: its segments and packs (``pack_starts`` relative, ending with S); from
+        a file, verified against its checksum (``mb_sums``) the first time this process reads it."""
+        if self._sums is None:
+            rows = microbatch_rows(self._arrays, g)
+        elif self._mb_ok[g]:
+            rows = microbatch_rows(self._arrays, g)
+        else:
+            rows = self._verified_rows(g)
+        mp, ps, start, length, doc, within = rows
         return PlanArrays(
-            np.array([0, p1 - p0], np.int64),
-            ps - a,
-            self._get("seg_start", a, b),
-            self._get("seg_len", a, b),
-            self._get("seg_doc", a, b),
-            self._get("seg_within", a, b),
+            np.array([0, int(mp[1]) - int(mp[0])], np.int64),
+            ps - ps[0],
+            start,
+            length,
+            doc,
+            within,
             np.zeros((0, 1), np.int64),
         )
+
+    def _verified_rows(self, g: int) -> list[np.ndarray]:
+        """:func:`microbatch_rows` of ``g``, checked against ``mb_sums[g]`` (its block verified)."""
+        want = int(self._get("mb_sums", g, g + 1)[0])
+        try:
+            rows = microbatch_rows(self._arrays, g)
+        except ValueError as e:
+            raise PlanFileError(f"plan file {self.path}: microbatch {g} is damaged ({e})") from None
+        got = microbatch_sum(rows)
+        if got != want:
+            raise PlanFileError(
+                f"plan file {self.path}: microbatch {g} fails its checksum (xxh3 {got:016x}, stored "
+                f"{want:016x}: damaged after it was written): delete the file, or rerun `h5corpus plan`"
+            )
+        self._mb_ok[g] = 1
+        return rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,6 +231,30 @@ def plan_file_name(fingerprint: str, settings: Mapping[str, Any], epoch: int) ->
     """The file name of a plan: a digest of its fingerprint and settings, then the epoch."""
     key = hashlib.sha256(json.dumps([fingerprint, dict(settings)], sort_keys=True).encode()).hexdigest()[:24]
     return f"bestfit-{key}-e{int(epoch)}.h5cplan"
+
+
+def microbatch_rows(arrays: Mapping[str, np.ndarray], g: int) -> list[np.ndarray]:
+    """Microbatch ``g``'s rows, unverified: ``mb_packs[g : g + 2]``, its packs' ``pack_starts``
+    (``p0 .. p1`` inclusive) and its segments' rows of :data:`SEGMENT_ARRAYS`, in that order.
+    ValueError when the bounds they hold do not fit the arrays (a damaged file)."""
+    mp = arrays["mb_packs"][g : g + 2]
+    p0, p1 = int(mp[0]), int(mp[1])
+    ps_all = arrays["pack_starts"]
+    if not 0 <= p0 <= p1 < ps_all.shape[0]:
+        raise ValueError(f"packs [{p0}, {p1}) outside the plan's {ps_all.shape[0] - 1}")
+    ps = ps_all[p0 : p1 + 1]
+    a, b = int(ps[0]), int(ps[-1])
+    if not 0 <= a <= b <= arrays["seg_start"].shape[0]:
+        raise ValueError(f"segments [{a}, {b}) outside the plan's {arrays['seg_start'].shape[0]}")
+    return [mp, ps, *(arrays[n][a:b] for n in SEGMENT_ARRAYS)]
+
+
+def microbatch_sum(rows: list[np.ndarray]) -> int:
+    """xxh3-64 of ``rows`` (:func:`microbatch_rows`) end to end: a microbatch's checksum."""
+    h = xxhash.xxh3_64()
+    for r in rows:
+        h.update(r)
+    return h.intdigest()
 
 
 def _block_sums(raw: np.ndarray) -> list[int]:
@@ -215,6 +270,9 @@ def write_plan_file(path: str | os.PathLike, arrays: PlanArrays, identity: Mappi
     ``identity``: fingerprint, settings and epoch, stored in the header and compared on open."""
     path = Path(path)
     data = {n: np.ascontiguousarray(a, dtype=DTYPES[n]) for n, a in arrays._asdict().items()}
+    data["mb_sums"] = np.array(
+        [microbatch_sum(microbatch_rows(data, g)) for g in range(data["mb_packs"].size - 1)], dtype=DTYPES["mb_sums"]
+    )
     sums: list[int] = []
     layout, offset = {}, 0
     for name, a in data.items():
