@@ -8,8 +8,9 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -508,6 +509,23 @@ def interleave_ranks(per_rank: Sequence[Sequence]) -> list:
     """The global sequence as DDP ranks consume it: step after step, rank 0 first (every rank
     holds the same count, which the caller asserts)."""
     return [per_rank[r][s] for s in range(len(per_rank[0])) for r in range(len(per_rank))]
+
+
+def assert_two_ranks_of_two_workers_replay(make: Callable[..., Any]) -> list[str]:
+    """``make(rank=, world_size=)`` (a dataset) read by 2 ranks of 2 DataLoader workers each, step
+    after step, is the 1-rank sequence (the last step wrapping to its start); returns that
+    sequence's batch digests."""
+    from torch.utils.data import DataLoader
+
+    want = [batch_digest(b) for b in make(rank=0, world_size=1)]
+    per_rank = [
+        [batch_digest(b) for b in DataLoader(make(rank=r, world_size=2), batch_size=None, num_workers=2)]
+        for r in range(2)
+    ]
+    assert len(per_rank[0]) == len(per_rank[1])
+    got = interleave_ranks(per_rank)
+    assert got[: len(want)] == want and got[len(want) :] == want[: len(got) - len(want)]  # wrap-around
+    return want
 
 
 def majority_document_run(segment_tables: Iterable) -> tuple[int, float]:

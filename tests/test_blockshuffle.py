@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from torch.utils.data import DataLoader
 
 from h5corpus import BestFitDataset, LoaderStateError, SlidingWindowDataset, open_corpus
 from h5corpus.loaders import blockshuffle
@@ -21,8 +20,8 @@ from h5corpus.loaders.epochplan import pack_fill
 from h5corpus.storage.manifest import read_manifest
 from tests.helpers import (
     REPO,
+    assert_two_ranks_of_two_workers_replay,
     batch_digest,
-    interleave_ranks,
     naive_chunks,
     subprocess_env,
 )
@@ -123,14 +122,7 @@ def test_bestfit_block_stream_and_every_pair_once(corpus, K):
 def test_same_batches_on_one_rank_and_on_two_ranks_of_two_workers(corpus):
     c = open_corpus(corpus)
     for make in (window, bestfit):
-        want = digests(make(c, 2, rank=0, world_size=1))
-        per_rank = [
-            [batch_digest(b) for b in DataLoader(make(c, 2, rank=r, world_size=2), batch_size=None, num_workers=2)]
-            for r in range(2)
-        ]
-        assert len(per_rank[0]) == len(per_rank[1])
-        got = interleave_ranks(per_rank)
-        assert got[: len(want)] == want and got[len(want) :] == want[: len(got) - len(want)]  # wrap-around
+        assert_two_ranks_of_two_workers_replay(lambda make=make, **kw: make(c, 2, **kw))
 
 
 def test_resume_continues_on_another_world_size_and_refuses_another_block_setting(corpus):

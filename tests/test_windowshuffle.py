@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from torch.utils.data import DataLoader
 
 from h5corpus import BestFitDataset, LoaderStateError, open_corpus
 from h5corpus.loaders.bestfit import write_plans
 from h5corpus.loaders.blockshuffle import DEFAULT_WINDOW_SHARDS, window_generator, window_order
 from h5corpus.loaders.epochplan import PlanSettings, pack_fill
-from tests.helpers import batch_digest, interleave_ranks, naive_chunks
+from tests.helpers import assert_two_ranks_of_two_workers_replay, batch_digest, naive_chunks
 from tests.s3_helpers import small_shards_corpus
 
 SEQ = 256
@@ -107,14 +106,7 @@ def test_a_split_of_no_more_shards_than_the_window_is_shuffled_as_before(corpus)
 
 def test_same_batches_on_two_ranks_of_two_workers_and_resume_on_another_world_size(corpus):
     c = open_corpus(corpus)
-    want = digests(bestfit(c, 2, rank=0, world_size=1))
-    per_rank = [
-        [batch_digest(b) for b in DataLoader(bestfit(c, 2, rank=r, world_size=2), batch_size=None, num_workers=2)]
-        for r in range(2)
-    ]
-    assert len(per_rank[0]) == len(per_rank[1])
-    got = interleave_ranks(per_rank)
-    assert got[: len(want)] == want and got[len(want) :] == want[: len(got) - len(want)]  # wrap-around
+    want = assert_two_ranks_of_two_workers_replay(lambda **kw: bestfit(c, 2, **kw))
     ds = bestfit(c, 2, rank=0, world_size=2)
     it = iter(ds)
     for _ in range(3):
@@ -126,6 +118,16 @@ def test_same_batches_on_two_ranks_of_two_workers_and_resume_on_another_world_si
     for other in (None, 3):
         with pytest.raises(LoaderStateError, match="shuffle_window_shards"):
             bestfit(c, other).load_state_dict(state)
+    old = bestfit(c, None, rank=0, world_size=1)  # a checkpoint of the global order (as before the window)
+    it = iter(old)
+    next(it)
+    state = old.state_dict()
+    assert "shuffle_window_shards" not in state["settings"]
+    with pytest.raises(LoaderStateError, match="shuffle_window_shards.*missing"):
+        bestfit(c, 2).load_state_dict(state)
+    again = bestfit(c, None)
+    again.load_state_dict(state)  # continued in its own order
+    assert digests(again) == digests(bestfit(c, None))[1:]
 
 
 def test_plan_files_and_the_plan_command_are_keyed_by_the_window(corpus, tmp_path):

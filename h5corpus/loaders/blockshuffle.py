@@ -1,10 +1,10 @@
-"""Shard-block shuffle: an epoch order that reads a few shards at a time (docs/READING.md,
-"Corpora on object storage"; MosaicML streaming's ``shuffle_block_size`` is the same idea).
+"""Epoch orders that read a bounded set of shards at a time: shard blocks and the rolling shard
+window (:func:`window_order`, the best-fit loader's default; docs/PACKING.md, section 4).
 
-Both loaders shuffle their items (windows, chunks) over the whole split by default, so the first
-batches of an epoch already touch most shards: from a cold object-storage cache, the epoch waits
-for nearly the whole download before it starts. With ``shuffle_block_shards=K`` the epoch's order
-is instead:
+Shard blocks (docs/READING.md, "Corpora on object storage"; MosaicML streaming's
+``shuffle_block_size`` is the same idea): shuffled over the whole split, the first batches of an
+epoch already touch most shards, so from a cold object-storage cache the epoch waits for nearly
+the whole download before it starts. With ``shuffle_block_shards=K`` the epoch's order is instead:
 
 1. the split's shards permuted by the epoch's generator;
 2. consecutive groups of ``K`` shards of that permutation form the epoch's **blocks**;
@@ -116,7 +116,8 @@ class ShardBlocks:
 
 # -- the rolling shard window ------------------------------------------------------------------------
 
-#: The best-fit loader's default ``shuffle_window_shards`` (docs/PACKING.md, "The epoch's order"):
+#: The best-fit loader's default ``shuffle_window_shards`` (docs/PACKING.md, section 4, "Why the
+#: window is the default"):
 #: at most half of the shards a reading process keeps open (``reader.MAX_OPEN_SHARDS``), so the
 #: shards of the window stay open from batch to batch.
 DEFAULT_WINDOW_SHARDS = 64
@@ -154,9 +155,11 @@ def window_order(item_bounds: np.ndarray, window: int, rng: np.random.Generator)
     dt = np.uint32 if total < 2**32 else np.int64
     n = counts[perm]
     ends = np.cumsum(n)
-    items = (np.arange(total, dtype=np.int64) + np.repeat(bounds[perm] - (ends - n), n)).astype(dt)
-    for r in range(S):  # each shard's items shuffled: its share of each bucket is then a slice
-        rng.shuffle(items[int(ends[r] - n[r]) : int(ends[r])])
+    items = np.empty(total, dtype=dt)
+    for r in range(S):  # shard after shard, each one's items shuffled: its share of a bucket is a slice
+        seg = items[int(ends[r] - n[r]) : int(ends[r])]
+        seg[:] = np.arange(bounds[perm[r]], bounds[perm[r] + 1], dtype=np.int64)
+        rng.shuffle(seg)
     share = rng.multinomial(n, np.full(K, 1.0 / K))  # (S, K): items shard rank r gives bucket r + k
     cut = np.concatenate([(ends - n)[:, None], (ends - n)[:, None] + np.cumsum(share, axis=1)], axis=1)
     order = np.empty(total, dtype=dt)

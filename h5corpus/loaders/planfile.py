@@ -45,8 +45,8 @@ MAGIC = b"H5CPLAN\x01"
 #: Version of the file's layout and of the arrays' meaning; a file of another version is stale
 #: (2: the per-microbatch checksums ``mb_sums``).
 PLANFILE_VERSION = 2
-#: Bytes per checksummed block of an array: a microbatch far from the last one this process read
-#: (rank 0 of 512 reads every 512th) verifies a few blocks of each array, ~2 us each.
+#: Bytes per checksummed block of an array (what ``len()``, ``seek()``, a state's token check and
+#: prefetching read; a microbatch's rows are checked against its own checksum instead).
 BLOCK = 1 << 14
 _PREAMBLE = struct.Struct("<8sQ32s16x")
 _ALIGN = 64
@@ -190,12 +190,8 @@ class SharedPlan:
     def microbatch(self, g: int) -> PlanArrays:
         """Microbatch ``g``: its segments and packs (``pack_starts`` relative, ending with S); from
         a file, verified against its checksum (``mb_sums``) the first time this process reads it."""
-        if self._sums is None:
-            rows = microbatch_rows(self._arrays, g)
-        elif self._mb_ok[g]:
-            rows = microbatch_rows(self._arrays, g)
-        else:
-            rows = self._verified_rows(g)
+        trusted = self._sums is None or self._mb_ok[g]  # in memory, or verified before
+        rows = microbatch_rows(self._arrays, g) if trusted else self._verified_rows(g)
         mp, ps, start, length, doc, within = rows
         return PlanArrays(
             np.array([0, int(mp[1]) - int(mp[0])], np.int64),
