@@ -403,7 +403,7 @@ def targets_met(row: dict[str, Any], ratio: dict[str, float]) -> dict[str, bool]
 
 
 def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The figures docs/BENCHMARKS.md shows: each corpus's open, first batches and RssAnon."""
+    """The figures docs/BENCHMARKS.md shows: each corpus's open, first batches, RssAnon and the per-rank ratios."""
     units = {
         "open": "s",
         "window_first": "s",
@@ -412,6 +412,8 @@ def headline(rows: dict[str, dict[str, Any]]) -> dict[str, str]:
         "bestfit_first_blocks": "s",
         "rss_anon_mb": "MB",
         "inspect_peak_rss_anon_mb": "MB",
+        "rank_512_vs_1": "x",
+        "rank_512_vs_1_total": "x",
     }
     return {
         f"{name} {k}": f"{row[k]} {u}"
