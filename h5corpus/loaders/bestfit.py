@@ -36,7 +36,7 @@ from ..storage.reader import open_corpus
 from .batch import VarlenBatch, alloc_compact
 from .blockshuffle import DEFAULT_WINDOW_SHARDS, ShardBlocks, check_window_shards
 from .chunking import ChunkTable
-from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, block_stream, epoch_order, window_stream
+from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, chunk_stream
 from .lossmask import mask_batch
 from .mixture import Mixture, mix
 from .partition import distinct_sorted, integer_arg
@@ -327,12 +327,9 @@ class BestFitDataset(GlobalSequenceDataset):
         e = self.epoch if epoch is None else check_epoch(epoch)
         table = self.chunk_table() if table is None else table
         settings = self.settings
-        if settings.shuffle_block_shards is not None:
-            stream = block_stream(table, self.corpus.shard_doc_starts, settings, e)
-        elif settings.shuffle_window_shards is not None:
-            stream = window_stream(table, self.corpus.shard_doc_starts, settings, e)
-        elif self.mixture is None:
-            stream = epoch_order(table.num_chunks, self.seed, e, self.shuffle)
+        if self.mixture is None:
+            bounded = settings.shuffle_block_shards is not None or settings.shuffle_window_shards is not None
+            stream = chunk_stream(table, settings, e, self.corpus.shard_doc_starts if bounded else None)
         else:
             bases = table.first[self.mixture.doc_bases]
             sel = self.mixture.select(bases, table.length, 1, self.seed, e, self.shuffle)

@@ -306,13 +306,13 @@ def window_stream(table: ChunkTable, shard_doc_starts: np.ndarray, settings: Pla
     return order.astype(np.int32 if table.num_chunks < 2**31 else np.int64, copy=False)
 
 
-def plan_epoch(
-    doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0, shard_doc_starts: np.ndarray | None = None
-) -> EpochPlan:
-    """The global plan of ``epoch`` over one corpus (``doc_lengths``: tokens per document of the
-    split, EOS included; ``shard_doc_starts``: the (shards + 1,) first document of each shard, needed
-    with ``settings.shuffle_block_shards`` or ``shuffle_window_shards``); see the module docstring."""
-    table = ChunkTable.build(doc_lengths, settings.max_seq_len)
+def chunk_stream(
+    table: ChunkTable, settings: PlanSettings, epoch: int, shard_doc_starts: np.ndarray | None = None
+) -> np.ndarray:
+    """The epoch's chunk order over one corpus: :func:`block_stream` with
+    ``settings.shuffle_block_shards``, :func:`window_stream` with ``shuffle_window_shards`` (both
+    need ``shard_doc_starts``, the (shards + 1,) first document of each shard), else
+    :func:`epoch_order`."""
     bounded = (
         ("shuffle_block_shards", settings.shuffle_block_shards, block_stream),
         ("shuffle_window_shards", settings.shuffle_window_shards, window_stream),
@@ -321,10 +321,18 @@ def plan_epoch(
         if value is not None:
             if shard_doc_starts is None:
                 raise ValueError(f"plan_epoch: {name} needs shard_doc_starts (the shards' first documents)")
-            return EpochPlan(table, stream(table, shard_doc_starts, settings, epoch), settings, epoch=epoch)
-    return EpochPlan(
-        table, epoch_order(table.num_chunks, settings.seed, epoch, settings.shuffle), settings, epoch=epoch
-    )
+            return stream(table, shard_doc_starts, settings, epoch)
+    return epoch_order(table.num_chunks, settings.seed, epoch, settings.shuffle)
+
+
+def plan_epoch(
+    doc_lengths: np.ndarray, settings: PlanSettings, *, epoch: int = 0, shard_doc_starts: np.ndarray | None = None
+) -> EpochPlan:
+    """The global plan of ``epoch`` over one corpus (``doc_lengths``: tokens per document of the
+    split, EOS included; ``shard_doc_starts``: the (shards + 1,) first document of each shard, needed
+    with ``settings.shuffle_block_shards`` or ``shuffle_window_shards``); see the module docstring."""
+    table = ChunkTable.build(doc_lengths, settings.max_seq_len)
+    return EpochPlan(table, chunk_stream(table, settings, epoch, shard_doc_starts), settings, epoch=epoch)
 
 
 # --------------------------------------------------------------------------------------------
