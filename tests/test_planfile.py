@@ -11,6 +11,7 @@ loaders' epochs, positions and mixture sizes is here too (one rule, a message na
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -20,14 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from typer.testing import CliRunner
 
 from h5corpus import BestFitDataset, SlidingWindowDataset, open_corpus
 from h5corpus.cli import app
-from h5corpus.loaders import chunking, epochplan
+from h5corpus.loaders import chunking, epochplan, planfile
 from h5corpus.loaders.epochplan import PlanSettings, plan_epoch
 from h5corpus.loaders.mixture import mix
-from h5corpus.loaders.planfile import BLOCK, DTYPES, PlanFileError, ensure_plan_file, materialize, open_plan_file
+from h5corpus.loaders.planfile import PlanFileError, ensure_plan_file, materialize, open_plan_file
 from h5corpus.loaders.state import LoaderStateError
 from tests.helpers import batch_digest, interleave_ranks
 
@@ -125,8 +127,8 @@ def test_a_stale_plan_file_is_never_used(stdlib_manifest, tmp_path):
 
 
 def _header(path: Path) -> tuple[int, dict]:
-    """(first byte of the arrays, header) of a plan file, from its documented layout (preamble,
-    header, checksum table, arrays, each 64-byte aligned)."""
+    """(first byte of the flat arrays, header) of a plan file, from its documented layout
+    (preamble, header, checksum table, arrays, each 64-byte aligned)."""
     raw = path.read_bytes()
     magic, hlen, _ = struct.unpack_from("<8sQ32s16x", raw, 0)
     assert magic == b"H5CPLAN\x01"
@@ -134,10 +136,48 @@ def _header(path: Path) -> tuple[int, dict]:
     return -(-(64 + hlen) // 64) * 64 + -(-(8 * header["sums"][0]) // 64) * 64, header
 
 
+def _records(path: Path) -> tuple[int, np.ndarray]:
+    """(first byte of the records, (M + 1,) record offsets) of a plan file, from its documented layout."""
+    body, header = _header(path)
+    a = header["arrays"]["mb_offsets"]
+    offsets = np.frombuffer(path.read_bytes(), "<u8", a["shape"][0], body + a["offset"])
+    return body + header["records"]["offset"], offsets.astype(np.int64)
+
+
 def _flip(path: Path, at: int) -> None:
     raw = bytearray(path.read_bytes())
     raw[at] ^= 0x01
     path.write_bytes(bytes(raw))
+
+
+def test_plan_file_records_follow_the_documented_layout(stdlib_manifest, tmp_path, monkeypatch):
+    """Each record parsed by this test from the layout the module documents (head, relative pack
+    starts, seg_start, seg_doc, seg_within, seg_len; xxh3-64 seeded by the identity's sha256)
+    against the in-memory plan's microbatch; the writer builds them ~50 segments at a time."""
+    monkeypatch.setattr(planfile, "RECORD_SEGMENTS", 50)
+    corpus = open_corpus(stdlib_manifest, "train")
+    ds = BestFitDataset(corpus, **MODES["bfd"], plan_dir=tmp_path / "plans")
+    ds.shared_plan(0)
+    [f] = plan_files(tmp_path / "plans")
+    ident = ds.plan_identity(0)
+    key = json.dumps([ident["fingerprint"], dict(ident["settings"]), 0], sort_keys=True)
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    at, offsets = _records(f)
+    raw = f.read_bytes()
+    mem = BestFitDataset(corpus, **MODES["bfd"]).shared_plan(0)
+    assert offsets.size - 1 == mem.num_microbatches > 8
+    for g in range(mem.num_microbatches):
+        rec = raw[at + offsets[g] : at + offsets[g + 1]]
+        checksum, index, P, S = struct.unpack_from("<QQII", rec)
+        assert (index, len(rec) % 8, checksum) == (g, 0, xxhash.xxh3_64_intdigest(rec[8:], seed))
+        cols = np.frombuffer(rec, "<i8", P + 1 + 3 * S, 24)
+        want = mem.microbatch(g)
+        assert P == int(want.mb_packs[1]) and np.array_equal(cols[: P + 1], want.pack_starts)
+        for k, name in enumerate(("seg_start", "seg_doc", "seg_within")):
+            assert np.array_equal(cols[P + 1 + k * S : P + 1 + (k + 1) * S], getattr(want, name))
+        assert np.array_equal(np.frombuffer(rec, "<i4", S, 24 + 8 * (P + 1 + 3 * S)), want.seg_len)
+    with pytest.raises(IndexError, match=f"microbatch {mem.num_microbatches} outside"):
+        ds.shared_plan(0).microbatch(mem.num_microbatches)
 
 
 def test_a_damaged_plan_file_is_never_used(stdlib_manifest, tmp_path):
@@ -158,29 +198,51 @@ def test_a_damaged_plan_file_is_never_used(stdlib_manifest, tmp_path):
     with pytest.raises(PlanFileError, match="checksum table fails"):
         open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
     shutil.copyfile(tmp_path / "good", f)
-    # an array byte: its microbatch is refused when first read (oracle: the undamaged file's bounds)
-    good = open_plan_file(f, BestFitDataset(corpus, **MODES["buffer"]).plan_identity(0))
-    seg_mb = np.repeat(np.arange(good.num_microbatches), np.diff(good._arrays["pack_starts"][good._arrays["mb_packs"]]))
-    for name in ("seg_start", "seg_len", "mb_packs", "mb_sums"):
-        shutil.copyfile(f, tmp_path / "good")
-        a = header["arrays"][name]
-        _flip(f, body + a["offset"] + a["nbytes"] // 2)
-        row = a["nbytes"] // 2 // np.dtype(DTYPES[name]).itemsize
-        want = {
-            "seg_start": f"microbatch {seg_mb[row]} fails its checksum",
-            "seg_len": f"microbatch {seg_mb[row]} (fails its checksum|is damaged)",
-            "mb_packs": f"microbatch {row - 1} (fails its checksum|is damaged)",  # the first that reads it
-            "mb_sums": f"'mb_sums' block {a['nbytes'] // 2 // BLOCK} fails its checksum",
-        }[name]
-        ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)
-        with pytest.raises(PlanFileError, match=want):
-            digests(ds)
+    # a record byte (its checksum, its head, its segments) or an offset byte: the microbatch that
+    # reads it is refused (oracle: the undamaged file's record offsets, in the documented layout)
+    at, offsets = _records(f)
+    mid = (int(offsets[3]) + int(offsets[4])) // 2
+    damaged = "(fails its checksum|is damaged|is another record)"
+    for where, g in ((at + offsets[5], 5), (at + offsets[6] + 9, 6), (at + mid, 3), (at + mid + 1, 3)):
+        _flip(f, int(where))
+        with pytest.raises(PlanFileError, match=f"microbatch {g} {damaged}"):
+            digests(BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir))
+        shutil.copyfile(tmp_path / "good", f)
+    mb = header["arrays"]["mb_offsets"]
+    for byte in (0, 1):  # offset 7 moved by 1 or by 256 bytes: microbatch 6 (its end) is read first
+        _flip(f, body + mb["offset"] + 8 * 7 + byte)
+        with pytest.raises(PlanFileError, match=f"microbatch 6 {damaged}"):
+            digests(BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir))
         shutil.copyfile(tmp_path / "good", f)
     _flip(f, body + header["arrays"]["source_tokens"]["offset"] + 8)
     ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=pdir)
     ds.seek(2)
     with pytest.raises(PlanFileError, match="source_tokens' block 0"):
         ds.state_dict()
+
+
+def test_a_record_of_another_plan_fails_its_checksum(stdlib_manifest, tmp_path):
+    """Epoch 1's record of microbatch g, spliced whole into epoch 0's file where its record g of
+    the same size lies (a well-formed record with the right index): refused, because a record's
+    checksum is seeded by its plan's identity."""
+    corpus = open_corpus(stdlib_manifest, "train")
+    ds = BestFitDataset(corpus, **MODES["buffer"], plan_dir=tmp_path / "plans")
+    files = []
+    for e in (0, 1):
+        ds.shared_plan(e)
+        files.append(next(p for p in plan_files(tmp_path / "plans") if p.name.endswith(f"-e{e}.h5cplan")))
+    (at0, off0), (at1, off1) = _records(files[0]), _records(files[1])
+    n = min(off0.size, off1.size) - 1
+    same = np.flatnonzero(np.diff(off0[: n + 1]) == np.diff(off1[: n + 1]))
+    g = int(same[same > 0][0])
+    raw0, raw1 = bytearray(files[0].read_bytes()), files[1].read_bytes()
+    assert raw1[at1 + off1[g] : at1 + off1[g + 1]] != raw0[at0 + off0[g] : at0 + off0[g + 1]]
+    raw0[at0 + off0[g] : at0 + off0[g + 1]] = raw1[at1 + off1[g] : at1 + off1[g + 1]]
+    files[0].write_bytes(bytes(raw0))
+    sp = BestFitDataset(corpus, **MODES["buffer"], plan_dir=tmp_path / "plans").shared_plan(0)
+    sp.microbatch(g - 1)  # its neighbours are intact
+    with pytest.raises(PlanFileError, match=f"microbatch {g} fails its checksum"):
+        sp.microbatch(g)
 
 
 def _count_builds(folder: str, log: str) -> int:

@@ -40,7 +40,7 @@ from .epochplan import PLAN_VERSION, EpochPlan, PlanSettings, chunk_stream
 from .lossmask import mask_batch
 from .mixture import Mixture, mix
 from .partition import distinct_sorted, integer_arg
-from .planfile import PlanArrays, SharedPlan, ensure_plan_file, materialize
+from .planfile import InMemoryPlan, PlanArrays, SharedPlan, ensure_plan_file, materialize
 from .sequence import GlobalSequenceDataset, check_epoch
 
 
@@ -354,7 +354,7 @@ class BestFitDataset(GlobalSequenceDataset):
         plans = self._cache.setdefault("plans", {})
         if e not in plans:
             if self.plan_dir is None:
-                sp = SharedPlan.of(self.plan_arrays(e))
+                sp = InMemoryPlan(self.plan_arrays(e))
             else:
                 sp, _ = ensure_plan_file(self.plan_dir, self.plan_identity(e), lambda: self.plan_arrays(e))
             for old in sorted(plans)[:-1]:

@@ -1,25 +1,32 @@
-"""The best-fit loader's epoch plan, materialized once and shared: every microbatch's segments as
-flat arrays (:class:`PlanArrays`), held in memory or in a **plan file** that every process memory-maps.
+"""The best-fit loader's epoch plan, materialized once and shared: every microbatch's segments
+(:class:`PlanArrays`), held in memory (:class:`InMemoryPlan`) or in a **plan file** that every
+process reads (:class:`PlanFile`); both are a :class:`SharedPlan`.
 
 A plan depends on the corpus (its fingerprint), the settings (:class:`~h5corpus.loaders.epochplan.PlanSettings`,
 plus the mixture's) and the epoch, never on the cluster shape. :func:`ensure_plan_file` returns
 the plan file of those three in a folder: one process writes it (under an exclusive lock, to a
-temporary name, then an atomic rename), every other process waits for the lock and maps it; a
-file left by an earlier run is reused. What a reader of the file does per microbatch is O(1)
-slices (:meth:`SharedPlan.microbatch`), and its memory is page cache, not anonymous memory.
+temporary name, then an atomic rename), every other process waits for the lock and opens it; a
+file left by an earlier run is reused. What a reader of the file does per microbatch is two
+``pread`` calls of its own bytes (:meth:`PlanFile.microbatch`), whatever the microbatch's index,
+so rank 0 of 512, which reads every 512th microbatch, pays what rank 0 of 1 pays; the file's
+pages are page cache, shared by every process, not anonymous memory.
 
-**File layout** (little-endian): a 64-byte preamble (``MAGIC``, u64 header length, the header's
-sha256, 16 zero bytes), the header (UTF-8 JSON: version, fingerprint, settings, epoch, the
-checksum table's sha256, and per array its shape, byte offset, size and first checksum), then the
-checksum table (u64 xxh3-64 of every :data:`BLOCK` bytes of every array) and the arrays, each at
-a 64-byte aligned offset (array dtypes are fixed here, :data:`DTYPES`). The header and the
-checksum table are checked when the file is opened (a stale file: other fingerprint, settings or
-epoch; a damaged one: bad magic, size or hash; either is refused with :class:`PlanFileError` and
-rewritten by :func:`ensure_plan_file`); an array block is checked against its checksum the first
-time a process reads it, so nothing unverified is served and nothing is hashed that is not read.
-A microbatch is checked as one unit instead (array ``mb_sums``, :func:`microbatch_sum`: the
-xxh3-64 of its rows of the six arrays :meth:`SharedPlan.microbatch` returns), so a rank that reads
-every 512th microbatch hashes what it reads and no more, like one that reads them all in order.
+**File layout** (little-endian; version 3): a 64-byte preamble (``MAGIC``, u64 header length,
+the header's sha256, 16 zero bytes), the header (UTF-8 JSON: version, fingerprint, settings,
+epoch, the checksum table's sha256, per flat array its shape, byte offset, size and first
+checksum, and the records' offset, size and largest record), then the checksum table (u64
+xxh3-64 of every :data:`BLOCK` bytes of every flat array), the flat arrays (:data:`DTYPES`:
+``mb_offsets``, (M + 1,) byte offset of each microbatch's record in the records, and
+``source_tokens``), each at a 64-byte aligned offset, and the records: one per microbatch, 8-byte
+aligned, laid out by :func:`build_records` (a 24-byte head: its checksum, its microbatch index,
+its packs P and segments S; then ``pack_starts`` relative, ``seg_start``, ``seg_doc``,
+``seg_within`` as int64 and ``seg_len`` as int32). The header and the checksum table are checked
+when the file is opened (a stale file: other version, fingerprint, settings or epoch; a damaged
+one: bad magic, size or hash; either is refused with :class:`PlanFileError` and rewritten by
+:func:`ensure_plan_file`). A record's checksum is the xxh3-64, seeded by :func:`record_seed`, of
+the rest of it, checked on every read together with its index and size, which proves the
+offsets that located it; a block of ``source_tokens`` is checked whenever it is read. So nothing
+unverified is served and nothing is hashed that is not read.
 """
 
 from __future__ import annotations
@@ -27,13 +34,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import struct
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import xxhash
@@ -43,27 +50,19 @@ from .epochplan import EpochPlan
 
 MAGIC = b"H5CPLAN\x01"
 #: Version of the file's layout and of the arrays' meaning; a file of another version is stale
-#: (2: the per-microbatch checksums ``mb_sums``).
-PLANFILE_VERSION = 2
-#: Bytes per checksummed block of an array (what ``len()``, ``seek()``, a state's token check and
-#: prefetching read; a microbatch's rows are checked against its own checksum instead).
+#: (2: per-microbatch checksums; 3: one self-checked record per microbatch, read with ``pread``).
+PLANFILE_VERSION = 3
+#: Bytes per checksummed block of a flat array (what ``len()``, ``seek()`` and a state's token
+#: check read of ``source_tokens``; a microbatch's record carries its own checksum).
 BLOCK = 1 << 14
 _PREAMBLE = struct.Struct("<8sQ32s16x")
 _ALIGN = 64
-#: Array name -> numpy dtype (fixed here, never read from a file).
-DTYPES = {
-    "mb_packs": np.dtype("<i8"),
-    "pack_starts": np.dtype("<i8"),
-    "seg_start": np.dtype("<i8"),
-    "seg_len": np.dtype("<i4"),
-    "seg_doc": np.dtype("<i8"),
-    "seg_within": np.dtype("<i8"),
-    "source_tokens": np.dtype("<i8"),
-    "mb_sums": np.dtype("<u8"),
-}
-#: The segment arrays a microbatch's checksum covers, in its order (after ``mb_packs`` and
-#: ``pack_starts``).
-SEGMENT_ARRAYS = ("seg_start", "seg_len", "seg_doc", "seg_within")
+#: Flat array name -> numpy dtype (fixed here, never read from a file).
+DTYPES = {"mb_offsets": np.dtype("<u8"), "source_tokens": np.dtype("<i8")}
+#: A record's head: xxh3-64 of the rest of the record, microbatch index, packs P, segments S.
+RECORD_HEAD = struct.Struct("<QQII")
+#: Segments whose records the writer builds at once (at least one microbatch; ~30 MB).
+RECORD_SEGMENTS = 1 << 20
 
 
 class PlanFileError(ValueError):
@@ -128,96 +127,196 @@ def _cat(xs: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(xs).astype(dtype, copy=False) if xs else np.zeros(0, dtype)
 
 
-class SharedPlan:
-    """An epoch's :class:`PlanArrays`, in memory or memory-mapped from a plan file (blocks
-    verified on first read). Reads are O(1) slices per microbatch."""
+class SharedPlan(Protocol):
+    """What a loader reads of an epoch's plan: :class:`InMemoryPlan` or :class:`PlanFile`."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray] | None = None, path: str = ""):
-        self._arrays = dict(arrays)
-        self._sums = sums
-        self._ok: dict[str, bytearray] = {}  # per array: which blocks this process verified (1 byte each)
-        self.path = path
-        self.num_microbatches = int(self._arrays["mb_packs"].shape[0]) - 1
-        #: per microbatch: 1 once this process verified it (pages untouched until then: calloc)
-        self._mb_ok = np.zeros(self.num_microbatches if sums is not None else 0, np.uint8)
-
-    @classmethod
-    def of(cls, arrays: PlanArrays) -> SharedPlan:
-        """An in-memory plan (nothing to verify)."""
-        return cls(arrays._asdict())
-
-    def _get(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of array ``name``, each block they touch verified once."""
-        a = self._arrays[name]
-        if self._sums is not None and hi > lo:
-            row = a.itemsize * (a.shape[1] if a.ndim == 2 else 1)
-            b0, b1 = lo * row // BLOCK, ((hi * row) - 1) // BLOCK + 1
-            ok = self._ok.get(name)
-            if ok is None:
-                ok = self._ok[name] = bytearray(self._sums[name].size)
-            while (b := ok.find(0, b0, b1)) >= 0:  # one C scan when every block is verified (the usual case)
-                self._verify(name, b, a)
-                ok[b] = 1
-        return a[lo:hi]
-
-    def _verify(self, name: str, block: int, a: np.ndarray) -> None:
-        raw = a.reshape(-1).view(np.uint8)
-        if xxhash.xxh3_64_intdigest(raw[block * BLOCK : (block + 1) * BLOCK]) != int(self._sums[name][block]):  # type: ignore[index]
-            raise PlanFileError(
-                f"plan file {self.path}: array {name!r} block {block} fails its checksum (damaged after it "
-                "was written): delete the file, or rerun `h5corpus plan`"
-            )
-
-    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
-        """Input tokens (total, per source) in microbatches ``[0, position)``; past M the epoch
-        wraps around (the remainder rule): ``position = q * M + r`` counts q epochs plus r."""
-        M = self.num_microbatches
-        q, r = divmod(int(position), M) if M and position > M else (0, int(position))
-        src = self._get("source_tokens", r, r + 1)[0].astype(np.int64)
-        if q:
-            src = src + q * self._get("source_tokens", M, M + 1)[0]
-        return int(src.sum()), tuple(int(x) for x in src)
-
-    def seg_starts(self, g0: int, g1: int) -> np.ndarray:
-        """The first global token of every segment of microbatches ``[g0, g1)`` (``0 <= g0 <= g1
-        <= M``), in plan order (the slice of ``seg_start`` they span): what a loader prefetches ahead."""
-        p0 = int(self._get("mb_packs", g0, g0 + 1)[0])
-        p1 = int(self._get("mb_packs", g1, g1 + 1)[0])
-        a = int(self._get("pack_starts", p0, p0 + 1)[0])
-        b = int(self._get("pack_starts", p1, p1 + 1)[0])
-        return self._get("seg_start", a, b)
+    num_microbatches: int
 
     def microbatch(self, g: int) -> PlanArrays:
-        """Microbatch ``g``: its segments and packs (``pack_starts`` relative, ending with S); from
-        a file, verified against its checksum (``mb_sums``) the first time this process reads it."""
-        trusted = self._sums is None or self._mb_ok[g]  # in memory, or verified before
-        rows = microbatch_rows(self._arrays, g) if trusted else self._verified_rows(g)
-        mp, ps, start, length, doc, within = rows
+        """Microbatch ``g`` (``0 <= g < num_microbatches``): its segments and packs, with
+        ``mb_packs`` ``[0, P]`` and ``pack_starts`` relative (from 0, ending with S)."""
+        ...
+
+    def seg_starts(self, g0: int, g1: int) -> np.ndarray:
+        """The first global token of every segment of microbatches ``[g0, g1)``, in plan order."""
+        ...
+
+    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
+        """Input tokens (total, per source) in microbatches ``[0, position)`` (past M: wrapped)."""
+        ...
+
+
+def _tokens_at(row: Any, M: int, position: int) -> tuple[int, tuple[int, ...]]:
+    """:meth:`SharedPlan.tokens_at` from ``row(i)``, the (K,) row ``i`` of ``source_tokens``:
+    past M the epoch wraps around (the remainder rule), ``position = q * M + r`` counts q epochs plus r."""
+    q, r = divmod(int(position), M) if M and position > M else (0, int(position))
+    src = np.asarray(row(r), dtype=np.int64)
+    if q:
+        src = src + q * np.asarray(row(M), dtype=np.int64)
+    return int(src.sum()), tuple(int(x) for x in src)
+
+
+class InMemoryPlan:
+    """An epoch's :class:`PlanArrays` held by this process (no plan file: small corpora, tests).
+    Reads are O(1) slices per microbatch."""
+
+    def __init__(self, arrays: PlanArrays):
+        self.arrays = arrays
+        self.num_microbatches = int(arrays.mb_packs.shape[0]) - 1
+
+    def microbatch(self, g: int) -> PlanArrays:
+        a = self.arrays
+        p0, p1 = int(a.mb_packs[g]), int(a.mb_packs[g + 1])
+        ps = a.pack_starts[p0 : p1 + 1]
+        s0, s1 = int(ps[0]), int(ps[-1])
         return PlanArrays(
-            np.array([0, int(mp[1]) - int(mp[0])], np.int64),
-            ps - ps[0],
-            start,
-            length,
-            doc,
-            within,
+            np.array([0, p1 - p0], np.int64),
+            ps - s0,
+            a.seg_start[s0:s1],
+            a.seg_len[s0:s1],
+            a.seg_doc[s0:s1],
+            a.seg_within[s0:s1],
             np.zeros((0, 1), np.int64),
         )
 
-    def _verified_rows(self, g: int) -> list[np.ndarray]:
-        """:func:`microbatch_rows` of ``g``, checked against ``mb_sums[g]`` (its block verified)."""
-        want = int(self._get("mb_sums", g, g + 1)[0])
+    def seg_starts(self, g0: int, g1: int) -> np.ndarray:
+        a = self.arrays
+        s0, s1 = (int(a.pack_starts[int(a.mb_packs[g])]) for g in (g0, g1))
+        return a.seg_start[s0:s1]
+
+    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
+        return _tokens_at(self.arrays.source_tokens.__getitem__, self.num_microbatches, position)
+
+
+class PlanFile:
+    """An epoch's plan in a plan file (:func:`open_plan_file`), read with ``pread`` (no memory
+    map): a microbatch is its offsets (16 bytes) and its record, verified against the record's
+    checksum on every read; a row of ``source_tokens`` comes with its 16 KiB block, verified."""
+
+    def __init__(self, fd: int, layout: _Layout, seed: int, path: str):
+        self._fd, self._layout, self._seed, self.path = fd, layout, seed, path
+        self.num_microbatches = layout.num_microbatches
+        weakref.finalize(self, os.close, fd)
+
+    def microbatch(self, g: int) -> PlanArrays:
+        lay = self._layout
+        if not 0 <= g < lay.num_microbatches:
+            raise IndexError(f"microbatch {g} outside the plan's {lay.num_microbatches}")
+        lo, hi = struct.unpack("<QQ", os.pread(self._fd, 16, lay.offsets_at + 8 * g))
+        if not (lo % 8 == 0 and lo + RECORD_HEAD.size <= hi <= lay.records_nbytes and hi - lo <= lay.max_record):
+            raise PlanFileError(f"plan file {self.path}: microbatch {g} is damaged (record bounds {lo}..{hi})")
+        rec = os.pread(self._fd, hi - lo, lay.records_at + lo)
         try:
-            rows = microbatch_rows(self._arrays, g)
+            return parse_record(rec, g, self._seed)
         except ValueError as e:
-            raise PlanFileError(f"plan file {self.path}: microbatch {g} is damaged ({e})") from None
-        got = microbatch_sum(rows)
-        if got != want:
             raise PlanFileError(
-                f"plan file {self.path}: microbatch {g} fails its checksum (xxh3 {got:016x}, stored "
-                f"{want:016x}: damaged after it was written): delete the file, or rerun `h5corpus plan`"
-            )
-        self._mb_ok[g] = 1
-        return rows
+                f"plan file {self.path}: microbatch {g} {e} (damaged after it was written): delete the "
+                "file, or rerun `h5corpus plan`"
+            ) from None
+
+    def seg_starts(self, g0: int, g1: int) -> np.ndarray:
+        parts = [self.microbatch(g).seg_start for g in range(g0, g1)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def tokens_at(self, position: int) -> tuple[int, tuple[int, ...]]:
+        return _tokens_at(self._source_row, self.num_microbatches, position)
+
+    def _source_row(self, i: int) -> np.ndarray:
+        """Row ``i`` of ``source_tokens``, read with the 16 KiB blocks it lies in, each verified."""
+        lay = self._layout
+        row = 8 * lay.source_shape[1]
+        b0, b1 = i * row // BLOCK, ((i + 1) * row - 1) // BLOCK + 1
+        raw = os.pread(self._fd, min(b1 * BLOCK, lay.source_shape[0] * row) - b0 * BLOCK, lay.source_at + b0 * BLOCK)
+        for b in range(b0, b1):
+            if xxhash.xxh3_64_intdigest(raw[(b - b0) * BLOCK : (b - b0 + 1) * BLOCK]) != int(lay.source_sums[b]):
+                raise PlanFileError(
+                    f"plan file {self.path}: array 'source_tokens' block {b} fails its checksum (damaged "
+                    "after it was written): delete the file, or rerun `h5corpus plan`"
+                )
+        return np.frombuffer(raw, DTYPES["source_tokens"], lay.source_shape[1], i * row - b0 * BLOCK)
+
+
+# ------------------------------------------------------------------------------------------------
+# Microbatch records
+# ------------------------------------------------------------------------------------------------
+def record_bytes(P: Any, S: Any) -> Any:
+    """Bytes of the record of a microbatch of ``P`` packs and ``S`` segments (ints or arrays):
+    the head, ``8 (P + 1) + 28 S``, padded to a multiple of 8."""
+    return (RECORD_HEAD.size + 8 * (P + 1) + 28 * S + 7) // 8 * 8
+
+
+def record_sizes(arrays: PlanArrays) -> np.ndarray:
+    """(M,) int64 :func:`record_bytes` of each microbatch of ``arrays``."""
+    return record_bytes(np.diff(arrays.mb_packs), np.diff(arrays.pack_starts[arrays.mb_packs]))
+
+
+def build_records(arrays: PlanArrays, g0: int, g1: int, seed: int) -> np.ndarray:
+    """The records of microbatches ``[g0, g1)`` end to end (uint8, 8-byte aligned each): per
+    record its head (checksum, g, P, S), then ``pack_starts`` (relative, P + 1 int64), ``seg_start``,
+    ``seg_doc``, ``seg_within`` (S int64 each) and ``seg_len`` (S int32). Vectorized; the checksum,
+    xxh3-64 with ``seed`` of the record after its first 8 bytes, one call per record."""
+    mp = np.asarray(arrays.mb_packs[g0 : g1 + 1], dtype=np.int64)
+    n, P = g1 - g0, np.diff(mp)
+    first = np.asarray(arrays.pack_starts[mp], dtype=np.int64)  # each microbatch's first segment (and the end)
+    S = np.diff(first)
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(record_bytes(P, S), out=off[1:])
+    buf = np.zeros(int(off[-1]), np.uint8)
+    w, word = buf.view("<i8"), off[:-1] // 8
+    w[word + 1] = np.arange(g0, g1)
+    buf.view("<u8")[word + 2] = P.astype(np.uint64) | (S.astype(np.uint64) << np.uint64(32))
+    k_mb = np.repeat(np.arange(n), P + 1)  # pack_starts: P + 1 rows per microbatch
+    k = np.arange(k_mb.size) - np.repeat(np.cumsum(P + 1) - (P + 1), P + 1)
+    w[word[k_mb] + 3 + k] = np.asarray(arrays.pack_starts[mp[k_mb] + k]) - first[k_mb]
+    seg = np.arange(first[0], first[-1])  # segments: S rows of each array per microbatch
+    s_mb = np.repeat(np.arange(n), S)
+    r = seg - first[s_mb]
+    base, Sm = word[s_mb] + 3 + P[s_mb] + 1, S[s_mb]
+    w[base + r] = arrays.seg_start[seg]
+    w[base + Sm + r] = arrays.seg_doc[seg]
+    w[base + 2 * Sm + r] = arrays.seg_within[seg]
+    buf.view("<i4")[2 * (base + 3 * Sm) + r] = arrays.seg_len[seg]
+    sums = buf.view("<u8")
+    for i in range(n):
+        sums[word[i]] = xxhash.xxh3_64_intdigest(buf[off[i] + 8 : off[i + 1]], seed)
+    return buf
+
+
+def _record_chunks(arrays: PlanArrays) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges ``[g0, g1)`` of microbatches covering the epoch, each of at most
+    :data:`RECORD_SEGMENTS` segments unless a single microbatch holds more."""
+    first = np.asarray(arrays.pack_starts[arrays.mb_packs], dtype=np.int64)
+    M, g0 = first.size - 1, 0
+    while g0 < M:
+        g1 = int(np.searchsorted(first, first[g0] + RECORD_SEGMENTS, side="right")) - 1
+        g1 = min(M, max(g0 + 1, g1))
+        yield g0, g1
+        g0 = g1
+
+
+def parse_record(rec: bytes, g: int, seed: int) -> PlanArrays:
+    """Microbatch ``g``'s :class:`PlanArrays` from its record (:func:`build_records`), views of
+    ``rec``; ValueError (its reason) when the checksum, the index or the size do not hold."""
+    if len(rec) < RECORD_HEAD.size:
+        raise ValueError("is truncated")
+    want, at, P, S = RECORD_HEAD.unpack_from(rec)
+    if xxhash.xxh3_64_intdigest(memoryview(rec)[8:], seed) != want:
+        raise ValueError("fails its checksum")
+    if at != g or len(rec) != record_bytes(P, S):
+        raise ValueError(f"is another record (microbatch {at}, {len(rec)} bytes for {P} packs, {S} segments)")
+    o = RECORD_HEAD.size
+    pack_starts = np.frombuffer(rec, "<i8", P + 1, o)
+    o += 8 * (P + 1)
+    start, doc, within = (np.frombuffer(rec, "<i8", S, o + 8 * S * k) for k in range(3))
+    seg_len = np.frombuffer(rec, "<i4", S, o + 24 * S)
+    return PlanArrays(np.array([0, P], np.int64), pack_starts, start, seg_len, doc, within, np.zeros((0, 1), np.int64))
+
+
+def record_seed(identity: Mapping[str, Any]) -> int:
+    """The records' checksum seed: 64 bits of the sha256 of the plan's fingerprint, settings and
+    epoch, so that a record copied from another plan file fails its checksum."""
+    key = json.dumps([identity["fingerprint"], dict(identity["settings"]), int(identity["epoch"])], sort_keys=True)
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,28 +328,17 @@ def plan_file_name(fingerprint: str, settings: Mapping[str, Any], epoch: int) ->
     return f"bestfit-{key}-e{int(epoch)}.h5cplan"
 
 
-def microbatch_rows(arrays: Mapping[str, np.ndarray], g: int) -> list[np.ndarray]:
-    """Microbatch ``g``'s rows, unverified: ``mb_packs[g : g + 2]``, its packs' ``pack_starts``
-    (``p0 .. p1`` inclusive) and its segments' rows of :data:`SEGMENT_ARRAYS`, in that order.
-    ValueError when the bounds they hold do not fit the arrays (a damaged file)."""
-    mp = arrays["mb_packs"][g : g + 2]
-    p0, p1 = int(mp[0]), int(mp[1])
-    ps_all = arrays["pack_starts"]
-    if not 0 <= p0 <= p1 < ps_all.shape[0]:
-        raise ValueError(f"packs [{p0}, {p1}) outside the plan's {ps_all.shape[0] - 1}")
-    ps = ps_all[p0 : p1 + 1]
-    a, b = int(ps[0]), int(ps[-1])
-    if not 0 <= a <= b <= arrays["seg_start"].shape[0]:
-        raise ValueError(f"segments [{a}, {b}) outside the plan's {arrays['seg_start'].shape[0]}")
-    return [mp, ps, *(arrays[n][a:b] for n in SEGMENT_ARRAYS)]
+class _Layout(NamedTuple):
+    """Where a plan file's parts lie (absolute byte offsets), from its checked header."""
 
-
-def microbatch_sum(rows: list[np.ndarray]) -> int:
-    """xxh3-64 of ``rows`` (:func:`microbatch_rows`) end to end: a microbatch's checksum."""
-    h = xxhash.xxh3_64()
-    for r in rows:
-        h.update(r)
-    return h.intdigest()
+    num_microbatches: int
+    offsets_at: int
+    source_at: int
+    source_shape: tuple[int, int]
+    source_sums: np.ndarray
+    records_at: int
+    records_nbytes: int
+    max_record: int
 
 
 def _block_sums(raw: np.ndarray) -> list[int]:
@@ -261,17 +349,15 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def write_plan_file(path: str | os.PathLike, arrays: PlanArrays, identity: Mapping[str, Any]) -> None:
-    """Write ``arrays`` to ``path`` atomically (a temporary name in the same folder, fsync, rename).
-    ``identity``: fingerprint, settings and epoch, stored in the header and compared on open."""
-    path = Path(path)
-    data = {n: np.ascontiguousarray(a, dtype=DTYPES[n]) for n, a in arrays._asdict().items()}
-    data["mb_sums"] = np.array(
-        [microbatch_sum(microbatch_rows(data, g)) for g in range(data["mb_packs"].size - 1)], dtype=DTYPES["mb_sums"]
-    )
+def _header(arrays: PlanArrays, identity: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray], bytes]:
+    """(header, flat arrays by name, checksum table) of the plan file of ``arrays``."""
+    sizes = record_sizes(arrays)
+    offsets = np.zeros(sizes.size + 1, DTYPES["mb_offsets"])
+    np.cumsum(sizes, out=offsets[1:])
+    flat = {"mb_offsets": offsets, "source_tokens": np.ascontiguousarray(arrays.source_tokens, DTYPES["source_tokens"])}
     sums: list[int] = []
     layout, offset = {}, 0
-    for name, a in data.items():
+    for name, a in flat.items():
         raw = a.reshape(-1).view(np.uint8)
         layout[name] = {"shape": list(a.shape), "offset": offset, "nbytes": int(raw.size), "first_sum": len(sums)}
         sums.extend(_block_sums(raw))
@@ -281,38 +367,62 @@ def write_plan_file(path: str | os.PathLike, arrays: PlanArrays, identity: Mappi
         "version": PLANFILE_VERSION,
         **identity,
         "arrays": layout,
+        "records": {"offset": offset, "nbytes": int(offsets[-1]), "max_record": int(sizes.max(initial=0))},
         "sums": [len(sums), hashlib.sha256(table).hexdigest()],
     }
+    return meta, flat, table
+
+
+def write_plan_file(path: str | os.PathLike, arrays: PlanArrays, identity: Mapping[str, Any]) -> None:
+    """Write ``arrays`` to ``path`` atomically (a temporary name in the same folder, fsync, rename).
+    ``identity``: fingerprint, settings and epoch, stored in the header and compared on open.
+    The records are built about :data:`RECORD_SEGMENTS` segments at a time."""
+    path = Path(path)
+    meta, flat, table = _header(arrays, identity)
     header = json.dumps(meta, sort_keys=True).encode()
     body0 = _aligned(_PREAMBLE.size + len(header)) + _aligned(len(table))
+    seed, rec = record_seed(identity), meta["records"]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(_PREAMBLE.pack(MAGIC, len(header), hashlib.sha256(header).digest()))
         f.write(header)
         f.seek(_aligned(_PREAMBLE.size + len(header)))
         f.write(table)
-        for name, a in data.items():
-            f.seek(body0 + layout[name]["offset"])
+        for name, a in flat.items():
+            f.seek(body0 + meta["arrays"][name]["offset"])
             f.write(a.tobytes())
-        f.truncate(body0 + offset)
+        f.seek(body0 + rec["offset"])
+        for g0, g1 in _record_chunks(arrays):
+            f.write(memoryview(build_records(arrays, g0, g1, seed)))
+        f.truncate(body0 + rec["offset"] + rec["nbytes"])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def open_plan_file(path: str | os.PathLike, identity: Mapping[str, Any]) -> SharedPlan:
-    """Memory-map the plan file at ``path``; :class:`PlanFileError` if it is damaged (magic,
-    header or checksum table hash, sizes) or stale (its fingerprint, settings or epoch differ
-    from ``identity``). Costs the header and the checksum table (8 bytes per 16 KiB of plan)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < _PREAMBLE.size:
-            raise PlanFileError(f"plan file {path}: {size} bytes, shorter than its preamble (damaged)")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    magic, hlen, digest = _PREAMBLE.unpack_from(buf, 0)
+def open_plan_file(path: str | os.PathLike, identity: Mapping[str, Any]) -> PlanFile:
+    """Open the plan file at ``path``; :class:`PlanFileError` if it is damaged (magic, header or
+    checksum table hash, sizes) or stale (its version, fingerprint, settings or epoch differ from
+    ``identity``). Costs the header and the checksum table (8 bytes per 16 KiB of flat arrays)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # held by the PlanFile, closed with it
+    try:
+        layout = _read_layout(fd, identity, str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return PlanFile(fd, layout, record_seed(identity), str(path))
+
+
+def _read_layout(fd: int, identity: Mapping[str, Any], path: str) -> _Layout:
+    """The checked :class:`_Layout` of the plan file open at ``fd`` (see :func:`open_plan_file`)."""
+    size = os.fstat(fd).st_size
+    pre = os.pread(fd, _PREAMBLE.size, 0)
+    if len(pre) < _PREAMBLE.size:
+        raise PlanFileError(f"plan file {path}: {size} bytes, shorter than its preamble (damaged)")
+    magic, hlen, digest = _PREAMBLE.unpack(pre)
     if magic != MAGIC or _PREAMBLE.size + hlen > size:
-        raise PlanFileError(f"plan file {path}: not a plan file of this version, or truncated (damaged)")
-    header = bytes(buf[_PREAMBLE.size : _PREAMBLE.size + hlen])
+        raise PlanFileError(f"plan file {path}: not a plan file, or truncated (damaged)")
+    header = os.pread(fd, hlen, _PREAMBLE.size)
     if hashlib.sha256(header).digest() != digest:
         raise PlanFileError(f"plan file {path}: header fails its sha256 (damaged)")
     h = json.loads(header)
@@ -322,26 +432,39 @@ def open_plan_file(path: str | os.PathLike, identity: Mapping[str, Any]) -> Shar
             raise PlanFileError(f"plan file {path}: stale, its {key} is {h.get(key)!r}, this plan's is {want!r}")
     n_sums, sums_sha = h["sums"]
     t0 = _aligned(_PREAMBLE.size + hlen)
-    if t0 + 8 * n_sums > size or hashlib.sha256(buf[t0 : t0 + 8 * n_sums]).hexdigest() != sums_sha:
+    table = os.pread(fd, 8 * n_sums, t0)
+    if len(table) != 8 * n_sums or hashlib.sha256(table).hexdigest() != sums_sha:
         raise PlanFileError(f"plan file {path}: checksum table fails its sha256 (damaged)")
-    sums = np.frombuffer(buf, dtype="<u8", count=n_sums, offset=t0)
-    return _map_arrays(buf, h["arrays"], sums, t0 + _aligned(8 * n_sums), str(path))
+    return _layout_of(h, np.frombuffer(table, "<u8"), t0 + _aligned(8 * n_sums), size, path)
 
 
-def _map_arrays(buf: mmap.mmap, layout: Mapping[str, Any], sums: np.ndarray, body0: int, path: str) -> SharedPlan:
-    arrays, block_sums = {}, {}
-    size = len(buf)
+def _layout_of(h: Mapping[str, Any], sums: np.ndarray, body0: int, size: int, path: str) -> _Layout:
+    """The parts' places from header ``h`` (its sha256 checked), each checked to fit the file."""
+    at: dict[str, tuple[int, tuple[int, ...], np.ndarray]] = {}
     for name, dt in DTYPES.items():
-        e = layout.get(name)
+        e = h["arrays"].get(name)
         if e is None:
             raise PlanFileError(f"plan file {path}: array {name!r} missing (damaged)")
         shape, n = tuple(int(x) for x in e["shape"]), int(np.prod(e["shape"])) * dt.itemsize
         start, first, nb = body0 + int(e["offset"]), int(e["first_sum"]), -(-n // BLOCK)
         if n != int(e["nbytes"]) or start + n > size or first + nb > sums.size:
             raise PlanFileError(f"plan file {path}: array {name!r} does not fit the file (damaged)")
-        arrays[name] = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=start).reshape(shape)
-        block_sums[name] = sums[first : first + nb]
-    return SharedPlan(arrays, block_sums, path)
+        at[name] = (start, shape, sums[first : first + nb])
+    rec = h["records"]
+    M = at["mb_offsets"][1][0] - 1
+    if body0 + int(rec["offset"]) + int(rec["nbytes"]) > size or at["source_tokens"][1][0] != M + 1:
+        raise PlanFileError(f"plan file {path}: its records do not fit the file (damaged)")
+    source_shape = at["source_tokens"][1]
+    return _Layout(
+        M,
+        at["mb_offsets"][0],
+        at["source_tokens"][0],
+        (int(source_shape[0]), int(source_shape[1])),
+        at["source_tokens"][2],
+        body0 + int(rec["offset"]),
+        int(rec["nbytes"]),
+        int(rec["max_record"]),
+    )
 
 
 def ensure_plan_file(
